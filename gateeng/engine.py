@@ -1,0 +1,364 @@
+"""The engine: one step loop that runs schedule -> fast plan -> gate -> verify ->
+commit/rollback -> emit, and the request API around it (submit, generate, stream,
+abort). The step loop runs on one thread, which is the only one that touches the
+scheduler; other threads talk to it through an inbox.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Union
+
+import torch
+
+from gateeng import __version__
+from gateeng.block_manager import BlockManager
+from gateeng.config import EngineConfig, validate_threshold
+from gateeng.loader import DTYPES, LoadedModel, load
+from gateeng.model import KVCache
+from gateeng.outputs import Chunk, Completion, Rollback
+from gateeng.plan import FastPlan, InvariantPlan
+from gateeng.request import DeterminismParams, Mode, Request, SamplingParams, Status
+from gateeng.runner import ModelRunner
+from gateeng.scheduler import Kind, Scheduler, StepPlan
+from gateeng.selfcheck import run_selfcheck
+from gateeng.stopping import StopChecker
+
+
+class QueueFull(RuntimeError):
+    """Too many requests waiting; the caller should back off and retry."""
+
+
+class DeterminismUnavailable(RuntimeError):
+    """VERIFIED was asked for but the invariant plan failed its self-check here."""
+
+
+class Observer:
+    """Hooks for metrics. The default does nothing."""
+
+    def on_step(self, engine: "Engine", plan: StepPlan, seconds: float) -> None: ...
+    def on_first_token(self, req: Request, seconds: float) -> None: ...
+    def on_tokens(self, req: Request, count: int, seconds_per_token: float) -> None: ...
+    def on_retraction(self, req: Request) -> None: ...
+    def on_finish(self, req: Request, completion: Completion, seconds: float) -> None: ...
+    def on_verify_pass(self, seconds: float, rows: int) -> None: ...
+
+
+@dataclass
+class RequestHandle:
+    request_id: str
+    events: "queue.SimpleQueue" = field(default_factory=queue.SimpleQueue)
+    sent_ids: list = field(default_factory=list)
+    sent_text: str = ""
+    last_emit: float = 0.0
+    completion: Optional[Completion] = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def __iter__(self):
+        """Blocking iterator over Chunk / Rollback events, ending with the Completion."""
+        while True:
+            ev = self.events.get()
+            yield ev
+            if isinstance(ev, Completion):
+                return
+
+    def result(self, timeout: Optional[float] = None) -> Completion:
+        if not self.done.wait(timeout):
+            raise TimeoutError(f"request {self.request_id} did not finish in {timeout}s")
+        return self.completion
+
+
+class Engine:
+    def __init__(self, config: Optional[EngineConfig] = None, loaded: Optional[LoadedModel] = None,
+                 observer: Optional[Observer] = None):
+        self.config = cfg = config or EngineConfig()
+        cfg.validate()
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        self.loaded = loaded or load(cfg.model, cfg.dtype, cfg.device)
+        self.model, self.tokenizer = self.loaded.model, self.loaded.tokenizer
+        mc = self.model_config = self.loaded.config
+        self.max_model_len = min(cfg.max_model_len, mc.max_position)
+        self.kv = KVCache(mc, cfg.num_kv_blocks, cfg.block_size, DTYPES[cfg.dtype], cfg.device)
+        self.blocks = BlockManager(cfg.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        eos = set(mc.eos_token_ids)
+        if getattr(self.tokenizer, "eos_token_id", None) is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.stop = StopChecker(eos, self.max_model_len, self._decode)
+        self.scheduler = Scheduler(self.blocks, self.stop, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.invariant_plan = InvariantPlan(cfg.invariant_rows, cfg.attention_split)
+        self.runner = ModelRunner(self.model, self.kv, FastPlan(cfg.fast_logit_noise), self.invariant_plan)
+        self.selfcheck = run_selfcheck(self.invariant_plan, mc.hidden_size, mc.num_heads, mc.num_kv_heads,
+                                       mc.head_dim, DTYPES[cfg.dtype], cfg.block_size)
+        self.margin_threshold = cfg.margin_threshold
+        self.observer = observer or Observer()
+        self.version = __version__
+        self._handles: dict[str, RequestHandle] = {}
+        self._inbox: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._thread: Optional[threading.Thread] = None
+        self._stopping = False
+        self.accepting = True
+
+    # ---- public API ----------------------------------------------------------
+    def submit(self, prompt: Union[str, Sequence[int]], params: Optional[SamplingParams] = None,
+               determinism: Optional[DeterminismParams] = None, request_id: Optional[str] = None,
+               chat: bool = False) -> RequestHandle:
+        return self.submit_many([prompt], params, determinism, [request_id], chat)[0]
+
+    def submit_many(self, prompts, params=None, determinism=None, request_ids=None, chat=False):
+        """Validate and enqueue requests atomically (they join the same step)."""
+        if not self.accepting:
+            raise QueueFull("the engine is shutting down and accepts no new requests")
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        det_list = determinism if isinstance(determinism, list) else [determinism] * len(prompts)
+        ids = request_ids or [None] * len(prompts)
+        reqs = [self._make_request(p, sp or SamplingParams(), dp or DeterminismParams(), rid, chat)
+                for p, sp, dp, rid in zip(prompts, params_list, det_list, ids)]
+        handles = []
+        with self._lock:
+            if len(self._handles) + len(reqs) > self.config.max_queue + self.config.max_num_seqs:
+                raise QueueFull(f"{len(self._handles)} requests in flight; the queue holds at most "
+                                f"{self.config.max_queue} waiting: retry later")
+            for r in reqs:
+                if r.request_id in self._handles:
+                    raise ValueError(f"request_id {r.request_id!r} is already in flight")
+            for r in reqs:
+                h = RequestHandle(r.request_id, last_emit=r.arrival)
+                self._handles[r.request_id] = h
+                handles.append(h)
+        self._inbox.put(("add", reqs))
+        self._ensure_thread()
+        return handles
+
+    def generate(self, prompts, params=None, determinism=None, chat: bool = False) -> list:
+        """Blocking: run all prompts (batched together) and return their Completions."""
+        single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
+        handles = self.submit_many([prompts] if single else list(prompts), params, determinism, chat=chat)
+        results = [h.result() for h in handles]
+        return results[0] if single else results
+
+    async def stream(self, prompt, params=None, determinism=None, request_id=None, chat=False):
+        """Async iterator of Chunk / Rollback events, ending with the Completion.
+        Cancelling the iterator aborts the request."""
+        handle = self.submit(prompt, params, determinism, request_id, chat)
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                ev = await loop.run_in_executor(None, handle.events.get)
+                yield ev
+                if isinstance(ev, Completion):
+                    return
+        finally:
+            if not handle.done.is_set():
+                self.abort(handle.request_id)
+
+    def abort(self, request_id: str) -> bool:
+        with self._lock:
+            known = request_id in self._handles
+        if known:
+            self._inbox.put(("abort", request_id))
+            self._wake.set()
+        return known
+
+    def set_margin_threshold(self, tau: float) -> None:
+        """Engine default tau for requests submitted from now on."""
+        self.margin_threshold = validate_threshold(tau)
+
+    @property
+    def num_in_flight(self) -> int:
+        with self._lock:
+            return len(self._handles)
+
+    def shutdown(self, drain_seconds: float = 0.0) -> None:
+        """Stop admitting; let in-flight requests finish for up to drain_seconds; stop."""
+        self.accepting = False
+        deadline = time.monotonic() + drain_seconds
+        while self.num_in_flight and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with self._lock:
+            pending = list(self._handles)
+        for rid in pending:
+            self.abort(rid)
+        deadline = time.monotonic() + 5
+        while self.num_in_flight and time.monotonic() < deadline and self._thread and self._thread.is_alive():
+            time.sleep(0.02)
+        self._stopping = True
+        self._wake.set()
+        if self._thread:
+            self._thread.join(timeout=5)
+
+    # ---- the step loop ---------------------------------------------------------
+    def step(self) -> None:
+        """One engine step; the data flow of DESIGN.md in order."""
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()                  # fast rows + invariant rows (prefill, replays)
+        outputs = self.runner.run(plan)                   # run both plans, sample, margins
+        self.scheduler.update(plan, outputs)              # gate, verify compare, commit / rollback
+        self._emit(plan)                                  # stream what the policy allows
+        self.observer.on_step(self, plan, time.perf_counter() - t0)
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            with self._lock:
+                if self._thread is None or not self._thread.is_alive():
+                    self._thread = threading.Thread(target=self._loop, name="gateeng-engine", daemon=True)
+                    self._thread.start()
+        self._wake.set()
+
+    def _loop(self) -> None:
+        while not self._stopping:
+            self._drain_inbox()
+            if self.scheduler.has_work():
+                try:
+                    self.step()
+                except Exception as exc:   # a bug must not hang every caller
+                    self._fail_all(exc)
+                    raise
+            else:
+                self.blocks.check_integrity()
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                op, arg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if op == "add":
+                for r in arg:
+                    self.scheduler.add(r)
+            elif op == "abort":
+                self.scheduler.abort(arg)
+        self._collect_finished()
+
+    def _fail_all(self, exc: Exception) -> None:
+        with self._lock:
+            handles = list(self._handles.values())
+            self._handles.clear()
+        for h in handles:
+            h.events.put(exc)
+            h.done.set()
+
+    # ---- requests ----------------------------------------------------------------
+    def _make_request(self, prompt, params: SamplingParams, det: DeterminismParams,
+                      request_id: Optional[str], chat: bool) -> Request:
+        params.validate()
+        det.validate()
+        ids = self.encode(prompt, chat)
+        vocab = self.model_config.vocab_size
+        if not ids:
+            raise ValueError("prompt is empty: send at least one token or a non-empty text")
+        bad = [t for t in ids if not (0 <= int(t) < vocab)]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens but the context holds {self.max_model_len}: "
+                             f"shorten the prompt")
+        need = self.blocks.blocks_needed(min(len(ids) + params.max_tokens, self.max_model_len))
+        if need > self.blocks.num_blocks:
+            raise ValueError(f"prompt plus max_tokens needs {need} KV blocks but the cache has "
+                             f"{self.blocks.num_blocks}: lower max_tokens")
+        mode = Mode.REFERENCE if self.config.plan == "invariant" else det.mode
+        if mode is Mode.VERIFIED and not self.selfcheck.passed:
+            raise DeterminismUnavailable("VERIFIED is unavailable on this machine: " + self.selfcheck.describe())
+        window = det.max_window or self.config.max_window
+        if window + 1 > self.config.max_num_batched_tokens:
+            raise ValueError(f"max_window {window} must be below the step token budget "
+                             f"{self.config.max_num_batched_tokens}")
+        det = DeterminismParams(mode, det.margin_threshold, det.max_window, det.stream_policy)
+        seed = params.seed
+        if seed is None:
+            seed = secrets.randbits(63) if not params.greedy else 0
+        rid = request_id or f"req-{next(self._ids)}-{secrets.token_hex(4)}"
+        tau = det.margin_threshold if det.margin_threshold is not None else self.margin_threshold
+        return Request(rid, [int(t) for t in ids], params, det, arrival=time.monotonic(),
+                       tau=tau, window=window, seed=seed)
+
+    def encode(self, prompt, chat: bool = False) -> list:
+        if isinstance(prompt, str):
+            if not prompt:
+                return []
+            if chat:
+                return list(self.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True,
+                    return_dict=False))
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return list(prompt)
+
+    def _decode(self, ids) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    # ---- output ------------------------------------------------------------------
+    def _emit(self, plan: StepPlan) -> None:
+        for seq in plan.seqs:
+            req = seq.request
+            if not req.finished:
+                self._send_new(req)
+        self._collect_finished()
+
+    def _collect_finished(self) -> None:
+        for req in self.scheduler.finished:
+            self._finish(req)
+        self.scheduler.finished.clear()
+
+    def _send_new(self, req: Request, final: bool = False) -> None:
+        h = self._handles.get(req.request_id)
+        if h is None:
+            return
+        out = req.output_ids if final else req.output_ids[:req.emit_limit()]
+        common = 0
+        for a, b in zip(h.sent_ids, out):
+            if a != b:
+                break
+            common += 1
+        if common < len(h.sent_ids):
+            h.events.put(Rollback(common))
+            del h.sent_ids[common:]
+            h.sent_text = self._decode(h.sent_ids)
+            req.stats.retractions += 1
+            self.observer.on_retraction(req)
+        new = out[len(h.sent_ids):]
+        if not new:
+            return
+        now = time.monotonic()
+        if not h.sent_ids and req.first_token_time is None:
+            req.first_token_time = now
+            self.observer.on_first_token(req, now - req.arrival)
+        else:
+            self.observer.on_tokens(req, len(new), (now - h.last_emit) / len(new))
+        h.last_emit = now
+        text = self._decode(out)
+        if final and req.stop_text_len is not None:
+            text = text[:req.stop_text_len]
+        elif text.endswith("\ufffd"):
+            text = h.sent_text   # wait for the rest of a multi-byte character
+        delta = text[len(h.sent_text):] if text.startswith(h.sent_text) else text
+        h.events.put(Chunk(list(new), delta, len(h.sent_ids)))
+        h.sent_ids.extend(new)
+        h.sent_text = text
+
+    def _finish(self, req: Request) -> None:
+        self._send_new(req, final=True)
+        with self._lock:
+            h = self._handles.pop(req.request_id, None)
+        if h is None:
+            return
+        text = self._decode(req.output_ids)
+        if req.stop_text_len is not None:
+            text = text[:req.stop_text_len]
+        c = Completion(req.request_id, list(req.output_ids), text, req.finish_reason, req.num_prompt,
+                       req.num_cached_tokens, req.mode, req.tau,
+                       req.seed if not req.params.greedy else None, req.stats)
+        h.completion = c
+        h.events.put(c)
+        h.done.set()
+        self.observer.on_finish(req, c, time.monotonic() - req.arrival)

@@ -1,0 +1,28 @@
+"""The margin gate: decide, per VERIFIED fast-path token, whether to verify now.
+
+A pure function of the step result and the request's options, so it is testable
+without a model. Reasons are checked in a fixed order and one reason is counted
+per trigger.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+MARGIN, FINISH, WINDOW = "margin", "finish", "window"
+REASONS = (MARGIN, WINDOW, FINISH)
+
+
+def decide(margin: float, num_unverified: int, would_finish: bool, tau: float, window: int) -> Optional[str]:
+    """Return the trigger reason, or None to keep decoding on the fast path.
+
+    An exact tie (margin 0) always triggers, even with tau = 0, because the two
+    plans may break it differently. A NaN margin triggers too.
+    """
+    if not (margin >= tau) or margin <= 0.0:   # NaN fails ">="
+        return MARGIN
+    if would_finish:
+        # The verifier's token may differ and un-finish the request.
+        return FINISH
+    if num_unverified >= window:
+        return WINDOW
+    return None

@@ -1,0 +1,133 @@
+"""Llama-family decoder (Llama, Qwen2, Mistral, SmolLM) over a paged KV cache.
+
+One model definition. How each reduction is computed (matmul, RMSNorm, attention)
+is chosen by the plan object passed to `forward`, so the fast and invariant plans
+share every weight and every elementwise step.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from gateeng.config import ModelConfig
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    sc = cfg.rope_scaling
+    if sc and sc.get("rope_type", sc.get("type")) == "llama3":
+        # Llama-3.1 frequency-dependent scaling (as in transformers).
+        factor = sc["factor"]
+        low, high = sc.get("low_freq_factor", 1.0), sc.get("high_freq_factor", 4.0)
+        old_len = sc["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        low_wl, high_wl = old_len / low, old_len / high
+        scaled = torch.where(wavelen > low_wl, inv / factor, inv)
+        smooth = (old_len / wavelen - low) / (high - low)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= high_wl) & (wavelen <= low_wl)
+        inv = torch.where(is_mid, mid, scaled)
+    elif sc and sc.get("rope_type", sc.get("type")) == "linear":
+        inv = inv / sc["factor"]
+    return inv
+
+
+class KVCache:
+    """Per layer, K and V as [num_blocks, block_size, num_kv_heads, head_dim]."""
+
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype, device):
+        shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.block_size = block_size
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        # Padding rows carry slot -1 and write nothing.
+        keep = slots >= 0
+        if not bool(keep.all()):
+            k, v, slots = k[keep], v[keep], slots[keep]
+        nb, bs = self.k.shape[1], self.k.shape[2]
+        self.k[layer].view(nb * bs, *self.k.shape[3:]).index_copy_(0, slots, k)
+        self.v[layer].view(nb * bs, *self.v.shape[3:]).index_copy_(0, slots, v)
+
+
+class LlamaModel(torch.nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype=torch.bfloat16, device="cpu"):
+        super().__init__()
+        self.cfg = cfg
+        h, d = cfg.hidden_size, cfg.head_dim
+        qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * d
+
+        def p(*shape):
+            return torch.nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+        self.embed = p(cfg.vocab_size, h)
+        self.layers = torch.nn.ModuleList()
+        for _ in range(cfg.num_layers):
+            layer = torch.nn.Module()
+            layer.input_norm = p(h)
+            layer.qkv = p(qkv, h)                         # q, k, v stacked
+            layer.o = p(h, cfg.num_heads * d)
+            layer.post_norm = p(h)
+            layer.gate_up = p(2 * cfg.intermediate_size, h)  # gate, up stacked
+            layer.down = p(h, cfg.intermediate_size)
+            self.layers.append(layer)
+        self.norm = p(h)
+        self.lm_head = self.embed if cfg.tie_word_embeddings else p(cfg.vocab_size, h)
+        inv = rope_inv_freq(cfg)
+        pos = torch.arange(cfg.max_position, dtype=torch.float32)
+        freqs = torch.outer(pos, inv)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos().to(dtype=dtype, device=device), persistent=False)
+        self.register_buffer("sin", emb.sin().to(dtype=dtype, device=device), persistent=False)
+
+    @property
+    def dtype(self):
+        return self.embed.dtype
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+    def forward(self, input_ids, positions, slots, attn_meta, kv: KVCache, plan) -> torch.Tensor:
+        """Hidden states after the final norm, [rows, hidden]."""
+        cfg = self.cfg
+        nq, nkv, d = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
+        h = self.embed[input_ids]
+        for i, layer in enumerate(self.layers):
+            x = plan.rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
+            q, k, v = plan.linear(x, layer.qkv).split([nq, nkv, nkv], dim=-1)
+            q = self._rope(q.view(-1, cfg.num_heads, d), positions)
+            k = self._rope(k.view(-1, cfg.num_kv_heads, d), positions)
+            kv.write(i, k, v.view(-1, cfg.num_kv_heads, d), slots)
+            attn = plan.attention(q, kv.k[i], kv.v[i], attn_meta, 1.0 / math.sqrt(d))
+            h = h + plan.linear(attn.reshape(-1, nq), layer.o)
+            x = plan.rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
+            gate, up = plan.linear(x, layer.gate_up).chunk(2, dim=-1)
+            h = h + plan.linear(F.silu(gate) * up, layer.down)
+        return plan.rms_norm(h, self.norm, cfg.rms_norm_eps)
+
+    def load_hf_state_dict(self, sd: dict) -> None:
+        """Weights named as in transformers' LlamaForCausalLM."""
+        def take(name):
+            t = sd[name]
+            return t.to(dtype=self.dtype, device=self.embed.device)
+
+        with torch.no_grad():
+            self.embed.copy_(take("model.embed_tokens.weight"))
+            for i, layer in enumerate(self.layers):
+                pre = f"model.layers.{i}."
+                layer.input_norm.copy_(take(pre + "input_layernorm.weight"))
+                layer.post_norm.copy_(take(pre + "post_attention_layernorm.weight"))
+                layer.qkv.copy_(torch.cat([take(pre + f"self_attn.{n}_proj.weight") for n in "qkv"]))
+                layer.o.copy_(take(pre + "self_attn.o_proj.weight"))
+                layer.gate_up.copy_(torch.cat([take(pre + "mlp.gate_proj.weight"), take(pre + "mlp.up_proj.weight")]))
+                layer.down.copy_(take(pre + "mlp.down_proj.weight"))
+            self.norm.copy_(take("model.norm.weight"))
+            if not self.cfg.tie_word_embeddings:
+                self.lm_head.copy_(take("lm_head.weight"))

@@ -1,0 +1,37 @@
+"""What the engine hands back to callers: stream events and the final completion."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from gateeng.request import DeterminismStats, FinishReason, Mode
+
+
+@dataclass
+class Chunk:
+    token_ids: list
+    text: str
+    position: int          # output index of token_ids[0]
+
+
+@dataclass
+class Rollback:
+    position: int          # output tokens from this index on are withdrawn
+
+
+@dataclass
+class Completion:
+    request_id: str
+    token_ids: list
+    text: str
+    finish_reason: FinishReason
+    prompt_tokens: int
+    cached_tokens: int
+    mode: Mode
+    margin_threshold: float
+    seed: Optional[int]
+    stats: DeterminismStats = field(default_factory=DeterminismStats)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)

@@ -1,0 +1,168 @@
+"""Request parameters and per-request state. The scheduler owns `Request` objects;
+everyone else reads them."""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+from gateeng.config import validate_threshold, validate_window
+
+
+class Mode(str, enum.Enum):
+    OFF = "off"              # fast path only
+    VERIFIED = "verified"    # fast path, margin-gated verification, bitwise == reference
+    REFERENCE = "reference"  # invariant plan for every step (plan=invariant engine)
+
+
+class StreamPolicy(str, enum.Enum):
+    VERIFIED_ONLY = "verified_only"
+    EAGER = "eager"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"      # stop string or stop token id
+    LENGTH = "length"  # max_tokens or context end
+    EOS = "eos"
+    ABORT = "abort"
+
+
+class Status(enum.Enum):
+    WAITING = 0
+    RUNNING = 1
+    FINISHED = 2
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.0      # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0                # 0 = off
+    seed: Optional[int] = None    # None with temperature > 0: the engine draws one and reports it
+    max_tokens: int = 64
+    stop: tuple = ()
+    stop_token_ids: tuple = ()
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        t = self.temperature
+        if t is None or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
+        if self.top_p is None or not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if self.max_tokens is None or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens!r}")
+        if self.seed is not None and not (0 <= self.seed < 2**64):
+            raise ValueError(f"seed must be in [0, 2^64), got {self.seed}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class DeterminismParams:
+    mode: Mode = Mode.OFF
+    margin_threshold: Optional[float] = None   # None = engine default (tau)
+    max_window: Optional[int] = None            # None = engine default (W)
+    stream_policy: StreamPolicy = StreamPolicy.VERIFIED_ONLY
+
+    def validate(self) -> None:
+        if self.margin_threshold is not None:
+            validate_threshold(self.margin_threshold)
+        if self.max_window is not None:
+            validate_window(self.max_window)
+
+
+@dataclass
+class DeterminismStats:
+    decode_steps: int = 0
+    triggers_margin: int = 0
+    triggers_window: int = 0
+    triggers_finish: int = 0
+    verify_passes: int = 0
+    replayed_tokens: int = 0
+    mismatches: int = 0
+    rolled_back_tokens: int = 0
+    retractions: int = 0
+
+    @property
+    def triggers(self) -> int:
+        return self.triggers_margin + self.triggers_window + self.triggers_finish
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list
+    params: SamplingParams
+    det: DeterminismParams
+    arrival: float = 0.0
+    tokens: list = field(default_factory=list)   # prompt + output
+    num_computed: int = 0       # positions whose KV is written (by either plan)
+    num_verified: int = 0       # leading tokens that are final
+    block_table: list = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_registered_blocks: int = 0
+    prefill_target: int = 0     # VERIFIED: positions below this are computed on the invariant plan
+    status: Status = Status.WAITING
+    finish_reason: Optional[FinishReason] = None
+    stop_text_len: Optional[int] = None  # output text is cut here when a stop string matched
+    pending_verify: bool = False
+    eager_len: int = 0          # EAGER: output tokens that may be sent before verification
+    emitted: int = 0            # output tokens sent to the client
+    stats: DeterminismStats = field(default_factory=DeterminismStats)
+    tau: float = 0.0            # effective margin threshold
+    window: int = 1             # effective max window
+    seed: int = 0               # effective sampling seed
+    first_token_time: Optional[float] = None
+    num_preemptions: int = 0
+
+    def __post_init__(self):
+        if not self.tokens:
+            self.tokens = list(self.prompt_ids)
+        if not self.num_verified:
+            self.num_verified = len(self.tokens)
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def output_ids(self) -> list:
+        return self.tokens[self.num_prompt:]
+
+    @property
+    def mode(self) -> Mode:
+        return self.det.mode
+
+    @property
+    def canonical_len(self) -> int:
+        """Positions whose KV was written by the invariant plan from final tokens."""
+        if self.mode is Mode.OFF:
+            return 0
+        return min(self.num_computed, self.num_verified - 1)
+
+    @property
+    def num_unverified(self) -> int:
+        return len(self.tokens) - self.num_verified
+
+    @property
+    def prefilling(self) -> bool:
+        return self.num_computed < len(self.tokens) - 1
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def emit_limit(self) -> int:
+        """How many output tokens the client may have seen by now."""
+        verified_out = self.num_verified - self.num_prompt
+        if self.mode is Mode.VERIFIED and self.det.stream_policy is StreamPolicy.EAGER:
+            return max(verified_out, self.eager_len)
+        return verified_out

@@ -1,0 +1,55 @@
+"""ModelRunner: turns a StepPlan into rows, runs each plan's forward, samples.
+
+It reads requests and never writes them; the scheduler applies what it returns.
+"""
+from __future__ import annotations
+
+import torch
+
+from gateeng import sampler
+from gateeng.model import KVCache, LlamaModel
+from gateeng.plan import FastPlan, InvariantPlan, Rows
+from gateeng.scheduler import Kind, SeqOutput, StepPlan
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv: KVCache, fast: FastPlan, invariant: InvariantPlan):
+        self.model = model
+        self.kv = kv
+        self.plans = {Kind.FAST: fast, Kind.INVARIANT: invariant}
+
+    def run(self, step: StepPlan) -> dict:
+        outputs = {}
+        for kind, plan in self.plans.items():
+            seqs = step.of_kind(kind)
+            if not seqs:
+                continue
+            rows, specs, owners = self._rows(seqs)
+            logits = plan.logits(self.model, self.kv, rows)
+            tokens, margins = sampler.sample(logits, specs)
+            for seq in seqs:
+                outputs[seq.request.request_id] = SeqOutput([], [])
+            for owner, tok, mar in zip(owners, tokens, margins):
+                out = outputs[owner]
+                out.tokens.append(tok)
+                out.margins.append(mar)
+        return outputs
+
+    def _rows(self, seqs):
+        bs = self.kv.block_size
+        rows = Rows([], [], [], [], [])
+        specs, owners = [], []
+        for seq in seqs:
+            req = seq.request
+            table = req.block_table
+            first = len(rows)
+            for p in range(seq.start, seq.end):
+                rows.input_ids.append(req.tokens[p])
+                rows.positions.append(p)
+                rows.slots.append(table[p // bs] * bs + p % bs)
+            rows.seqs.append((first, len(rows), table))
+            for off in seq.sample_rows:
+                rows.sample_rows.append(first + off)
+                specs.append(sampler.RowSpec(req.params, req.seed, seq.start + off + 1))
+                owners.append(req.request_id)
+        return rows, specs, owners

@@ -1,0 +1,57 @@
+"""Token choice and margin, the same on both plans.
+
+Greedy: argmax of the logits (ties go to the lowest id). Otherwise: argmax of
+logits/T (after top-k / top-p filtering) plus Gumbel noise hashed from
+(seed, absolute position, vocab id), so a seed names the same tokens whatever the
+batch. The margin is top-1 minus top-2 of exactly the scores that are argmaxed.
+Non-greedy rows are handled one at a time at shape [vocab], which keeps every
+transcendental op at a fixed shape.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gateeng.kernels import reference as ref
+from gateeng.request import SamplingParams
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    params: SamplingParams
+    seed: int
+    position: int   # index of the token being chosen (tokens[position])
+
+
+def filter_top_k_top_p(scores: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    if top_k and top_k < scores.shape[-1]:
+        kth = torch.topk(scores, top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=True, stable=True)
+        probs = torch.softmax(sorted_scores, dim=-1)
+        drop_sorted = (torch.cumsum(probs, dim=-1) - probs) > top_p   # the top token always stays
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        scores = scores.masked_fill(drop, float("-inf"))
+    return scores
+
+
+def sample(logits: torch.Tensor, specs: list) -> tuple[list, list]:
+    """logits: float32 [rows, vocab]. Returns (tokens, margins) as Python lists."""
+    n = logits.shape[0]
+    tokens, margins = [0] * n, [0.0] * n
+    greedy = [i for i, s in enumerate(specs) if s.params.greedy]
+    if greedy:
+        tok, mar = ref.argmax_margin(logits[greedy])
+        for j, i in enumerate(greedy):
+            tokens[i], margins[i] = int(tok[j]), float(mar[j])
+    for i, s in enumerate(specs):
+        if s.params.greedy:
+            continue
+        p = s.params
+        scores = filter_top_k_top_p(logits[i] / p.temperature, p.top_k, p.top_p)
+        scores = scores + ref.gumbel_noise(s.seed, s.position, scores.shape[-1])
+        tok, mar = ref.argmax_margin(scores)
+        tokens[i], margins[i] = int(tok), float(mar)
+    return tokens, margins
