@@ -16,7 +16,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="verify a VERIFIED request's token when top1-top2 logit margin is below this (tau)")
     p.add_argument("--max-window", type=int, default=32,
                    help="verify after this many unverified tokens at the latest (W)")
-    p.add_argument("--kv-blocks", type=int, default=2048, help="KV cache size in blocks of 16 tokens")
+    p.add_argument("--kv-blocks", type=int, default=1024, help="KV cache size in blocks of 16 tokens")
 
 
 def _engine_config(args):

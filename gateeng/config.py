@@ -58,7 +58,7 @@ class EngineConfig:
     device: str = "cpu"                  # cpu | cuda
     plan: str = "fast"                   # fast | invariant (server-wide batch-invariant mode)
     block_size: int = 16
-    num_kv_blocks: int = 2048
+    num_kv_blocks: int = 1024
     max_model_len: int = 2048
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512

@@ -217,8 +217,8 @@ class Scheduler:
             req.pending_verify = True
             setattr(req.stats, f"triggers_{reason}", getattr(req.stats, f"triggers_{reason}") + 1)
         num_out = len(req.output_ids)
-        if (req.det.stream_policy is StreamPolicy.EAGER and margin >= req.tau
-                and req.eager_len == num_out - 1):
+        shown = max(req.eager_len, req.num_verified - req.num_prompt)
+        if req.det.stream_policy is StreamPolicy.EAGER and margin >= req.tau and shown == num_out - 1:
             req.eager_len = num_out
 
     def _commit_replay(self, req: Request, seq: ScheduledSeq, out: SeqOutput) -> None:

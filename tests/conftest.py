@@ -1,0 +1,18 @@
+import os
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    """The embedded SmolLM2 model, loaded once per session in bf16 and float32."""
+    from gateeng import loader
+    cache = {}
+
+    def get(dtype="bfloat16"):
+        if dtype not in cache:
+            cache[dtype] = loader.load(None, dtype)
+        return cache[dtype]
+    return get

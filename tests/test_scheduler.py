@@ -1,0 +1,204 @@
+"""Scheduler, gate and commit/rollback with a scripted fake runner (no model)."""
+import pytest
+
+from fakes import EOS, FakeRunner, reference_output, truth
+from gateeng.block_manager import BlockManager
+from gateeng.request import (DeterminismParams, FinishReason, Mode, Request, SamplingParams,
+                             StreamPolicy)
+from gateeng.scheduler import Kind, Scheduler
+from gateeng.stopping import StopChecker
+
+
+def make_scheduler(num_blocks=64, block_size=4, budget=32, max_seqs=8):
+    bm = BlockManager(num_blocks, block_size)
+    return Scheduler(bm, StopChecker({EOS}, max_model_len=1000), max_seqs, budget)
+
+
+def make_request(rid, prompt, max_tokens=12, mode=Mode.VERIFIED, tau=1.0, window=4,
+                 policy=StreamPolicy.VERIFIED_ONLY):
+    return Request(rid, list(prompt), SamplingParams(max_tokens=max_tokens),
+                   DeterminismParams(mode, stream_policy=policy), tau=tau, window=window)
+
+
+def run_all(sched, runner, max_steps=2000, on_step=None):
+    done = []
+    for _ in range(max_steps):
+        if not sched.has_work():
+            break
+        plan = sched.schedule()
+        sched.update(plan, runner.run(plan))
+        done += sched.finished
+        sched.finished.clear()
+        sched.blocks.check_integrity()
+        if on_step:
+            on_step(sched, plan)
+    assert not sched.has_work(), "did not finish"
+    assert sched.blocks.num_free == sched.blocks.num_blocks
+    return {r.request_id: r for r in done}
+
+
+PROMPT = [3, 1, 4, 1, 5, 9, 2]
+
+
+@pytest.mark.parametrize("wrong_at, rolled_back", [(1, 4), (2, 3), (4, 1)],
+                         ids=["first", "middle", "last"])
+def test_mismatch_in_window_rolls_back_to_reference(wrong_at, rolled_back):
+    # Output 0 comes from the invariant prefill; 1..4 are speculated; W=4 triggers at 4.
+    runner = FakeRunner(script={("r", wrong_at): (47, 10.0)})
+    sched = make_scheduler()
+    sched.add(make_request("r", PROMPT, window=4))
+    req = run_all(sched, runner)["r"]
+    assert req.output_ids == reference_output(PROMPT, 12)
+    assert req.stats.mismatches == 1
+    assert req.stats.rolled_back_tokens == rolled_back
+    assert req.stats.triggers_window >= 1
+
+
+def test_all_accepted_gives_free_next_token():
+    runner = FakeRunner()
+    sched = make_scheduler()
+    sched.add(make_request("r", PROMPT, max_tokens=6, window=4))
+    req = run_all(sched, runner)["r"]
+    assert req.output_ids == reference_output(PROMPT, 6)
+    # prefill gives out[0]; fast gives 1..4; the replay confirms them and gives out[5].
+    assert req.stats.decode_steps == 4 and req.stats.verify_passes == 1
+    assert req.stats.replayed_tokens == 5 and req.stats.mismatches == 0
+
+
+def test_low_margin_triggers_margin_reason_and_ties_always_trigger():
+    runner = FakeRunner(script={("r", 2): (truth_at(2), 0.1), ("r", 3): (truth_at(3), 0.0)})
+    sched = make_scheduler()
+    sched.add(make_request("r", PROMPT, max_tokens=8, tau=0.0, window=100))
+    req = run_all(sched, runner)["r"]
+    assert req.output_ids == reference_output(PROMPT, 8)
+    assert req.stats.triggers_margin == 1          # the tie; 0.1 >= tau=0 does not trigger
+    assert req.stats.mismatches == 0
+
+
+def truth_at(i):
+    return reference_output(PROMPT, i + 1)[i]
+
+
+def test_eos_appears_at_rollback():
+    override = {("r", 3): EOS}
+    runner = FakeRunner(invariant_override=override)
+    sched = make_scheduler()
+    sched.add(make_request("r", PROMPT, max_tokens=12, window=4))
+    req = run_all(sched, runner)["r"]
+    assert req.output_ids == reference_output(PROMPT, 12, override)
+    assert req.output_ids[-1] == EOS and req.finish_reason is FinishReason.EOS
+    assert req.stats.mismatches == 1
+
+
+def test_eos_vanishes_at_rollback():
+    runner = FakeRunner(script={("r", 2): (EOS, 10.0)})
+    sched = make_scheduler()
+    sched.add(make_request("r", PROMPT, max_tokens=10, window=4))
+    req = run_all(sched, runner)["r"]
+    assert req.output_ids == reference_output(PROMPT, 10)
+    assert EOS not in req.output_ids and req.finish_reason is FinishReason.LENGTH
+    assert req.stats.triggers_finish == 2 and req.stats.mismatches == 1   # the EOS, then max_tokens
+
+
+def test_max_tokens_is_verified_before_finishing():
+    runner = FakeRunner(script={("r", 5): (46, 10.0)})
+    sched = make_scheduler()
+    sched.add(make_request("r", PROMPT, max_tokens=6, window=100))
+    req = run_all(sched, runner)["r"]
+    assert req.output_ids == reference_output(PROMPT, 6)
+    assert len(req.output_ids) == 6 and req.stats.triggers_finish >= 1
+
+
+@pytest.mark.parametrize("window", [1, 2, 5])
+def test_window_caps_unverified_tokens(window):
+    seen = []
+    sched = make_scheduler()
+    sched.add(make_request("r", PROMPT, max_tokens=20, window=window))
+    run_all(sched, FakeRunner(), on_step=lambda s, p: seen.extend(r.num_unverified for r in s.running))
+    assert max(seen) <= window
+
+
+def test_waiting_for_verification_does_not_decode():
+    sched = make_scheduler()
+    sched.add(make_request("r", PROMPT, max_tokens=20, tau=100.0))   # every token triggers
+    runner = FakeRunner()
+    for _ in range(12):
+        plan = sched.schedule()
+        if not plan.seqs:
+            break
+        (seq,) = plan.seqs
+        req = seq.request
+        if req.pending_verify:
+            assert seq.kind is Kind.INVARIANT and seq.replay
+        sched.update(plan, runner.run(plan))
+
+
+def test_off_requests_never_verify():
+    runner = FakeRunner(script={("r", 2): (47, 0.0)})
+    sched = make_scheduler()
+    sched.add(make_request("r", PROMPT, max_tokens=6, mode=Mode.OFF))
+    req = run_all(sched, runner)["r"]
+    assert req.output_ids[2] == 47 and req.stats.verify_passes == 0
+    assert runner.calls[Kind.INVARIANT] == 0
+
+
+def test_preemption_under_kv_pressure_loses_nothing():
+    sched = make_scheduler(num_blocks=12, block_size=4, budget=16, max_seqs=8)
+    prompts = {f"r{i}": [i + 1, 2, 3, 4, 5, i] for i in range(8)}
+    for rid, p in prompts.items():
+        mode = Mode.VERIFIED if int(rid[1:]) % 2 else Mode.OFF
+        sched.add(make_request(rid, p, max_tokens=10, mode=mode, window=3))
+    done = run_all(sched, FakeRunner(script={("r1", 4): (45, 10.0)}))
+    assert sched.num_preemptions > 0
+    for rid, p in prompts.items():
+        assert done[rid].output_ids == reference_output(p, 10, rid=rid), rid
+
+
+def test_chunked_prefill_respects_budget():
+    sched = make_scheduler(budget=5)
+    prompt = list(range(1, 23))
+    sched.add(make_request("r", prompt, max_tokens=4))
+    sizes = []
+    run_all(sched, FakeRunner(), on_step=lambda s, p: sizes.append(sum(x.num_tokens for x in p.seqs)))
+    assert max(sizes) <= 5
+
+
+def test_prefix_cache_verified_reuses_only_canonical_blocks():
+    sched = make_scheduler()
+    prompt = list(range(1, 14))                     # 3 full blocks of 4 before the last token
+    sched.add(make_request("off", prompt, max_tokens=2, mode=Mode.OFF))
+    run_all(sched, FakeRunner())
+    sched.add(make_request("v1", prompt, max_tokens=2))
+    v1 = run_all(sched, FakeRunner())["v1"]
+    assert v1.num_cached_tokens == 0               # fast blocks are not canonical
+    sched.add(make_request("v2", prompt, max_tokens=2))
+    sched.add(make_request("off2", prompt, max_tokens=2, mode=Mode.OFF))
+    done = run_all(sched, FakeRunner())
+    assert done["v2"].num_cached_tokens == 12 and done["off2"].num_cached_tokens == 12
+
+
+def test_abort_frees_blocks():
+    sched = make_scheduler()
+    sched.add(make_request("a", PROMPT, max_tokens=50))
+    sched.add(make_request("b", PROMPT, max_tokens=3))
+    runner = FakeRunner()
+    for _ in range(3):
+        plan = sched.schedule()
+        sched.update(plan, runner.run(plan))
+    aborted = sched.abort("a")
+    assert aborted.finish_reason is FinishReason.ABORT
+    done = run_all(sched, runner)
+    assert done["b"].output_ids == reference_output(PROMPT, 3)
+
+
+def test_eager_emits_high_margin_and_holds_low():
+    runner = FakeRunner(script={("r", 3): (truth_at(3), 0.1)})
+    sched = make_scheduler()
+    req = make_request("r", PROMPT, max_tokens=8, tau=1.0, window=100, policy=StreamPolicy.EAGER)
+    sched.add(req)
+    limits = []
+    run_all(sched, runner, on_step=lambda s, p: limits.append((len(req.output_ids), req.emit_limit(), req.num_verified - req.num_prompt)))
+    # At some step EAGER let the client see more than is verified.
+    assert any(lim > ver for _, lim, ver in limits)
+    # The low-margin token (index 3) is never shown before verification.
+    assert all(not (lim > 3 and ver <= 3) for _, lim, ver in limits)
