@@ -232,7 +232,7 @@ class Engine:
             try:
                 op, arg = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                break
             if op == "add":
                 for r in arg:
                     self.scheduler.add(r)

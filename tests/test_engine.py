@@ -1,0 +1,105 @@
+"""Engine API on the tiny model: generate, stream, abort, bad input, seeded sampling."""
+import asyncio
+import math
+
+import pytest
+
+from gateeng.config import EngineConfig
+from gateeng.engine import Engine
+from gateeng.outputs import Chunk, Completion
+from gateeng.request import DeterminismParams, FinishReason, Mode, SamplingParams
+from tiny import tiny_loaded
+
+
+@pytest.fixture(scope="module")
+def engine():
+    e = Engine(EngineConfig(dtype="float32", num_kv_blocks=24, max_model_len=128, block_size=4,
+                            attention_split=8, invariant_rows=8, max_num_batched_tokens=64),
+               loaded=tiny_loaded("float32"))
+    yield e
+    e.shutdown()
+    e.blocks.check_integrity()
+
+
+GOOD = SamplingParams(max_tokens=8, ignore_eos=True)
+
+
+@pytest.mark.parametrize("prompt, params, det, match", [
+    ("", GOOD, None, "prompt is empty"),
+    ([], GOOD, None, "prompt is empty"),
+    ([1, 2, 300], GOOD, None, "outside the vocabulary"),
+    ([-1], GOOD, None, "outside the vocabulary"),
+    (list(range(1, 129)), GOOD, None, "context holds 128"),
+    ([1, 2], SamplingParams(temperature=-0.5), None, "temperature"),
+    ([1, 2], SamplingParams(temperature=math.nan), None, "temperature"),
+    ([1, 2], SamplingParams(top_p=0.0), None, "top_p"),
+    ([1, 2], SamplingParams(top_p=1.5), None, "top_p"),
+    ([1, 2], SamplingParams(max_tokens=0), None, "max_tokens"),
+    ([1, 2], GOOD, DeterminismParams(Mode.VERIFIED, margin_threshold=math.nan), "margin_threshold"),
+    ([1, 2], GOOD, DeterminismParams(Mode.VERIFIED, max_window=0), "max_window"),
+    ([1, 2], SamplingParams(max_tokens=4000), None, "KV blocks"),
+])
+def test_bad_input_is_rejected_and_others_keep_running(engine, prompt, params, det, match):
+    ok = engine.submit([5, 6, 7], GOOD)
+    with pytest.raises(ValueError, match=match):
+        engine.submit(prompt, params, det)
+    assert ok.result(timeout=60).completion_tokens == 8
+
+
+def test_generate_and_stream_agree(engine):
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    unary = engine.generate([9, 8, 7, 6], params)
+
+    async def collect():
+        ids, final = [], None
+        async for ev in engine.stream([9, 8, 7, 6], params):
+            if isinstance(ev, Chunk):
+                assert ev.position == len(ids)
+                ids += ev.token_ids
+            elif isinstance(ev, Completion):
+                final = ev
+        return ids, final
+    ids, final = asyncio.run(collect())
+    assert ids == unary.token_ids == final.token_ids
+    assert final.finish_reason is FinishReason.LENGTH
+
+
+def test_abort_mid_generation_frees_kv(engine):
+    h = engine.submit([1, 2, 3], SamplingParams(max_tokens=80, ignore_eos=True))
+    next(iter(h))   # first chunk arrived
+    assert engine.abort(h.request_id)
+    c = h.result(timeout=30)
+    assert c.finish_reason is FinishReason.ABORT
+    engine.generate([4, 4], GOOD)   # engine still serves
+    assert engine.blocks.num_free == engine.blocks.num_blocks, "KV blocks leaked"
+
+
+def test_seeded_sampling_repeats_and_seeds_differ(engine):
+    def run(seed, n_other):
+        p = SamplingParams(temperature=0.8, seed=seed, max_tokens=16, ignore_eos=True)
+        others = [[i + 3, i + 5] for i in range(n_other)]
+        res = engine.generate([[10, 20, 30]] + others, [p] + [GOOD] * n_other)
+        return res[0].token_ids
+    a = run(7, 0)
+    assert run(7, 3) == a
+    assert run(8, 0) != a
+
+
+def test_stop_strings_and_stop_ids(engine):
+    free = engine.generate([3, 1, 4], SamplingParams(max_tokens=10, ignore_eos=True)).token_ids
+    stop_id = free[4]
+    res = engine.generate([3, 1, 4], SamplingParams(max_tokens=10, ignore_eos=True, stop_token_ids=(stop_id,)))
+    assert res.token_ids == free[:free.index(stop_id) + 1] and res.finish_reason is FinishReason.STOP
+
+
+def test_verified_equals_reference_on_tiny_model(engine):
+    ref_engine = Engine(EngineConfig(dtype="float32", num_kv_blocks=64, max_model_len=128, block_size=4,
+                                     attention_split=8, invariant_rows=8, plan="invariant",
+                                     max_num_batched_tokens=64), loaded=engine.loaded)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    want = ref_engine.generate([[11, 12, 13, 14, 15]], params)[0].token_ids
+    ref_engine.shutdown()
+    det = DeterminismParams(Mode.VERIFIED)
+    got = engine.generate([[11, 12, 13, 14, 15], [1, 2], [3, 4, 5]], params, [det, None, None])
+    assert got[0].token_ids == want
+    assert got[0].stats.decode_steps > 0
