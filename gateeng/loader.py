@@ -84,7 +84,12 @@ def ensure_hf_dir(path: Path) -> Path:
         sd.pop("lm_head.weight", None)
     # save_pretrained refuses models loaded from GGUF; the dequantized tensors are plain.
     save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    hf.config.save_pretrained(tmp)
+    # A plain float32 checkpoint: drop the GGUF quantization entry, or transformers
+    # would re-pack the weights when it loads this directory.
+    config = hf.config.to_dict()
+    config.pop("quantization_config", None)
+    config["dtype"] = "float32"
+    (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     tok.save_pretrained(tmp)
     (tmp / "gateeng.json").write_text(json.dumps({"source": str(path), "sha256": digest}))
     target.parent.mkdir(parents=True, exist_ok=True)
