@@ -12,7 +12,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--plan", default="fast", choices=["fast", "invariant"],
                    help="fast: per-request determinism; invariant: every request on the batch-invariant plan")
-    p.add_argument("--margin-threshold", type=float, default=0.25,
+    p.add_argument("--margin-threshold", type=float, default=0.1,
                    help="verify a VERIFIED request's token when top1-top2 logit margin is below this (tau)")
     p.add_argument("--max-window", type=int, default=32,
                    help="verify after this many unverified tokens at the latest (W)")
@@ -45,15 +45,24 @@ def cmd_generate(args) -> int:
     det = DeterminismParams(mode=Mode.VERIFIED if args.verified else Mode.OFF)
     if getattr(args, "server", None):
         from gateeng.client import Client
+        import grpc
         with Client(args.server) as client:
-            res = client.complete(args.prompt, params, det, chat=not args.no_chat)
+            try:
+                res = client.complete(args.prompt, params, det, chat=not args.no_chat)
+            except grpc.RpcError as e:
+                print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+                return 2
             print(res.text)
+            d = res.determinism
+            print(f"[{res.usage.completion_tokens} tokens, mode={d.mode}, triggers="
+                  f"{d.triggers_margin + d.triggers_window + d.triggers_finish}, rollbacks={d.rollbacks}]",
+                  file=sys.stderr)
             return 0
-    from gateeng.engine import Engine
+    from gateeng.engine import DeterminismUnavailable, Engine
     try:
         engine = Engine(_engine_config(args))
         res = engine.generate(args.prompt, params, det, chat=not args.no_chat)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, DeterminismUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(res.text)
@@ -62,6 +71,24 @@ def cmd_generate(args) -> int:
           + (f", triggers={s.triggers}, rollbacks={s.mismatches}" if res.mode.value == "verified" else "")
           + "]", file=sys.stderr)
     engine.shutdown()
+    return 0
+
+
+def cmd_serve(args) -> int:
+    import logging
+    from gateeng.server import Server
+    logging.basicConfig(level=logging.INFO, format="[gateeng] %(message)s")
+    cfg = _engine_config(args)
+    cfg.max_queue = args.max_queue
+    try:
+        cfg.validate()
+        server = Server(cfg, host=args.host, port=args.port,
+                        metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+                        admin_token=args.admin_token or None)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    server.serve_forever(drain_seconds=args.drain_seconds)
     return 0
 
 
@@ -74,6 +101,18 @@ def main(argv=None) -> int:
     g.add_argument("--server", default=None, metavar="HOST:PORT",
                    help="send the request to a running `gateeng serve` instead of loading the model here")
     g.set_defaults(func=cmd_generate)
+    s = sub.add_parser("serve", help="serve the model over gRPC, with Prometheus metrics")
+    _add_model_args(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (gRPC and metrics)")
+    s.add_argument("--port", type=int, default=50051, help="gRPC port")
+    s.add_argument("--metrics-port", type=int, default=9400, help="Prometheus /metrics port (-1: off)")
+    s.add_argument("--max-queue", type=int, default=256,
+                   help="requests allowed to wait; beyond it calls fail with RESOURCE_EXHAUSTED")
+    s.add_argument("--admin-token", default=None,
+                   help="enables admin RPCs (UpdateGateConfig) for callers sending this bearer token")
+    s.add_argument("--drain-seconds", type=float, default=30.0,
+                   help="on SIGTERM, how long in-flight requests may finish before they are aborted")
+    s.set_defaults(func=cmd_serve)
     args = parser.parse_args(argv)
     return args.func(args)
 

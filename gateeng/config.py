@@ -65,10 +65,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # Invariant plan shape: every matmul runs on exactly `invariant_rows` rows and
     # attention splits keys at multiples of `attention_split` (a multiple of block_size).
-    invariant_rows: int = 16
+    invariant_rows: int = 8
     attention_split: int = 64
     # Margin gate defaults (per-request overrides allowed).
-    margin_threshold: float = 0.25
+    margin_threshold: float = 0.1
     max_window: int = 32
     max_queue: int = 256
     # Test-only: Gaussian noise of this std added to fast-path logits, to provoke rollbacks.

@@ -30,6 +30,13 @@ from gateeng.selfcheck import run_selfcheck
 from gateeng.stopping import StopChecker
 
 
+def _device_kind(device: str) -> str:
+    if device == "cuda" and torch.cuda.is_available():
+        return "cuda:" + torch.cuda.get_device_name()
+    import platform
+    return f"cpu:{platform.machine()}:{torch.get_num_threads()}threads"
+
+
 class QueueFull(RuntimeError):
     """Too many requests waiting; the caller should back off and retry."""
 
@@ -41,12 +48,11 @@ class DeterminismUnavailable(RuntimeError):
 class Observer:
     """Hooks for metrics. The default does nothing."""
 
-    def on_step(self, engine: "Engine", plan: StepPlan, seconds: float) -> None: ...
+    def on_step(self, engine: "Engine", plan: StepPlan, outputs: dict, seconds: float) -> None: ...
     def on_first_token(self, req: Request, seconds: float) -> None: ...
     def on_tokens(self, req: Request, count: int, seconds_per_token: float) -> None: ...
     def on_retraction(self, req: Request) -> None: ...
     def on_finish(self, req: Request, completion: Completion, seconds: float) -> None: ...
-    def on_verify_pass(self, seconds: float, rows: int) -> None: ...
 
 
 @dataclass
@@ -96,6 +102,8 @@ class Engine:
         self.selfcheck = run_selfcheck(self.invariant_plan, mc.hidden_size, mc.num_heads, mc.num_kv_heads,
                                        mc.head_dim, DTYPES[cfg.dtype], cfg.block_size)
         self.margin_threshold = cfg.margin_threshold
+        self.max_window = cfg.max_window
+        self.device_kind = _device_kind(cfg.device)
         self.observer = observer or Observer()
         self.version = __version__
         self._handles: dict[str, RequestHandle] = {}
@@ -172,6 +180,10 @@ class Engine:
         """Engine default tau for requests submitted from now on."""
         self.margin_threshold = validate_threshold(tau)
 
+    def set_max_window(self, window: int) -> None:
+        """Engine default W for requests submitted from now on."""
+        self.max_window = window
+
     @property
     def num_in_flight(self) -> int:
         with self._lock:
@@ -203,7 +215,7 @@ class Engine:
         outputs = self.runner.run(plan)                   # run both plans, sample, margins
         self.scheduler.update(plan, outputs)              # gate, verify compare, commit / rollback
         self._emit(plan)                                  # stream what the policy allows
-        self.observer.on_step(self, plan, time.perf_counter() - t0)
+        self.observer.on_step(self, plan, outputs, time.perf_counter() - t0)
 
     def _ensure_thread(self) -> None:
         if self._thread is None or not self._thread.is_alive():
@@ -270,7 +282,7 @@ class Engine:
         mode = Mode.REFERENCE if self.config.plan == "invariant" else det.mode
         if mode is Mode.VERIFIED and not self.selfcheck.passed:
             raise DeterminismUnavailable("VERIFIED is unavailable on this machine: " + self.selfcheck.describe())
-        window = det.max_window or self.config.max_window
+        window = det.max_window or self.max_window
         if window + 1 > self.config.max_num_batched_tokens:
             raise ValueError(f"max_window {window} must be below the step token budget "
                              f"{self.config.max_num_batched_tokens}")

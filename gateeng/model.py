@@ -88,6 +88,15 @@ class LlamaModel(torch.nn.Module):
     def dtype(self):
         return self.embed.dtype
 
+    def finalize(self) -> None:
+        """Call after loading weights. Logits are computed in float32 (from the
+        dtype-rounded hidden state and weights): bf16 logits are so coarse that
+        top-1/top-2 ties are common and the margin would say little."""
+        self.lm_head_f32 = self.lm_head.detach().float()
+
+    def logits(self, hidden: torch.Tensor, plan) -> torch.Tensor:
+        return plan.linear(hidden.float(), self.lm_head_f32)
+
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
         half = x.shape[-1] // 2
@@ -131,3 +140,4 @@ class LlamaModel(torch.nn.Module):
             self.norm.copy_(take("model.norm.weight"))
             if not self.cfg.tie_word_embeddings:
                 self.lm_head.copy_(take("lm_head.weight"))
+        self.finalize()

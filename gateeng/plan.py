@@ -103,7 +103,7 @@ class FastPlan:
         meta = self._meta(rows, kv.block_size)
         hidden = model(torch.tensor(rows.input_ids), torch.tensor(rows.positions),
                        torch.tensor(rows.slots), meta, kv, self)
-        logits = F.linear(hidden[rows.sample_rows], model.lm_head).float()
+        logits = model.logits(hidden[rows.sample_rows], self)
         if self.logit_noise:
             logits += torch.randn(logits.shape, generator=self._noise_gen) * self.logit_noise
         return logits
@@ -155,7 +155,7 @@ class InvariantPlan:
             pos_t = torch.tensor(pos)
             meta = InvariantAttnMeta(tables, pos_t, self.split)
             hidden = model(torch.tensor(ids), pos_t, torch.tensor(slots), meta, kv, self)
-            logits = ref.matmul(hidden, model.lm_head).float()   # full group: fixed M
+            logits = model.logits(hidden, self)   # the full group: fixed M
             for i, r in enumerate(idx):
                 if r in wanted:
                     out[r] = logits[i]

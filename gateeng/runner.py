@@ -4,7 +4,7 @@ It reads requests and never writes them; the scheduler applies what it returns.
 """
 from __future__ import annotations
 
-import torch
+import time
 
 from gateeng import sampler
 from gateeng.model import KVCache, LlamaModel
@@ -17,13 +17,16 @@ class ModelRunner:
         self.model = model
         self.kv = kv
         self.plans = {Kind.FAST: fast, Kind.INVARIANT: invariant}
+        self.last_seconds: dict = {}   # wall time per plan in the last step (metrics)
 
     def run(self, step: StepPlan) -> dict:
         outputs = {}
+        self.last_seconds = {}
         for kind, plan in self.plans.items():
             seqs = step.of_kind(kind)
             if not seqs:
                 continue
+            t0 = time.perf_counter()
             rows, specs, owners = self._rows(seqs)
             logits = plan.logits(self.model, self.kv, rows)
             tokens, margins = sampler.sample(logits, specs)
@@ -33,6 +36,7 @@ class ModelRunner:
                 out = outputs[owner]
                 out.tokens.append(tok)
                 out.margins.append(mar)
+            self.last_seconds[kind] = time.perf_counter() - t0
         return outputs
 
     def _rows(self, seqs):

@@ -1,0 +1,79 @@
+"""A small Python client for `gateeng serve`.
+
+    with Client("127.0.0.1:50051") as c:
+        res = c.complete("Hello", SamplingParams(max_tokens=32), DeterminismParams(Mode.VERIFIED))
+        print(res.text, res.determinism.rollbacks)
+"""
+from __future__ import annotations
+
+from typing import Iterator, Optional, Union
+
+import grpc
+
+from gateeng.request import DeterminismParams, Mode, SamplingParams, StreamPolicy
+from gateeng.v1 import engine_pb2 as pb
+from gateeng.v1 import engine_pb2_grpc as pb_grpc
+
+
+def to_proto(prompt: Union[str, list], params: Optional[SamplingParams] = None,
+             det: Optional[DeterminismParams] = None, chat: bool = False, request_id: str = "") -> pb.GenerateRequest:
+    p = params or SamplingParams()
+    d = det or DeterminismParams()
+    sp = pb.SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, max_tokens=p.max_tokens,
+                           stop=list(p.stop), stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos)
+    if p.seed is not None:
+        sp.seed = p.seed
+    dp = pb.Determinism(
+        mode=pb.Determinism.MODE_VERIFIED if d.mode is Mode.VERIFIED else pb.Determinism.MODE_OFF,
+        stream_policy=pb.Determinism.EAGER if d.stream_policy is StreamPolicy.EAGER else pb.Determinism.VERIFIED_ONLY)
+    if d.margin_threshold is not None:
+        dp.margin_threshold = d.margin_threshold
+    if d.max_window is not None:
+        dp.max_window = d.max_window
+    req = pb.GenerateRequest(request_id=request_id, chat=chat, sampling=sp, determinism=dp)
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.token_ids.ids.extend(prompt)
+    return req
+
+
+class Client:
+    def __init__(self, target: str, admin_token: Optional[str] = None):
+        self.channel = grpc.insecure_channel(target)
+        self.stub = pb_grpc.EngineStub(self.channel)
+        self.admin_token = admin_token
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def complete(self, prompt, params=None, det=None, chat=False, request_id="", timeout=None) -> pb.CompleteResponse:
+        return self.stub.Complete(to_proto(prompt, params, det, chat, request_id), timeout=timeout)
+
+    def generate(self, prompt, params=None, det=None, chat=False, request_id="",
+                 timeout=None) -> Iterator[pb.GenerateResponse]:
+        return self.stub.Generate(to_proto(prompt, params, det, chat, request_id), timeout=timeout)
+
+    def abort(self, request_id: str) -> bool:
+        return self.stub.Abort(pb.AbortRequest(request_id=request_id)).found
+
+    def server_info(self) -> pb.ServerInfo:
+        return self.stub.GetServerInfo(pb.GetServerInfoRequest())
+
+    def model_info(self) -> pb.ModelInfo:
+        return self.stub.GetModelInfo(pb.GetModelInfoRequest())
+
+    def update_gate_config(self, margin_threshold=None, max_window=None) -> pb.GateConfig:
+        req = pb.UpdateGateConfigRequest()
+        if margin_threshold is not None:
+            req.margin_threshold = margin_threshold
+        if max_window is not None:
+            req.max_window = max_window
+        md = [("authorization", f"Bearer {self.admin_token}")] if self.admin_token else []
+        return self.stub.UpdateGateConfig(req, metadata=md)

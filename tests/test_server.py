@@ -1,0 +1,268 @@
+"""End-to-end: a real `gateeng serve` process on loopback, real gRPC, real /metrics."""
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gateeng.client import Client
+from gateeng.request import DeterminismParams, Mode, SamplingParams
+from gateeng.v1 import engine_pb2 as pb
+
+pytestmark = pytest.mark.model
+ADMIN = "s3cret"
+VERIFIED = DeterminismParams(Mode.VERIFIED)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(*extra):
+    port, mport = free_port(), free_port()
+    cmd = [sys.executable, "-m", "gateeng.cli", "serve", "--port", str(port), "--metrics-port", str(mport),
+           "--admin-token", ADMIN, "--max-queue", "48", *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return proc, f"127.0.0.1:{port}", mport
+
+
+def wait_health(target, want, timeout=240):
+    stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(target))
+    seen = []
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            st = stub.Check(health_pb2.HealthCheckRequest(service="gateeng.v1.Engine"), timeout=2).status
+            seen.append(st)
+            if st == want:
+                return seen
+        except grpc.RpcError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"health never reached {want}; saw {set(seen)}")
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc, target, mport = start_server()
+    try:
+        seen = wait_health(target, health_pb2.HealthCheckResponse.SERVING)
+        yield proc, target, mport, seen
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with Client(server[1], admin_token=ADMIN) as c:
+        yield c
+
+
+def scrape(mport):
+    text = urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=10).read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    return values
+
+
+def test_health_flips_to_serving_and_reflection_lists_service(server):
+    _, target, _, seen = server
+    assert seen[-1] == health_pb2.HealthCheckResponse.SERVING
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+    stub = reflection_pb2_grpc.ServerReflectionStub(grpc.insecure_channel(target))
+    resp = next(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+    names = [s.name for s in resp.list_services_response.service]
+    assert "gateeng.v1.Engine" in names and "grpc.health.v1.Health" in names
+
+
+def test_generic_client_via_reflection_only(server):
+    """Build the request type from the server's own descriptors: no generated stubs."""
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+    channel = grpc.insecure_channel(server[1])
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    req = reflection_pb2.ServerReflectionRequest(file_containing_symbol="gateeng.v1.Engine")
+    resp = next(stub.ServerReflectionInfo(iter([req])))
+    pool = descriptor_pool.DescriptorPool()
+    for raw in resp.file_descriptor_response.file_descriptor_proto:
+        pool.Add(descriptor_pb2.FileDescriptorProto.FromString(raw))
+    method = pool.FindServiceByName("gateeng.v1.Engine").methods_by_name["Complete"]
+    Req = message_factory.GetMessageClass(method.input_type)
+    Resp = message_factory.GetMessageClass(method.output_type)
+    call = channel.unary_unary("/gateeng.v1.Engine/Complete", request_serializer=Req.SerializeToString,
+                               response_deserializer=Resp.FromString)
+    r = Req()
+    r.text = "Say hello."
+    r.sampling.max_tokens = 8
+    out = call(r, timeout=120)
+    assert len(out.token_ids) > 0 and out.reproducibility.model_fingerprint
+
+
+def test_stream_unary_offline_identical(server, client, smollm):
+    from gateeng.config import EngineConfig
+    from gateeng.engine import Engine
+    prompt = "Name three rivers in Europe."
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    offline = Engine(EngineConfig(), loaded=smollm("bfloat16"))
+    for det in (None, VERIFIED):
+        unary = client.complete(prompt, params, det, chat=True)
+        streamed, final = [], None
+        for ev in client.generate(prompt, params, det, chat=True):
+            if ev.HasField("chunk"):
+                assert ev.chunk.position == len(streamed)
+                streamed += list(ev.chunk.token_ids)
+            elif ev.HasField("complete"):
+                final = ev.complete
+            else:
+                pytest.fail("VERIFIED_ONLY/OFF stream sent a rollback")
+        local = offline.generate(prompt, params, det, chat=True)
+        assert list(unary.token_ids) == streamed == list(final.token_ids)
+        if det is VERIFIED:   # OFF alone is also stable, but only VERIFIED is promised
+            assert list(unary.token_ids) == local.token_ids
+        assert unary.text == final.text
+    offline.shutdown()
+
+
+BAD = [
+    ("empty prompt", pb.GenerateRequest(text=""), grpc.StatusCode.INVALID_ARGUMENT, "empty"),
+    ("no input", pb.GenerateRequest(), grpc.StatusCode.INVALID_ARGUMENT, "text"),
+    ("unknown token ids", pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 99999])),
+     grpc.StatusCode.INVALID_ARGUMENT, "vocabulary"),
+    ("NaN threshold", pb.GenerateRequest(text="hi", determinism=pb.Determinism(
+        mode=pb.Determinism.MODE_VERIFIED, margin_threshold=float("nan"))), grpc.StatusCode.INVALID_ARGUMENT,
+     "margin_threshold"),
+    ("prompt longer than context", pb.GenerateRequest(token_ids=pb.TokenIds(ids=[42] * 2100)),
+     grpc.StatusCode.INVALID_ARGUMENT, "context"),
+    ("negative temperature", pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(temperature=-1)),
+     grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+    ("top_p zero", pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(top_p=0)),
+     grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
+    ("max_tokens zero", pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_tokens=0)),
+     grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
+    ("chat with token ids", pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1]), chat=True),
+     grpc.StatusCode.INVALID_ARGUMENT, "chat"),
+]
+
+
+def test_bad_inputs_table_and_others_unaffected(client):
+    good = client.stub.Complete.future(pb.GenerateRequest(text="Count to five.", sampling=pb.SamplingParams(
+        max_tokens=24, ignore_eos=True)))
+    for name, req, code, words in BAD:
+        with pytest.raises(grpc.RpcError) as ei:
+            client.stub.Complete(req, timeout=60)
+        assert ei.value.code() == code, name
+        assert words in ei.value.details(), (name, ei.value.details())
+    assert len(good.result(timeout=120).token_ids) == 24
+
+
+def test_admin_requires_token(server, client):
+    with Client(server[1]) as anon:
+        with pytest.raises(grpc.RpcError) as ei:
+            anon.update_gate_config(margin_threshold=0.5)
+        assert ei.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(grpc.RpcError) as ei:
+        client.update_gate_config(margin_threshold=float("nan"))
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    cfg = client.update_gate_config(margin_threshold=0.5)
+    assert cfg.margin_threshold == 0.5 and client.server_info().gate.margin_threshold == 0.5
+    assert scrape(server[2])["gateeng_margin_threshold"] == 0.5
+    client.update_gate_config(margin_threshold=0.1)
+
+
+def test_cancel_mid_stream_frees_kv(server, client):
+    idle = scrape(server[2])["gateeng_kv_cache_usage_ratio"]
+    call = client.generate("Write a very long essay about oceans.", SamplingParams(max_tokens=400, ignore_eos=True))
+    got = 0
+    for ev in call:
+        got += len(ev.chunk.token_ids)
+        if got >= 4:
+            call.cancel()
+            break
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        if scrape(server[2])["gateeng_kv_cache_usage_ratio"] == idle and client.server_info().requests_running == 0:
+            break
+        time.sleep(0.2)
+    assert scrape(server[2])["gateeng_kv_cache_usage_ratio"] == idle
+
+
+def test_32_concurrent_mixed_streams_and_metrics(server, client, smollm):
+    from gateeng.config import EngineConfig
+    from gateeng.engine import Engine
+    prompts = [f"Give me fact number {i} about {w}." for i, w in
+               enumerate(["cats", "stars", "trains", "tea"] * 8)]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    ref = Engine(EngineConfig(plan="invariant"), loaded=smollm("bfloat16"))
+    verified_idx = list(range(0, 32, 2))
+    want = {i: c.token_ids for i, c in zip(verified_idx, ref.generate([prompts[i] for i in verified_idx], params))}
+    ref.shutdown()
+    before = scrape(server[2])
+    results = {}
+
+    def run(i):
+        det = VERIFIED if i in want else None
+        final = None
+        for ev in client.generate(prompts[i], params, det, timeout=600):
+            if ev.HasField("complete"):
+                final = ev.complete
+        results[i] = final
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, tokens in want.items():
+        assert list(results[i].token_ids) == tokens, f"VERIFIED request {i} differs from the reference"
+    after = scrape(server[2])
+
+    def delta(name):
+        return after.get(name, 0.0) - before.get(name, 0.0)
+    reports = [results[i].determinism for i in want]
+    trig = sum(r.triggers_margin + r.triggers_window + r.triggers_finish for r in reports)
+    assert trig > 0
+    assert delta('gateeng_verifier_triggers_total{reason="margin"}') == sum(r.triggers_margin for r in reports)
+    assert delta('gateeng_verifier_triggers_total{reason="window"}') == sum(r.triggers_window for r in reports)
+    assert delta('gateeng_verifier_triggers_total{reason="finish"}') == sum(r.triggers_finish for r in reports)
+    assert delta("gateeng_verifier_passes_total") == sum(r.verify_passes for r in reports)
+    assert delta("gateeng_verifier_replayed_tokens_total") == sum(r.replayed_tokens for r in reports)
+    assert delta("gateeng_verifier_mismatches_total") == sum(r.rollbacks for r in reports)
+    assert delta("gateeng_rolled_back_tokens_total") == sum(r.rolled_back_tokens for r in reports)
+    assert delta('gateeng_decode_steps_total{determinism="verified"}') == sum(r.decode_steps for r in reports)
+    assert delta('gateeng_generation_tokens_total{determinism="verified"}') == 16 * 24
+    assert delta('gateeng_generation_tokens_total{determinism="off"}') == 16 * 24
+    assert delta('gateeng_request_success_total{finish_reason="length"}') == 32
+    assert after['gateeng_build_info{version="0.1.0",plan="fast",dtype="bfloat16",device="cpu",self_check="passed"}'] == 1
+
+
+def test_sigterm_drains_and_exits_zero():
+    proc, target, _ = start_server("--drain-seconds", "60")
+    try:
+        wait_health(target, health_pb2.HealthCheckResponse.SERVING)
+        with Client(target) as c:
+            fut = c.stub.Complete.future(pb.GenerateRequest(text="Tell me a story.", sampling=pb.SamplingParams(
+                max_tokens=16, ignore_eos=True)))
+            time.sleep(1.0)
+            proc.send_signal(signal.SIGTERM)
+            res = fut.result(timeout=120)
+            assert len(res.token_ids) == 16   # in-flight request finished during the drain
+        assert proc.wait(timeout=90) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
