@@ -1,0 +1,120 @@
+"""Determinism and its cost: OFF vs VERIFIED vs plan=invariant, on SmolLM2-135M bf16.
+
+1. Each prompt decoded alone and inside a batch of all prompts, per mode: how many
+   prompts give more than one distinct output, and does VERIFIED equal the
+   reference (plan=invariant, alone)?  Trigger rate, passes per token, rollbacks,
+   and wall time of the batch run relative to OFF.
+2. 10% VERIFIED traffic: the batch with every 10th request VERIFIED, against
+   all-OFF (OFF throughput kept) and against a plan=invariant engine serving the
+   same batch (what a server-wide batch-invariant switch costs).
+All runs share one process and one loaded model. Usage:
+  python bench/determinism.py [--prompts 32] [--tokens 128]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import machine, prompt_set, timed  # noqa: E402
+
+from gateeng.config import EngineConfig  # noqa: E402
+from gateeng.engine import Engine  # noqa: E402
+from gateeng.loader import load  # noqa: E402
+from gateeng.request import DeterminismParams, Mode, SamplingParams  # noqa: E402
+
+VERIFIED = DeterminismParams(Mode.VERIFIED)
+
+
+def log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=128)
+    args = ap.parse_args()
+    n, T = args.prompts, args.tokens
+    loaded = load(None, "bfloat16")
+    fast = Engine(EngineConfig(), loaded=loaded)
+    inv = Engine(EngineConfig(plan="invariant"), loaded=loaded)
+    prompts = prompt_set(n, mixed=True)
+    params = SamplingParams(max_tokens=T, ignore_eos=True)
+    fast.generate(prompts[:2], SamplingParams(max_tokens=4))
+    inv.generate(prompts[:2], SamplingParams(max_tokens=4))
+
+    def alone(engine, det):
+        out = []
+        for i, p in enumerate(prompts):
+            out.append(engine.generate(p, params, det, chat=True))
+            log(f"  alone {i + 1}/{n}")
+        return out
+
+    runs, times = {}, {}
+    for name, engine, det in (("reference", inv, None), ("OFF", fast, None), ("VERIFIED", fast, VERIFIED)):
+        log(f"{name}: alone")
+        runs[(name, "alone")] = alone(engine, det)
+        log(f"{name}: batch of {n}")
+        runs[(name, "batch")], times[name] = timed(lambda: engine.generate(prompts, params, det, chat=True))
+    times["plan=invariant"] = times.pop("reference")
+    ref = [c.token_ids for c in runs[("reference", "alone")]]
+
+    def distinct(name):
+        a, b = runs[(name, "alone")], runs[(name, "batch")]
+        return sum(x.token_ids != y.token_ids for x, y in zip(a, b))
+
+    def off_ref(name):
+        return sum(x.token_ids != r or y.token_ids != r
+                   for x, y, r in zip(runs[(name, "alone")], runs[(name, "batch")], ref))
+
+    vstats = [c.stats for c in runs[("VERIFIED", "alone")] + runs[("VERIFIED", "batch")]]
+    steps = sum(s.decode_steps for s in vstats)
+    trig = sum(s.triggers for s in vstats)
+    by = {r: sum(getattr(s, f"triggers_{r}") for s in vstats) for r in ("margin", "window", "finish")}
+    passes = sum(s.verify_passes for s in vstats)
+    toks = 2 * n * T
+
+    # 10% VERIFIED traffic in one batch.
+    mix = [VERIFIED if i % 10 == 0 else None for i in range(n)]
+    log("mixed 10% VERIFIED batch")
+    mixed, t_mix = timed(lambda: fast.generate(prompts, params, mix, chat=True))
+    log("plan=invariant on the same batch")
+    _, t_inv_mix = timed(lambda: inv.generate(prompts, params, chat=True))
+    mixed_ok = all(c.token_ids == ref[i] for i, c in enumerate(mixed) if mix[i] is not None)
+    n_off = sum(1 for d in mix if d is None)
+    fast.shutdown()
+    inv.shutdown()
+
+    print(f"machine: {machine()}; {n} prompts x {T} tokens, bf16, greedy, "
+          f"tau={fast.margin_threshold}, W={fast.max_window}, invariant rows={fast.config.invariant_rows}, "
+          f"split={fast.config.attention_split}\n")
+    print("| mode | prompts whose alone and batch-of-%d outputs differ | prompts differing from the reference "
+          "| batch wall time / OFF |" % n)
+    print("| --- | --- | --- | --- |")
+    for name in ("OFF", "VERIFIED", "reference"):
+        label = "plan=invariant" if name == "reference" else name
+        t = times[label]
+        print(f"| {label} | {distinct(name)} / {n} | {off_ref(name)} / {n} | {t / times['OFF']:.2f}x |")
+    print()
+    print("| VERIFIED accounting (alone + batch runs) | value |")
+    print("| --- | --- |")
+    print(f"| trigger rate (triggers / decode steps) | {trig / max(steps, 1):.1%} ({trig} / {steps}; "
+          f"margin {by['margin']}, window {by['window']}, finish {by['finish']}) |")
+    print(f"| verify passes per output token | {passes / toks:.3f} |")
+    print(f"| replayed positions per output token | {sum(s.replayed_tokens for s in vstats) / toks:.2f} |")
+    print(f"| rollbacks (mismatches) / rolled-back tokens | {sum(s.mismatches for s in vstats)} / "
+          f"{sum(s.rolled_back_tokens for s in vstats)} |")
+    print()
+    print(f"| 10% VERIFIED traffic (batch of {n}, {n - n_off} VERIFIED) | value |")
+    print("| --- | --- |")
+    print(f"| VERIFIED outputs equal to the reference | {'yes' if mixed_ok else 'NO'} |")
+    print(f"| wall time, gateeng mixed / plan=invariant on the same batch | {t_mix / t_inv_mix:.2f}x "
+          f"({t_mix:.1f}s vs {t_inv_mix:.1f}s) |")
+    # Every OFF request runs from start to end of the batch, so its tokens/s is T / wall time.
+    print(f"| OFF per-request throughput kept vs the all-OFF batch | {times['OFF'] / t_mix:.1%} |")
+
+
+if __name__ == "__main__":
+    main()
