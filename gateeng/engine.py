@@ -19,7 +19,8 @@ import torch
 from gateeng import __version__
 from gateeng.block_manager import BlockManager
 from gateeng.config import EngineConfig, validate_threshold
-from gateeng.loader import DTYPES, LoadedModel, load
+from gateeng.loader import DTYPES, LoadedModel, load, log
+from gateeng.sampler import sample as sample_rows
 from gateeng.model import KVCache
 from gateeng.outputs import Chunk, Completion, Rollback
 from gateeng.plan import FastPlan, InvariantPlan
@@ -97,10 +98,10 @@ class Engine:
             eos.add(self.tokenizer.eos_token_id)
         self.stop = StopChecker(eos, self.max_model_len, self._decode)
         self.scheduler = Scheduler(self.blocks, self.stop, cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        self.invariant_plan = InvariantPlan(cfg.invariant_rows, cfg.attention_split)
-        self.runner = ModelRunner(self.model, self.kv, FastPlan(cfg.fast_logit_noise), self.invariant_plan)
+        fast, self.invariant_plan, sample = self._plans(cfg, mc)
+        self.runner = ModelRunner(self.model, self.kv, fast, self.invariant_plan, sample)
         self.selfcheck = run_selfcheck(self.invariant_plan, mc.hidden_size, mc.num_heads, mc.num_kv_heads,
-                                       mc.head_dim, DTYPES[cfg.dtype], cfg.block_size)
+                                       mc.head_dim, DTYPES[cfg.dtype], cfg.block_size, device=cfg.device)
         self.margin_threshold = cfg.margin_threshold
         self.max_window = cfg.max_window
         self.device_kind = _device_kind(cfg.device)
@@ -114,6 +115,21 @@ class Engine:
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
         self.accepting = True
+
+    @staticmethod
+    def _plans(cfg: EngineConfig, mc):
+        """(fast plan, invariant plan, sampler) for the device: torch on CPU;
+        flashinfer + Triton kernels on CUDA."""
+        if cfg.device != "cuda":
+            return FastPlan(cfg.fast_logit_noise), InvariantPlan(cfg.invariant_rows, cfg.attention_split), sample_rows
+        from gateeng.gpu import FlashInferFastPlan, TritonInvariantPlan, gpu_sample
+        try:
+            fast = FlashInferFastPlan(mc.num_heads, mc.num_kv_heads, mc.head_dim, DTYPES[cfg.dtype], cfg.device,
+                                      cfg.fast_logit_noise)
+        except ImportError:
+            log("flashinfer is not installed (pip install 'gateeng[cuda]'): fast path uses torch attention")
+            fast = FastPlan(cfg.fast_logit_noise)
+        return fast, TritonInvariantPlan(cfg.attention_split), gpu_sample
 
     # ---- public API ----------------------------------------------------------
     def submit(self, prompt: Union[str, Sequence[int]], params: Optional[SamplingParams] = None,

@@ -32,9 +32,9 @@ class Rows:
         return len(self.input_ids)
 
 
-def _slot_tensor(block_table: list, length: int, block_size: int) -> torch.Tensor:
-    blocks = torch.tensor(block_table, dtype=torch.int64)
-    slots = (blocks[:, None] * block_size + torch.arange(block_size)).view(-1)
+def _slot_tensor(block_table: list, length: int, block_size: int, device) -> torch.Tensor:
+    blocks = torch.tensor(block_table, dtype=torch.int64, device=device)
+    slots = (blocks[:, None] * block_size + torch.arange(block_size, device=device)).view(-1)
     return slots[:length]
 
 
@@ -56,28 +56,25 @@ class FastPlan:
     linear = staticmethod(F.linear)
     rms_norm = staticmethod(ref.rms_norm)
 
-    def _meta(self, rows: Rows, block_size: int) -> FastAttnMeta:
+    def _meta(self, rows: Rows, block_size: int, dev) -> FastAttnMeta:
         prefill, dec_rows, dec_slots = [], [], []
         for start, end, table in rows.seqs:
             ctx = rows.positions[end - 1] + 1
-            slots = _slot_tensor(table, ctx, block_size)
+            slots = _slot_tensor(table, ctx, block_size, dev)
             if end - start == 1:
                 dec_rows.append(start)
                 dec_slots.append(slots)
             else:
-                qpos = torch.tensor(rows.positions[start:end])
-                mask = torch.arange(ctx)[None, :] <= qpos[:, None]
+                qpos = torch.tensor(rows.positions[start:end], device=dev)
+                mask = torch.arange(ctx, device=dev)[None, :] <= qpos[:, None]
                 prefill.append((start, end, slots, mask))
-        if dec_rows:
-            lmax = max(len(s) for s in dec_slots)
-            slots = torch.zeros(len(dec_rows), lmax, dtype=torch.int64)
-            mask = torch.zeros(len(dec_rows), lmax, dtype=torch.bool)
-            for i, s in enumerate(dec_slots):
-                slots[i, :len(s)] = s
-                mask[i, :len(s)] = True
-        else:
-            slots = mask = torch.zeros(0, 0, dtype=torch.int64)
-        return FastAttnMeta(prefill, torch.tensor(dec_rows, dtype=torch.int64), slots, mask.bool())
+        lmax = max((len(s) for s in dec_slots), default=0)
+        slots = torch.zeros(len(dec_rows), lmax, dtype=torch.int64, device=dev)
+        mask = torch.zeros(len(dec_rows), lmax, dtype=torch.bool, device=dev)
+        for i, s in enumerate(dec_slots):
+            slots[i, :len(s)] = s
+            mask[i, :len(s)] = True
+        return FastAttnMeta(prefill, torch.tensor(dec_rows, dtype=torch.int64, device=dev), slots, mask)
 
     def attention(self, q, k_cache, v_cache, meta: FastAttnMeta, scale: float):
         nb, bs, hkv, d = k_cache.shape
@@ -100,12 +97,13 @@ class FastPlan:
 
     @torch.inference_mode()
     def logits(self, model, kv, rows: Rows) -> torch.Tensor:
-        meta = self._meta(rows, kv.block_size)
-        hidden = model(torch.tensor(rows.input_ids), torch.tensor(rows.positions),
-                       torch.tensor(rows.slots), meta, kv, self)
+        dev = model.embed.device
+        meta = self._meta(rows, kv.block_size, dev)
+        hidden = model(torch.tensor(rows.input_ids, device=dev), torch.tensor(rows.positions, device=dev),
+                       torch.tensor(rows.slots, device=dev), meta, kv, self)
         logits = model.logits(hidden[rows.sample_rows], self)
         if self.logit_noise:
-            logits += torch.randn(logits.shape, generator=self._noise_gen) * self.logit_noise
+            logits += (torch.randn(logits.shape, generator=self._noise_gen) * self.logit_noise).to(logits.device)
         return logits
 
 
@@ -134,7 +132,7 @@ class InvariantPlan:
     def logits(self, model, kv, rows: Rows) -> torch.Tensor:
         """Run rows in groups of exactly `self.rows`; a sequence's rows stay in position
         order across groups, so each group's attention sees the KV the earlier ones wrote."""
-        n, c = len(rows), self.rows
+        n, c, dev = len(rows), self.rows, model.embed.device
         row_table = [None] * n
         for start, end, table in rows.seqs:
             for r in range(start, end):
@@ -152,13 +150,13 @@ class InvariantPlan:
             for i, r in enumerate(idx):
                 t = row_table[r][:width]
                 tables[i, :len(t)] = torch.tensor(t, dtype=torch.int64)
-            pos_t = torch.tensor(pos)
-            meta = InvariantAttnMeta(tables, pos_t, self.split)
-            hidden = model(torch.tensor(ids), pos_t, torch.tensor(slots), meta, kv, self)
+            pos_t = torch.tensor(pos, device=dev)
+            meta = InvariantAttnMeta(tables.to(dev), pos_t, self.split)
+            hidden = model(torch.tensor(ids, device=dev), pos_t, torch.tensor(slots, device=dev), meta, kv, self)
             logits = model.logits(hidden, self)   # the full group: fixed M
             for i, r in enumerate(idx):
                 if r in wanted:
                     out[r] = logits[i]
         if not rows.sample_rows:
-            return torch.zeros(0, model.cfg.vocab_size)
+            return torch.zeros(0, model.cfg.vocab_size, device=dev)
         return torch.stack([out[r] for r in rows.sample_rows])

@@ -13,8 +13,10 @@ from gateeng.scheduler import Kind, SeqOutput, StepPlan
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv: KVCache, fast: FastPlan, invariant: InvariantPlan):
+    def __init__(self, model: LlamaModel, kv: KVCache, fast: FastPlan, invariant: InvariantPlan,
+                 sample=sampler.sample):
         self.model = model
+        self.sample = sample
         self.kv = kv
         self.plans = {Kind.FAST: fast, Kind.INVARIANT: invariant}
         self.last_seconds: dict = {}   # wall time per plan in the last step (metrics)
@@ -29,7 +31,7 @@ class ModelRunner:
             t0 = time.perf_counter()
             rows, specs, owners = self._rows(seqs)
             logits = plan.logits(self.model, self.kv, rows)
-            tokens, margins = sampler.sample(logits, specs)
+            tokens, margins = self.sample(logits, specs)
             for seq in seqs:
                 outputs[seq.request.request_id] = SeqOutput([], [])
             for owner, tok, mar in zip(owners, tokens, margins):

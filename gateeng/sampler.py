@@ -51,7 +51,7 @@ def sample(logits: torch.Tensor, specs: list) -> tuple[list, list]:
             continue
         p = s.params
         scores = filter_top_k_top_p(logits[i] / p.temperature, p.top_k, p.top_p)
-        scores = scores + ref.gumbel_noise(s.seed, s.position, scores.shape[-1])
+        scores = scores + ref.gumbel_noise(s.seed, s.position, scores.shape[-1]).to(scores.device)
         tok, mar = ref.argmax_margin(scores)
         tokens[i], margins[i] = int(tok), float(mar)
     return tokens, margins

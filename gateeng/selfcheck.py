@@ -36,7 +36,7 @@ def _rows_alone_vs_mixed(fn, x: torch.Tensor, gen) -> list:
     alone[0] = x[0]
     if not torch.equal(fn(alone)[0], full[0]):
         fails.append("alone vs batch")
-    moved = torch.randn(x.shape, generator=gen).to(x.dtype)
+    moved = torch.randn(x.shape, generator=gen).to(dtype=x.dtype, device=x.device)
     moved[c - 1] = x[0]
     if not torch.equal(fn(moved)[c - 1], full[0]):
         fails.append("moved to another row")
@@ -44,13 +44,13 @@ def _rows_alone_vs_mixed(fn, x: torch.Tensor, gen) -> list:
 
 
 def run_selfcheck(plan: InvariantPlan, hidden: int, num_heads: int, num_kv_heads: int,
-                  head_dim: int, dtype, block_size: int, seed: int = 0) -> SelfCheckResult:
+                  head_dim: int, dtype, block_size: int, seed: int = 0, device="cpu") -> SelfCheckResult:
     t0 = time.perf_counter()
     gen = torch.Generator().manual_seed(seed)
-    c, failures = plan.rows, []
+    c, failures = plan.rows or 8, []   # GPU plans have no fixed row count: any batch of rows
 
     def randn(*shape):
-        return torch.randn(*shape, generator=gen).to(dtype)
+        return torch.randn(*shape, generator=gen).to(dtype=dtype, device=device)
 
     w = randn(hidden * 2, hidden)
     for f in _rows_alone_vs_mixed(lambda x: plan.linear(x, w), randn(c, hidden), gen):
@@ -65,17 +65,17 @@ def run_selfcheck(plan: InvariantPlan, hidden: int, num_heads: int, num_kv_heads
     length = 2 * split + block_size // 2 + 1
     nblocks = 2 * (-(-length // block_size)) + 1
     k_cache, v_cache = randn(nblocks, block_size, num_kv_heads, head_dim), randn(nblocks, block_size, num_kv_heads, head_dim)
-    perm = torch.randperm(nblocks - 1, generator=gen) + 1
+    perm = (torch.randperm(nblocks - 1, generator=gen) + 1).to(device)
     table_a, table_b = perm[:nblocks // 2], perm[nblocks // 2:]
     q = randn(length, num_heads, head_dim)
     scale = head_dim ** -0.5
-    qpos = torch.arange(length - c, length)
+    qpos = torch.arange(length - c, length, device=device)
     tables_a = table_a[None].expand(c, -1).contiguous()
     chunk = plan.attention(q[qpos], k_cache, v_cache, InvariantAttnMeta(tables_a, qpos, split), scale)
     for i in (0, c // 2, c - 1):
         p = int(qpos[i])
         tables = table_b[None].expand(c, -1).clone()
-        pos = torch.randint(0, len(table_b) * block_size, (c,), generator=gen)
+        pos = torch.randint(0, len(table_b) * block_size, (c,), generator=gen).to(device)
         qs = randn(c, num_heads, head_dim)
         j = (i + 3) % c
         tables[j, :len(table_a)] = table_a

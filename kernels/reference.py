@@ -42,22 +42,24 @@ def split_attention(q, k_cache, v_cache, block_tables, positions, split: int, sc
     width = block_tables.shape[1]
     kflat = k_cache.view(nb * bs, Hkv, D)
     vflat = v_cache.view(nb * bs, Hkv, D)
+    dev = q.device
     qf = (q.float() * scale).view(R, Hkv, G, D)
-    m = torch.full((R, Hkv, G, 1), float("-inf"))
-    l = torch.zeros((R, Hkv, G, 1))
-    acc = torch.zeros((R, Hkv, G, D))
-    in_block = torch.arange(bs)
-    key_off = torch.arange(split)
+    m = torch.full((R, Hkv, G, 1), float("-inf"), device=dev)
+    l = torch.zeros((R, Hkv, G, 1), device=dev)
+    acc = torch.zeros((R, Hkv, G, D), device=dev)
+    in_block = torch.arange(bs, device=dev)
+    key_off = torch.arange(split, device=dev)
+    zero = torch.zeros((), device=dev)
     n_splits = int(positions.max()) // split + 1
     for j in range(n_splits):
-        cols = torch.arange(j * bps, (j + 1) * bps).clamp(max=width - 1)
+        cols = torch.arange(j * bps, (j + 1) * bps, device=dev).clamp(max=width - 1)
         slots = (block_tables[:, cols, None] * bs + in_block).view(R, split)
         valid = (j * split + key_off)[None, :] <= positions[:, None]          # [R, split]
         k = kflat[slots].float().permute(0, 2, 3, 1)                            # [R, Hkv, D, S]
         v = vflat[slots].float().permute(0, 2, 1, 3)                            # [R, Hkv, S, D]
         s = torch.matmul(qf, k).masked_fill(~valid[:, None, None, :], float("-inf"))
         active = (positions >= j * split)[:, None, None, None]                  # row has keys here
-        m_j = torch.where(active, s.amax(-1, keepdim=True), torch.zeros(()))
+        m_j = torch.where(active, s.amax(-1, keepdim=True), zero)
         p = torch.exp(s - m_j)
         l_j = p.sum(-1, keepdim=True)
         o_j = torch.matmul(p, v)

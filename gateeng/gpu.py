@@ -1,0 +1,108 @@
+"""The two plans on a CUDA device.
+
+TritonInvariantPlan: matmul, RMSNorm and attention from gateeng.kernels' Triton
+kernels, whose per-row bits do not depend on the batch by construction (fixed
+tiles, full-K reductions, fixed attention splits), so rows need no padding to a
+fixed count: one forward serves all invariant rows of a step.
+
+FlashInferFastPlan: flashinfer's paged prefill/append attention over the same
+paged cache layout (NHD pages), cuBLAS matmuls through torch. flashinfer is
+imported lazily, only here, only on CUDA.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from gateeng.plan import FastPlan, InvariantAttnMeta, InvariantPlan, Rows
+
+
+class TritonInvariantPlan(InvariantPlan):
+    name = "invariant-triton"
+
+    def __init__(self, split: int = 64):
+        super().__init__(rows=0, split=split)
+        from gateeng.kernels import triton_attention, triton_matmul, triton_rmsnorm
+        self._mm, self._norm, self._attn = triton_matmul.matmul, triton_rmsnorm.rms_norm, triton_attention
+
+    def linear(self, x, w):
+        return self._mm(x, w)
+
+    def rms_norm(self, x, w, eps):
+        return self._norm(x, w, eps)
+
+    def attention(self, q, k_cache, v_cache, meta: InvariantAttnMeta, scale: float):
+        return self._attn.split_attention(q, k_cache, v_cache, meta.block_tables, meta.positions, meta.split, scale)
+
+    @torch.inference_mode()
+    def logits(self, model, kv, rows: Rows) -> torch.Tensor:
+        dev = model.embed.device
+        n = len(rows)
+        width = max(p // kv.block_size + 1 for p in rows.positions)
+        tables = torch.zeros(n, width, dtype=torch.int64)
+        for start, end, table in rows.seqs:
+            t = torch.tensor(table[:width], dtype=torch.int64)
+            tables[start:end, :len(t)] = t
+        pos = torch.tensor(rows.positions, device=dev)
+        meta = InvariantAttnMeta(tables.to(dev), pos, self.split)
+        hidden = model(torch.tensor(rows.input_ids, device=dev), pos, torch.tensor(rows.slots, device=dev),
+                       meta, kv, self)
+        return model.logits(hidden[rows.sample_rows], self)
+
+
+class FlashInferFastPlan(FastPlan):
+    name = "fast-flashinfer"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype, device, logit_noise: float = 0.0):
+        super().__init__(logit_noise)
+        import flashinfer   # GPU only
+        self.workspace = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device=device)
+        self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self.heads = (num_heads, num_kv_heads, head_dim)
+        self.dtype = dtype
+
+    def _meta(self, rows: Rows, block_size: int, dev):
+        qo, kv_indptr, kv_indices, last = [0], [0], [], []
+        for start, end, table in rows.seqs:
+            ctx = rows.positions[end - 1] + 1
+            pages = -(-ctx // block_size)
+            qo.append(qo[-1] + end - start)
+            kv_indices.extend(table[:pages])
+            kv_indptr.append(kv_indptr[-1] + pages)
+            last.append(ctx - (pages - 1) * block_size)
+        i32 = dict(dtype=torch.int32, device=dev)
+        h, hkv, d = self.heads
+        self.wrapper.plan(torch.tensor(qo, **i32), torch.tensor(kv_indptr, **i32), torch.tensor(kv_indices, **i32),
+                          torch.tensor(last, **i32), h, hkv, d, block_size, causal=True,
+                          q_data_type=self.dtype, kv_data_type=self.dtype)
+        return None
+
+    def attention(self, q, k_cache, v_cache, meta, scale: float):
+        return self.wrapper.run(q.contiguous(), (k_cache, v_cache))
+
+
+def gpu_sample(logits: torch.Tensor, specs: list):
+    """Greedy and plain seeded rows through the Triton sampling kernel (fixed order on
+    the GPU); rows with top-k / top-p use the torch sampler."""
+    from gateeng import sampler
+    from gateeng.kernels import triton_sampling
+    n = logits.shape[0]
+    tokens, margins = [0] * n, [0.0] * n
+    groups = {"greedy": [], "seeded": [], "filtered": []}
+    for i, s in enumerate(specs):
+        p = s.params
+        key = "greedy" if p.greedy else ("seeded" if p.top_k == 0 and p.top_p == 1.0 else "filtered")
+        groups[key].append(i)
+    for key in ("greedy", "seeded"):
+        idx = groups[key]
+        if idx:
+            tok, mar = triton_sampling.sample(logits[idx].contiguous(), [specs[i].params.temperature for i in idx],
+                                              [specs[i].seed for i in idx], [specs[i].position for i in idx])
+            for j, i in enumerate(idx):
+                tokens[i], margins[i] = int(tok[j]), float(mar[j])
+    idx = groups["filtered"]
+    if idx:
+        tok, mar = sampler.sample(logits[idx], [specs[i] for i in idx])
+        for j, i in enumerate(idx):
+            tokens[i], margins[i] = tok[j], mar[j]
+    return tokens, margins
