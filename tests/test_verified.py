@@ -97,7 +97,7 @@ def test_3_prefix_cache_and_chunk_budgets(loaded, ref_engine):
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     want = [c.token_ids for c in ref_engine.generate(prompts, params)]
     for budget in (16, 48, 512):
-        e = Engine(EngineConfig(max_num_batched_tokens=budget), loaded=loaded)
+        e = Engine(EngineConfig(max_num_batched_tokens=budget, max_window=min(32, budget - 1)), loaded=loaded)
         # OFF traffic first fills the prefix cache with fast (non-canonical) blocks.
         e.generate(prompts[:4], params)
         cold = e.generate(prompts, params, VERIFIED)
