@@ -103,3 +103,45 @@ def test_verified_equals_reference_on_tiny_model(engine):
     got = engine.generate([[11, 12, 13, 14, 15], [1, 2], [3, 4, 5]], params, [det, None, None])
     assert got[0].token_ids == want
     assert got[0].stats.decode_steps > 0
+
+
+def test_queue_full_is_backpressure_not_memory():
+    from gateeng.engine import QueueFull
+    e = Engine(EngineConfig(dtype="float32", num_kv_blocks=64, max_model_len=128, block_size=4, attention_split=8,
+                            invariant_rows=8, max_num_batched_tokens=64, max_queue=2, max_num_seqs=2),
+               loaded=tiny_loaded("float32"))
+    handles = e.submit_many([[1, 2]] * 4, SamplingParams(max_tokens=30, ignore_eos=True))
+    with pytest.raises(QueueFull, match="retry later"):
+        e.submit([3, 4], GOOD)
+    assert all(h.result(timeout=60).completion_tokens == 30 for h in handles)
+    assert e.submit([3, 4], GOOD).result(timeout=60).completion_tokens == 8   # room again
+    e.shutdown()
+
+
+def test_verified_refused_when_self_check_failed(engine):
+    from gateeng.engine import DeterminismUnavailable
+    from gateeng.selfcheck import SelfCheckResult
+    real = engine.selfcheck
+    engine.selfcheck = SelfCheckResult(False, ["matmul: alone vs batch"])
+    try:
+        with pytest.raises(DeterminismUnavailable, match="self-check FAILED"):
+            engine.submit([1, 2], GOOD, DeterminismParams(Mode.VERIFIED))
+        assert engine.generate([1, 2], GOOD).completion_tokens == 8   # OFF still served
+    finally:
+        engine.selfcheck = real
+
+
+def test_selfcheck_detects_a_batch_dependent_plan():
+    """The start-up check must fail for a plan whose matmul depends on the batch."""
+    from gateeng.plan import InvariantPlan
+    from gateeng.selfcheck import run_selfcheck
+
+    class Leaky(InvariantPlan):
+        @staticmethod
+        def linear(x, w):
+            return torch.nn.functional.linear(x, w) + x.mean() * 1e-3   # other rows leak in
+
+    import torch
+    res = run_selfcheck(Leaky(rows=8, split=8), 64, 4, 2, 16, torch.float32, 4)
+    assert not res.passed and any("matmul" in f for f in res.failures)
+    assert run_selfcheck(InvariantPlan(rows=8, split=8), 64, 4, 2, 16, torch.float32, 4).passed

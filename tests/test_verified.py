@@ -19,7 +19,7 @@ TARGETS = [
     "What are the benefits of learning a second language?",
     "Describe a day in the life of a medieval blacksmith.",
 ]
-N_TOKENS = 64
+N_TOKENS = 48
 VERIFIED = DeterminismParams(Mode.VERIFIED)
 GREEDY = SamplingParams(max_tokens=N_TOKENS, ignore_eos=True)
 
@@ -60,9 +60,12 @@ def run_in_batch(engine, size, det, seed=0, params=GREEDY):
     if size == 1:
         return [engine.generate(t, params, det, chat=True).token_ids for t in TARGETS]
     n_fill = max(0, size - len(TARGETS))
-    fill_params = SamplingParams(max_tokens=N_TOKENS, temperature=0.7, seed=seed, ignore_eos=True)
+    rng = random.Random(seed)
+    # Fillers of mixed lengths keep the batch shape changing while the targets decode.
+    fill_params = [SamplingParams(max_tokens=rng.randint(8, N_TOKENS), temperature=0.7, seed=seed + i,
+                                  ignore_eos=True) for i in range(n_fill)]
     prompts = TARGETS + fillers(n_fill, seed)
-    ps = [params] * len(TARGETS) + [fill_params] * n_fill
+    ps = [params] * len(TARGETS) + fill_params
     ds = [det] * len(TARGETS) + [None] * n_fill
     res = engine.generate(prompts, ps, ds, chat=True)
     return [r.token_ids for r in res[:len(TARGETS)]]
@@ -72,7 +75,7 @@ def run_in_batch(engine, size, det, seed=0, params=GREEDY):
 def batch_runs(engine):
     """{(mode, size): outputs of the targets} for batch sizes 1..32, OFF and VERIFIED."""
     runs = {}
-    for size in (1, 2, 8, 32):
+    for size in (1, 4, 12, 32):
         for mode, det in (("off", None), ("verified", VERIFIED)):
             runs[(mode, size)] = run_in_batch(engine, size, det, seed=size)
     return runs
@@ -80,26 +83,26 @@ def batch_runs(engine):
 
 def test_1_verified_is_identical_to_reference_at_every_batch_size(batch_runs, reference):
     for i, want in enumerate(reference):
-        outs = {tuple(batch_runs[("verified", s)][i]) for s in (1, 2, 8, 32)}
+        outs = {tuple(batch_runs[("verified", s)][i]) for s in (1, 4, 12, 32)}
         assert len(outs) == 1, f"target {i}: {len(outs)} distinct outputs"
         assert list(outs.pop()) == want
 
 
 def test_2_off_diverges_with_batch_size(batch_runs):
     """The inverse: without verification, the batch changes the output (teeth for test 1)."""
-    distinct = [len({tuple(batch_runs[("off", s)][i]) for s in (1, 2, 8, 32)}) for i in range(len(TARGETS))]
+    distinct = [len({tuple(batch_runs[("off", s)][i]) for s in (1, 4, 12, 32)}) for i in range(len(TARGETS))]
     assert max(distinct) > 1, distinct
 
 
 def test_3_prefix_cache_and_chunk_budgets(loaded, ref_engine):
     base = "You are a careful assistant. Answer in one paragraph. " * 3
-    prompts = [base[:n] + q for n in (0, 40, 90, len(base)) for q in (" Why is the sky blue?", " Name a prime.")]
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    prompts = [base[:n] + q for n in (0, 60, len(base)) for q in (" Why is the sky blue?", " Name a prime.")]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
     want = [c.token_ids for c in ref_engine.generate(prompts, params)]
     for budget in (16, 48, 512):
         e = Engine(EngineConfig(max_num_batched_tokens=budget, max_window=min(32, budget - 1)), loaded=loaded)
         # OFF traffic first fills the prefix cache with fast (non-canonical) blocks.
-        e.generate(prompts[:4], params)
+        e.generate(prompts[2:], params)
         cold = e.generate(prompts, params, VERIFIED)
         warm = e.generate(prompts, params, VERIFIED)
         assert any(c.cached_tokens > 0 for c in warm)
@@ -111,9 +114,9 @@ def test_3_prefix_cache_and_chunk_budgets(loaded, ref_engine):
 
 def test_4_seeded_sampling(engine, ref_engine):
     def params(seed):
-        return SamplingParams(max_tokens=32, temperature=0.8, seed=seed, ignore_eos=True)
+        return SamplingParams(max_tokens=24, temperature=0.8, seed=seed, ignore_eos=True)
     want = ref_engine.generate(TARGETS[0], params(11), chat=True).token_ids
-    for size in (1, 8, 24):
+    for size in (1, 12):
         got = run_in_batch(engine, size, VERIFIED, seed=size, params=params(11))[0]
         assert got == want, f"batch {size}"
     other = engine.generate(TARGETS[0], params(12), VERIFIED, chat=True).token_ids
@@ -142,20 +145,22 @@ def test_5_streaming_matches_unary_and_verified_only_never_retracts(engine, refe
 def test_6_rollback_with_a_known_cause(loaded, reference):
     """Noise on the fast path's logits makes it pick wrong tokens; the verifier must
     catch every one (rollbacks > 0) and the output must still be the reference."""
+    n = 24   # a greedy decode's first n tokens are the reference's first n
+    params = SamplingParams(max_tokens=n, ignore_eos=True)
     e = Engine(EngineConfig(fast_logit_noise=2.0), loaded=loaded)
-    eager = DeterminismParams(Mode.VERIFIED, stream_policy=StreamPolicy.EAGER)
-    res = e.generate(TARGETS, GREEDY, [VERIFIED, VERIFIED, eager, eager], chat=True)
-    assert [r.token_ids for r in res] == reference
+    res = e.generate(TARGETS[:2], params, VERIFIED, chat=True)
+    assert [r.token_ids for r in res] == [r[:n] for r in reference[:2]]
     assert sum(r.stats.mismatches for r in res) > 0
     assert sum(r.stats.rolled_back_tokens for r in res) > 0
     # EAGER streams may retract, but the final result is still the reference.
-    events = collect_stream(e, TARGETS[2], GREEDY, eager)
-    assert events[-1].token_ids == reference[2]
+    eager = DeterminismParams(Mode.VERIFIED, stream_policy=StreamPolicy.EAGER)
+    events = collect_stream(e, TARGETS[2], params, eager)
+    assert events[-1].token_ids == reference[2][:n]
     e.shutdown()
     e.blocks.check_integrity()
 
 
 def test_window_only_mode_tau_zero(engine, reference):
     det = DeterminismParams(Mode.VERIFIED, margin_threshold=0.0, max_window=8)
-    res = run_in_batch(engine, 8, det, seed=5)
+    res = run_in_batch(engine, 6, det, seed=5)
     assert res == reference
