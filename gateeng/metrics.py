@@ -88,7 +88,8 @@ class Metrics(Observer):
             if req.mode is Mode.VERIFIED:
                 if seq.kind is Kind.FAST and seq.sample_rows:
                     self.margin.observe(max(0.0, min(outputs[req.request_id].margins[-1], 1e6)))
-                self._stats_delta(req.request_id, req.stats)
+                if not req.finished:   # a finished request's last delta was taken in on_finish
+                    self._stats_delta(req.request_id, req.stats)
             elif seq.sample_rows and not seq.replay and seq.start >= req.num_prompt:
                 self.decode_steps.labels(req.mode.value).inc()
         if replay:

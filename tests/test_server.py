@@ -248,7 +248,7 @@ def test_32_concurrent_mixed_streams_and_metrics(server, client, smollm):
     assert delta('gateeng_generation_tokens_total{determinism="verified"}') == 16 * 24
     assert delta('gateeng_generation_tokens_total{determinism="off"}') == 16 * 24
     assert delta('gateeng_request_success_total{finish_reason="length"}') == 32
-    assert after['gateeng_build_info{version="0.1.0",plan="fast",dtype="bfloat16",device="cpu",self_check="passed"}'] == 1
+    assert after['gateeng_build_info{device="cpu",dtype="bfloat16",plan="fast",self_check="passed",version="0.1.0"}'] == 1
 
 
 def test_sigterm_drains_and_exits_zero():
