@@ -197,7 +197,7 @@ def main() -> int:
         except Exception as e:   # report and go on: one table with everything we could measure
             row(check.__name__, "error", repr(e)[:120], "FAIL")
         print(f"  ({check.__name__}: {time.perf_counter() - t0:.0f}s)", file=sys.stderr)
-    print(f"\n| section | check | value | verdict |\n| --- | --- | --- | --- |")
+    print("\n| section | check | value | verdict |\n| --- | --- | --- | --- |")
     for r in ROWS:
         print("| " + " | ".join(r) + " |")
     return 1 if any(r[3] == "FAIL" for r in ROWS) else 0

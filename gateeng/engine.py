@@ -24,9 +24,9 @@ from gateeng.sampler import sample as sample_rows
 from gateeng.model import KVCache
 from gateeng.outputs import Chunk, Completion, Rollback
 from gateeng.plan import FastPlan, InvariantPlan
-from gateeng.request import DeterminismParams, Mode, Request, SamplingParams, Status
+from gateeng.request import DeterminismParams, Mode, Request, SamplingParams
 from gateeng.runner import ModelRunner
-from gateeng.scheduler import Kind, Scheduler, StepPlan
+from gateeng.scheduler import Scheduler, StepPlan
 from gateeng.selfcheck import run_selfcheck
 from gateeng.stopping import StopChecker
 

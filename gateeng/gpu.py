@@ -12,7 +12,6 @@ imported lazily, only here, only on CUDA.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from gateeng.plan import FastPlan, InvariantAttnMeta, InvariantPlan, Rows
 

@@ -9,7 +9,6 @@ Trigger rate (PromQL):
 """
 from __future__ import annotations
 
-from dataclasses import asdict
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 

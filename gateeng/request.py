@@ -115,7 +115,6 @@ class Request:
     stop_text_len: Optional[int] = None  # output text is cut here when a stop string matched
     pending_verify: bool = False
     eager_len: int = 0          # EAGER: output tokens that may be sent before verification
-    emitted: int = 0            # output tokens sent to the client
     stats: DeterminismStats = field(default_factory=DeterminismStats)
     tau: float = 0.0            # effective margin threshold
     window: int = 1             # effective max window
@@ -151,10 +150,6 @@ class Request:
     @property
     def num_unverified(self) -> int:
         return len(self.tokens) - self.num_verified
-
-    @property
-    def prefilling(self) -> bool:
-        return self.num_computed < len(self.tokens) - 1
 
     @property
     def finished(self) -> bool:

@@ -13,7 +13,6 @@ import logging
 import math
 import signal
 import threading
-import time
 from concurrent import futures
 from typing import Optional
 

@@ -1,7 +1,7 @@
 """Scheduler, gate and commit/rollback with a scripted fake runner (no model)."""
 import pytest
 
-from fakes import EOS, FakeRunner, reference_output, truth
+from fakes import EOS, FakeRunner, reference_output
 from gateeng.block_manager import BlockManager
 from gateeng.request import (DeterminismParams, FinishReason, Mode, Request, SamplingParams,
                              StreamPolicy)

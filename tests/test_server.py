@@ -1,6 +1,4 @@
 """End-to-end: a real `gateeng serve` process on loopback, real gRPC, real /metrics."""
-import os
-import re
 import signal
 import socket
 import subprocess
