@@ -124,6 +124,10 @@ class InvariantPlan:
     linear = staticmethod(ref.matmul)
     rms_norm = staticmethod(ref.rms_norm)
 
+    def describe(self) -> str:
+        """What the canonical bits depend on, besides weights, dtype and device kind."""
+        return f"{self.name}(rows={self.rows},split={self.split})"
+
     def attention(self, q, k_cache, v_cache, meta: InvariantAttnMeta, scale: float):
         return ref.split_attention(q, k_cache, v_cache, meta.block_tables, meta.positions,
                                    meta.split, scale)

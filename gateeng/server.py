@@ -107,7 +107,7 @@ class EngineService(pb_grpc.EngineServicer):
                 margin_threshold=c.margin_threshold),
             reproducibility=pb.Reproducibility(
                 engine_version=e.version, model_fingerprint=e.loaded.fingerprint, dtype=e.config.dtype,
-                device_kind=e.device_kind, kernel_plan=e.config.plan,
+                device_kind=e.device_kind, kernel_plan=f"{e.config.plan}; {e.invariant_plan.describe()}",
                 self_check_passed=e.selfcheck.passed, self_check=e.selfcheck.describe(),
                 seed=c.seed or 0, seeded=c.seed is not None))
 

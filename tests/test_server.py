@@ -82,6 +82,8 @@ def scrape(mport):
 
 def test_health_flips_to_serving_and_reflection_lists_service(server):
     _, target, _, seen = server
+    # The port opens before the model loads: probes saw NOT_SERVING first.
+    assert seen[0] == health_pb2.HealthCheckResponse.NOT_SERVING
     assert seen[-1] == health_pb2.HealthCheckResponse.SERVING
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
     stub = reflection_pb2_grpc.ServerReflectionStub(grpc.insecure_channel(target))
