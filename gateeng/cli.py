@@ -17,13 +17,15 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-window", type=int, default=32,
                    help="verify after this many unverified tokens at the latest (W)")
     p.add_argument("--kv-blocks", type=int, default=1024, help="KV cache size in blocks of 16 tokens")
+    p.add_argument("--invariant-rows", type=int, default=8,
+                   help="CPU invariant plan: rows per fixed-shape group (part of the canonical reference)")
 
 
 def _engine_config(args):
     from gateeng.config import EngineConfig
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, plan=args.plan,
                         margin_threshold=args.margin_threshold, max_window=args.max_window,
-                        num_kv_blocks=args.kv_blocks)
+                        num_kv_blocks=args.kv_blocks, invariant_rows=args.invariant_rows)
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
