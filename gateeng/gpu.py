@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from gateeng.plan import FastPlan, InvariantAttnMeta, InvariantPlan, Rows
+from gateeng.plan import FastPlan, InvariantAttnMeta, InvariantPlan, Rows, row_block_tables
 
 
 class TritonInvariantPlan(InvariantPlan):
@@ -37,11 +37,10 @@ class TritonInvariantPlan(InvariantPlan):
     def logits(self, model, kv, rows: Rows) -> torch.Tensor:
         dev = model.embed.device
         n = len(rows)
-        width = max(p // kv.block_size + 1 for p in rows.positions)
-        tables = torch.zeros(n, width, dtype=torch.int64)
+        row_table = [None] * n
         for start, end, table in rows.seqs:
-            t = torch.tensor(table[:width], dtype=torch.int64)
-            tables[start:end, :len(t)] = t
+            row_table[start:end] = [table] * (end - start)
+        tables = row_block_tables(row_table, max(p // kv.block_size + 1 for p in rows.positions))
         pos = torch.tensor(rows.positions, device=dev)
         meta = InvariantAttnMeta(tables.to(dev), pos, self.split)
         hidden = model(torch.tensor(rows.input_ids, device=dev), pos, torch.tensor(rows.slots, device=dev),

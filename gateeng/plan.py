@@ -38,6 +38,17 @@ def _slot_tensor(block_table: list, length: int, block_size: int, device) -> tor
     return slots[:length]
 
 
+def row_block_tables(tables: list, width: int) -> torch.Tensor:
+    """[len(tables), width] block ids, one row per query row; zeros past a table's
+    end (those keys are masked by position) and for padding rows (table None)."""
+    out = torch.zeros(len(tables), width, dtype=torch.int64)
+    for i, t in enumerate(tables):
+        if t:
+            t = t[:width]
+            out[i, :len(t)] = torch.tensor(t, dtype=torch.int64)
+    return out
+
+
 @dataclass
 class FastAttnMeta:
     prefill: list               # (row_start, row_end, key slots [ctx], mask [q, ctx])
@@ -150,10 +161,7 @@ class InvariantPlan:
             pos = [rows.positions[r] for r in idx] + [0] * pad
             slots = [rows.slots[r] for r in idx] + [-1] * pad
             width = max(p // kv.block_size + 1 for p in pos)
-            tables = torch.zeros(c, width, dtype=torch.int64)
-            for i, r in enumerate(idx):
-                t = row_table[r][:width]
-                tables[i, :len(t)] = torch.tensor(t, dtype=torch.int64)
+            tables = row_block_tables([row_table[r] for r in idx] + [None] * pad, width)
             pos_t = torch.tensor(pos, device=dev)
             meta = InvariantAttnMeta(tables.to(dev), pos_t, self.split)
             hidden = model(torch.tensor(ids, device=dev), pos_t, torch.tensor(slots, device=dev), meta, kv, self)

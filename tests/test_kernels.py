@@ -31,8 +31,8 @@ def poisoned(fn):
     def nan_empty(*a, **k):
         t = real(*a, **k)
         return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(-7)
-    torch.empty, torch.empty_like_real = nan_empty, torch.empty_like
     real_like = torch.empty_like
+    torch.empty = nan_empty
     torch.empty_like = lambda t, **k: nan_empty(t.shape, dtype=k.get("dtype", t.dtype), device=t.device)
     try:
         return fn()
