@@ -291,10 +291,10 @@ class Engine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens but the context holds {self.max_model_len}: "
                              f"shorten the prompt")
-        need = self.blocks.blocks_needed(min(len(ids) + params.max_tokens, self.max_model_len))
-        if need > self.blocks.num_blocks:
-            raise ValueError(f"prompt plus max_tokens needs {need} KV blocks but the cache has "
-                             f"{self.blocks.num_blocks}: lower max_tokens")
+        total = min(len(ids) + params.max_tokens, self.max_model_len)
+        if not self.scheduler.fits(total):
+            raise ValueError(f"prompt plus max_tokens needs {self.blocks.blocks_needed(total)} KV blocks but "
+                             f"the cache has {self.blocks.num_blocks}: lower max_tokens")
         mode = Mode.REFERENCE if self.config.plan == "invariant" else det.mode
         if mode is Mode.VERIFIED and not self.selfcheck.passed:
             raise DeterminismUnavailable("VERIFIED is unavailable on this machine: " + self.selfcheck.describe())
@@ -355,21 +355,26 @@ class Engine:
             req.stats.retractions += 1
             self.observer.on_retraction(req)
         new = out[len(h.sent_ids):]
-        if not new:
+        if not new and not final:
             return
-        now = time.monotonic()
-        if not h.sent_ids and req.first_token_time is None:
-            req.first_token_time = now
-            self.observer.on_first_token(req, now - req.arrival)
-        else:
-            self.observer.on_tokens(req, len(new), (now - h.last_emit) / len(new))
-        h.last_emit = now
         text = self._decode(out)
         if final and req.stop_text_len is not None:
             text = text[:req.stop_text_len]
-        elif text.endswith("\ufffd"):
+        elif not final and text.endswith("\ufffd"):
             text = h.sent_text   # wait for the rest of a multi-byte character
         delta = text[len(h.sent_text):] if text.startswith(h.sent_text) else text
+        if not new and not delta:
+            return
+        if new:
+            now = time.monotonic()
+            if not h.sent_ids and req.first_token_time is None:
+                req.first_token_time = now
+                self.observer.on_first_token(req, now - req.arrival)
+            else:
+                self.observer.on_tokens(req, len(new), (now - h.last_emit) / len(new))
+            h.last_emit = now
+        # The final call may carry only text held back for an unfinished character,
+        # so the chunks always add up to the completion's text.
         h.events.put(Chunk(list(new), delta, len(h.sent_ids)))
         h.sent_ids.extend(new)
         h.sent_text = text

@@ -94,7 +94,8 @@ def gpu_sample(logits: torch.Tensor, specs: list):
     for key in ("greedy", "seeded"):
         idx = groups[key]
         if idx:
-            tok, mar = triton_sampling.sample(logits[idx].contiguous(), [specs[i].params.temperature for i in idx],
+            temps = [0.0 if key == "greedy" else specs[i].params.temperature for i in idx]
+            tok, mar = triton_sampling.sample(logits[idx].contiguous(), temps,
                                               [specs[i].seed for i in idx], [specs[i].position for i in idx])
             for j, i in enumerate(idx):
                 tokens[i], margins[i] = int(tok[j]), float(mar[j])

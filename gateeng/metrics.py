@@ -3,9 +3,9 @@
 Verifier counters are derived from the per-request DeterminismStats as deltas
 after each step, so the exported counters and the per-request reports can never
 disagree. Labels stay low-cardinality: determinism, reason, finish_reason.
-Trigger rate (PromQL):
-  rate(gateeng_verifier_triggers_total[5m])
-    / rate(gateeng_decode_steps_total{determinism="verified"}[5m])
+Trigger rate (PromQL; each side summed, since the labels differ):
+  sum(rate(gateeng_verifier_triggers_total[5m]))
+    / sum(rate(gateeng_decode_steps_total{determinism="verified"}[5m]))
 """
 from __future__ import annotations
 

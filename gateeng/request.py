@@ -34,9 +34,15 @@ class Status(enum.Enum):
     FINISHED = 2
 
 
+# Below this temperature a request is greedy: logits / T would overflow float32
+# (1e-38 turns every score into inf) long before T reaches 0, and at T < 1e-5 the
+# sampled distribution is already the argmax.
+GREEDY_TEMPERATURE = 1e-5
+
+
 @dataclass
 class SamplingParams:
-    temperature: float = 0.0      # 0 = greedy
+    temperature: float = 0.0      # < GREEDY_TEMPERATURE (0 included) = greedy
     top_p: float = 1.0
     top_k: int = 0                # 0 = off
     seed: Optional[int] = None    # None with temperature > 0: the engine draws one and reports it
@@ -62,7 +68,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 @dataclass

@@ -118,14 +118,15 @@ class Scheduler:
                 self._preempt(victim)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            if not req.block_table:
-                self._match_prefix(req)
+            self._match_prefix(req)
             seq = self._next_chunk(req, budget)
             if seq is None or not self._reserve(req, seq.end):
-                if not self.running and not plan.seqs:
-                    # Nothing else holds blocks: this request can never fit.
-                    self.blocks.release_all(req.block_table)
-                    req.num_computed = 0
+                # A waiting request holds no blocks: the match goes back (its blocks
+                # stay cached), so only running requests ever keep this one out.
+                self._unmatch(req)
+                if not self.running and not plan.seqs and not self.fits(len(req.tokens)):
+                    # Unreachable for a request admitted through fits(); a direct caller's
+                    # oversized request must not wait forever.
                     self.waiting.popleft()
                     self._finish(req, FinishReason.ABORT, remove=False)
                     continue
@@ -136,6 +137,12 @@ class Scheduler:
             plan.seqs.append(seq)
             budget -= seq.num_tokens
         return plan
+
+    def fits(self, num_tokens: int) -> bool:
+        """Can a request of `num_tokens` positions ever run? The admission rule: a
+        request that passes it is never dropped for lack of KV, since the scheduler
+        can always preempt everything else to make room."""
+        return self.blocks.blocks_needed(num_tokens) <= self.blocks.num_blocks
 
     def _next_chunk(self, req: Request, budget: int) -> Optional[ScheduledSeq]:
         if req.pending_verify:
@@ -173,11 +180,14 @@ class Scheduler:
         if req.num_preemptions == 0:
             req.num_cached_tokens = min(req.num_computed, req.num_prompt)
 
-    def _preempt(self, req: Request) -> None:
-        self.running.remove(req)
+    def _unmatch(self, req: Request) -> None:
         self.blocks.release_all(req.block_table)
         req.num_computed = 0
         req.num_registered_blocks = 0
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self._unmatch(req)
         # Speculated tokens are dropped; the recompute re-derives them.
         del req.tokens[req.num_verified:]
         req.pending_verify = False
@@ -261,6 +271,9 @@ class Scheduler:
     def _finish(self, req: Request, reason: FinishReason, remove: bool = True) -> None:
         if remove:
             self.running.remove(req)
+        # The KV already written stays valid: cache it before the blocks go back,
+        # so even a one-step request leaves its prompt for the next one.
+        self._register_blocks(req)
         self.blocks.release_all(req.block_table)
         req.status = Status.FINISHED
         req.finish_reason = reason

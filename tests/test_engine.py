@@ -22,6 +22,7 @@ def engine():
 
 
 GOOD = SamplingParams(max_tokens=8, ignore_eos=True)
+VERIFIED = DeterminismParams(Mode.VERIFIED)
 
 
 @pytest.mark.parametrize("prompt, params, det, match", [
@@ -46,22 +47,32 @@ def test_bad_input_is_rejected_and_others_keep_running(engine, prompt, params, d
     assert ok.result(timeout=60).completion_tokens == 8
 
 
-def test_generate_and_stream_agree(engine):
-    params = SamplingParams(max_tokens=12, ignore_eos=True)
-    unary = engine.generate([9, 8, 7, 6], params)
-
-    async def collect():
-        ids, final = [], None
-        async for ev in engine.stream([9, 8, 7, 6], params):
+def collect(engine, prompt, params, det=None):
+    async def go():
+        ids, text, final = [], "", None
+        async for ev in engine.stream(prompt, params, det):
             if isinstance(ev, Chunk):
                 assert ev.position == len(ids)
                 ids += ev.token_ids
+                text += ev.text
             elif isinstance(ev, Completion):
                 final = ev
-        return ids, final
-    ids, final = asyncio.run(collect())
-    assert ids == unary.token_ids == final.token_ids
+        return ids, text, final
+    return asyncio.run(go())
+
+
+def test_stream_is_its_own_completion_and_verified_matches_unary(engine):
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    # OFF promises no repeat across calls, only that a stream adds up to its own result.
+    ids, text, final = collect(engine, [9, 8, 7, 6], params)
+    assert ids == final.token_ids and len(ids) == 12
+    assert text == final.text == engine.tokenizer.decode(final.token_ids)
     assert final.finish_reason is FinishReason.LENGTH
+    # VERIFIED promises the same bits on every route.
+    unary = engine.generate([9, 8, 7, 6], params, VERIFIED)
+    ids, text, final = collect(engine, [9, 8, 7, 6], params, VERIFIED)
+    assert ids == final.token_ids == unary.token_ids
+    assert text == final.text == unary.text
 
 
 def test_abort_mid_generation_frees_kv(engine):
@@ -75,20 +86,31 @@ def test_abort_mid_generation_frees_kv(engine):
 
 
 def test_seeded_sampling_repeats_and_seeds_differ(engine):
+    """A seed names the same tokens alone and in a batch: promised for VERIFIED."""
     def run(seed, n_other):
         p = SamplingParams(temperature=0.8, seed=seed, max_tokens=16, ignore_eos=True)
         others = [[i + 3, i + 5] for i in range(n_other)]
-        res = engine.generate([[10, 20, 30]] + others, [p] + [GOOD] * n_other)
+        res = engine.generate([[10, 20, 30]] + others, [p] + [GOOD] * n_other, [VERIFIED] + [None] * n_other)
         return res[0].token_ids
     a = run(7, 0)
     assert run(7, 3) == a
     assert run(8, 0) != a
 
 
+@pytest.mark.parametrize("temperature", [1e-38, 1e-37, 1e-6])
+def test_temperature_below_the_floor_is_greedy(engine, temperature):
+    greedy = engine.generate([3, 1, 4], GOOD, VERIFIED)
+    tiny = engine.generate([3, 1, 4], SamplingParams(temperature=temperature, max_tokens=8, ignore_eos=True),
+                           VERIFIED)
+    assert tiny.token_ids == greedy.token_ids and tiny.seed is None
+
+
 def test_stop_strings_and_stop_ids(engine):
-    free = engine.generate([3, 1, 4], SamplingParams(max_tokens=10, ignore_eos=True)).token_ids
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    free = engine.generate([3, 1, 4], params, VERIFIED).token_ids
     stop_id = free[4]
-    res = engine.generate([3, 1, 4], SamplingParams(max_tokens=10, ignore_eos=True, stop_token_ids=(stop_id,)))
+    res = engine.generate([3, 1, 4], SamplingParams(max_tokens=10, ignore_eos=True, stop_token_ids=(stop_id,)),
+                          VERIFIED)
     assert res.token_ids == free[:free.index(stop_id) + 1] and res.finish_reason is FinishReason.STOP
 
 

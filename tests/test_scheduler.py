@@ -1,4 +1,6 @@
 """Scheduler, gate and commit/rollback with a scripted fake runner (no model)."""
+import random
+
 import pytest
 
 from fakes import EOS, FakeRunner, reference_output
@@ -202,3 +204,74 @@ def test_eager_emits_high_margin_and_holds_low():
     assert any(lim > ver for _, lim, ver in limits)
     # The low-margin token (index 3) is never shown before verification.
     assert all(not (lim > 3 and ver <= 3) for _, lim, ver in limits)
+
+
+def test_request_needing_every_block_is_not_aborted_behind_a_prefix_holder():
+    """A waiting request that matched a cached prefix must not make an admitted
+    request that needs the whole cache look impossible."""
+    sched = make_scheduler(num_blocks=8, block_size=4, budget=64, max_seqs=4)
+    shared = [7, 7, 7, 7, 8, 8, 8, 8]
+    sched.add(make_request("warm", shared + [1], max_tokens=1, mode=Mode.OFF))
+    run_all(sched, FakeRunner())                   # leaves the shared blocks cached
+    big_prompt = list(range(1, 26))                # 25 + 7 tokens = 32 slots = all 8 blocks
+    small_prompt = shared + [2, 3]
+    sched.add(make_request("big", big_prompt, max_tokens=7, mode=Mode.OFF))
+    sched.add(make_request("small", small_prompt, max_tokens=4, mode=Mode.OFF))
+    plan = sched.schedule()                        # big prefills 7 blocks; small matches a cached block
+    assert [s.request.request_id for s in plan.seqs] == ["big"]
+    sched.update(plan, FakeRunner().run(plan))
+    done = run_all(sched, FakeRunner())
+    assert done["big"].finish_reason is FinishReason.LENGTH
+    assert done["big"].output_ids == reference_output(big_prompt, 7, rid="big")
+    assert done["small"].output_ids == reference_output(small_prompt, 4, rid="small")
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_kv_pressure_never_aborts_an_admitted_request(seed):
+    """Random arrivals, shared prefixes, VERIFIED rollbacks and client aborts on a
+    cache a few requests fill. After every step: nothing finished with ABORT that a
+    client did not abort, and the block accounting holds."""
+    rng = random.Random(seed)
+    bs = 4
+    sched = make_scheduler(num_blocks=rng.randint(6, 12), block_size=bs, budget=rng.randint(8, 40),
+                           max_seqs=rng.randint(2, 8))
+    capacity = sched.blocks.num_blocks * bs
+    prefixes = [[rng.randrange(1, 40) for _ in range(rng.randint(4, 12))] for _ in range(3)]
+    script, prompts, aborted, done = {}, {}, set(), {}
+    max_window = min(5, sched.token_budget - 1)
+    for step in range(3000):
+        if len(prompts) < 40 and rng.random() < 0.3:
+            rid = f"r{len(prompts)}"
+            prompt = rng.choice(prefixes) + [rng.randrange(1, 40) for _ in range(rng.randint(1, 10))]
+            max_tokens = rng.randint(1, max(1, min(16, capacity - len(prompt))))
+            assert sched.fits(len(prompt) + max_tokens)   # what the engine admits
+            mode = rng.choice([Mode.OFF, Mode.VERIFIED])
+            if mode is Mode.VERIFIED:
+                for i in rng.sample(range(max_tokens), k=min(2, max_tokens)):
+                    script[(rid, i)] = (rng.randrange(1, 40), rng.choice([0.0, 10.0]))
+            prompts[rid] = prompt
+            sched.add(make_request(rid, prompt, max_tokens=max_tokens, mode=mode,
+                                   window=rng.randint(1, max_window), tau=rng.choice([0.0, 1.0])))
+        if rng.random() < 0.02:
+            live = [r.request_id for r in list(sched.waiting) + sched.running]
+            if live:
+                rid = rng.choice(live)
+                aborted.add(rid)
+                sched.abort(rid)
+        plan = sched.schedule()
+        sched.update(plan, FakeRunner(script).run(plan))
+        for req in sched.finished:
+            assert req.finish_reason is not FinishReason.ABORT or req.request_id in aborted, \
+                f"seed {seed} step {step}: {req.request_id} aborted by the scheduler"
+            done[req.request_id] = req
+        sched.finished.clear()
+        sched.blocks.check_integrity()
+        if not sched.has_work() and len(prompts) >= 40:
+            break
+    assert not sched.has_work() and len(done) == len(prompts)
+    assert sched.blocks.num_free == sched.blocks.num_blocks
+    assert sched.num_preemptions > 0 or seed % 3   # the cache really is under pressure
+    for rid, req in done.items():
+        if rid not in aborted:
+            want = reference_output(prompts[rid], req.params.max_tokens, rid=rid)
+            assert req.output_ids == want, rid

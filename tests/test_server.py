@@ -1,4 +1,5 @@
 """End-to-end: a real `gateeng serve` process on loopback, real gRPC, real /metrics."""
+import itertools
 import signal
 import socket
 import subprocess
@@ -115,29 +116,45 @@ def test_generic_client_via_reflection_only(server):
     assert len(out.token_ids) > 0 and out.reproducibility.model_fingerprint
 
 
-def test_stream_unary_offline_identical(server, client, smollm):
+def read_stream(call):
+    """(token ids from the chunks, their text, the final Completion); fails on a rollback."""
+    ids, text, final = [], "", None
+    for ev in call:
+        if ev.HasField("chunk"):
+            assert ev.chunk.position == len(ids)
+            ids += list(ev.chunk.token_ids)
+            text += ev.chunk.text
+        elif ev.HasField("complete"):
+            final = ev.complete
+        else:
+            pytest.fail("a VERIFIED_ONLY or OFF stream sent a rollback")
+    return ids, text, final
+
+
+def test_verified_is_the_reference_on_every_route_and_off_streams_add_up(server, client, smollm):
     from gateeng.config import EngineConfig
     from gateeng.engine import Engine
     prompt = "Name three rivers in Europe."
     params = SamplingParams(max_tokens=32, ignore_eos=True)
-    offline = Engine(EngineConfig(), loaded=smollm("bfloat16"))
-    for det in (None, VERIFIED):
-        unary = client.complete(prompt, params, det, chat=True)
-        streamed, final = [], None
-        for ev in client.generate(prompt, params, det, chat=True):
-            if ev.HasField("chunk"):
-                assert ev.chunk.position == len(streamed)
-                streamed += list(ev.chunk.token_ids)
-            elif ev.HasField("complete"):
-                final = ev.complete
-            else:
-                pytest.fail("VERIFIED_ONLY/OFF stream sent a rollback")
-        local = offline.generate(prompt, params, det, chat=True)
-        assert list(unary.token_ids) == streamed == list(final.token_ids)
-        if det is VERIFIED:   # OFF alone is also stable, but only VERIFIED is promised
-            assert list(unary.token_ids) == local.token_ids
-        assert unary.text == final.text
+    loaded = smollm("bfloat16")
+    ref = Engine(EngineConfig(plan="invariant"), loaded=loaded)
+    want = ref.generate(prompt, params, chat=True)
+    ref.shutdown()
+    offline = Engine(EngineConfig(), loaded=loaded)
+    local = offline.generate(prompt, params, VERIFIED, chat=True)
     offline.shutdown()
+    unary = client.complete(prompt, params, VERIFIED, chat=True)
+    ids, text, final = read_stream(client.generate(prompt, params, VERIFIED, chat=True))
+    assert list(unary.token_ids) == ids == list(final.token_ids) == local.token_ids == want.token_ids
+    assert unary.text == text == final.text == want.text
+    # OFF promises no repeat across calls (the second one hits the prefix cache the
+    # first one filled): each answer only has to agree with itself.
+    unary = client.complete(prompt, params, chat=True)
+    assert len(unary.token_ids) == 32
+    assert unary.text == loaded.tokenizer.decode(list(unary.token_ids), skip_special_tokens=True)
+    ids, text, final = read_stream(client.generate(prompt, params, chat=True))
+    assert ids == list(final.token_ids) and len(ids) == 32
+    assert text == final.text == loaded.tokenizer.decode(ids, skip_special_tokens=True)
 
 
 BAD = [
@@ -170,6 +187,12 @@ def test_bad_inputs_table_and_others_unaffected(client):
         assert ei.value.code() == code, name
         assert words in ei.value.details(), (name, ei.value.details())
     assert len(good.result(timeout=120).token_ids) == 24
+    # Odd but valid: a temperature below the documented floor (1e-5) is greedy, not garbage.
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    greedy = client.complete("Count to five.", params, VERIFIED)
+    tiny = client.complete("Count to five.", SamplingParams(temperature=1e-38, max_tokens=8, ignore_eos=True),
+                           VERIFIED)
+    assert list(tiny.token_ids) == list(greedy.token_ids) and tiny.text == greedy.text != ""
 
 
 def test_admin_requires_token(server, client):
@@ -256,12 +279,13 @@ def test_sigterm_drains_and_exits_zero():
     try:
         wait_health(target, health_pb2.HealthCheckResponse.SERVING)
         with Client(target) as c:
-            fut = c.stub.Complete.future(pb.GenerateRequest(text="Tell me a story.", sampling=pb.SamplingParams(
-                max_tokens=16, ignore_eos=True)))
-            time.sleep(1.0)
+            call = c.generate("Tell me a story.", SamplingParams(max_tokens=16, ignore_eos=True), timeout=120)
+            events = iter(call)
+            first = next(events)           # the request is in flight before the signal
+            assert first.HasField("chunk")
             proc.send_signal(signal.SIGTERM)
-            res = fut.result(timeout=120)
-            assert len(res.token_ids) == 16   # in-flight request finished during the drain
+            ids, _, final = read_stream(itertools.chain([first], events))
+            assert ids == list(final.token_ids) and len(ids) == 16
         assert proc.wait(timeout=90) == 0
     finally:
         if proc.poll() is None:

@@ -1,0 +1,162 @@
+"""The converted-model cache: a GGUF file becomes a Hugging Face directory once.
+
+Layout under $GATEENG_CACHE (default ~/.cache/gateeng), keyed by the GGUF's sha256:
+
+    gguf-<sha16>/             a whole conversion: config, safetensors, tokenizer, manifest
+    gguf-<sha16>.lock         flock'ed by the one process converting or repairing it
+    gguf-<sha16>.tmp-<pid>    a conversion in progress
+
+Invariants:
+- `gguf-<sha16>/` only ever appears by renaming a finished conversion into place,
+  so a process killed mid-conversion leaves at most a .tmp folder, never a half cache.
+- A .tmp folder seen while holding the lock belongs to a converter that died: it is
+  removed before converting again, so an interrupted conversion never doubles the cache.
+- The manifest (gateeng.json) records every file's size and sha256. Each start checks
+  them (one read of the files, which also yields the model fingerprint), so a
+  truncated or edited cache is reported and converted again instead of failing
+  every start.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Optional
+
+from gateeng.logs import log
+
+MANIFEST = "gateeng.json"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("GATEENG_CACHE", "~/.cache/gateeng")).expanduser()
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _weight_files(names: list) -> list:
+    """What the model's numbers depend on, in fingerprint order."""
+    return [n for n in names if n == "config.json"] + sorted(n for n in names if n.endswith(".safetensors"))
+
+
+def hash_dir(hf_dir: Path, names: Optional[list] = None) -> tuple[dict, str]:
+    """({file name: {size, sha256}}, model fingerprint) in one read of the files.
+
+    The fingerprint is sha256 over config.json and then the *.safetensors files in
+    name order; `names` defaults to every file but the manifest."""
+    if names is None:
+        names = sorted(p.name for p in hf_dir.iterdir() if p.is_file() and p.name != MANIFEST)
+    weights = _weight_files(names)
+    files, fp = {}, hashlib.sha256()
+    for name in weights + [n for n in names if n not in weights]:
+        h = hashlib.sha256()
+        size = 0
+        with open(hf_dir / name, "rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                h.update(block)
+                size += len(block)
+                if name in weights:
+                    fp.update(block)
+        files[name] = {"size": size, "sha256": h.hexdigest()}
+    return files, fp.hexdigest()
+
+
+def fingerprint(hf_dir: Path) -> str:
+    return hash_dir(hf_dir, _weight_files([p.name for p in hf_dir.iterdir() if p.is_file()]))[1]
+
+
+def check(target: Path) -> tuple[Optional[str], Optional[str]]:
+    """(None, fingerprint) for a whole cache entry, else (what is wrong, None)."""
+    meta = target / MANIFEST
+    if not target.is_dir():
+        return "missing", None
+    try:
+        manifest = json.loads(meta.read_text())
+        want = manifest["files"]
+    except FileNotFoundError:
+        return f"{MANIFEST} is missing", None
+    except KeyError:
+        return f"{MANIFEST} lists no files (a cache from an older gateeng)", None
+    except (ValueError, TypeError) as exc:
+        return f"{MANIFEST} is unreadable ({type(exc).__name__})", None
+    for name, entry in want.items():
+        path = target / name
+        if not path.is_file():
+            return f"{name} is missing", None
+        if path.stat().st_size != entry.get("size"):
+            return f"{name} has {path.stat().st_size} bytes, expected {entry.get('size')}", None
+    files, fp = hash_dir(target)
+    for name, entry in want.items():
+        if files.get(name, {}).get("sha256") != entry.get("sha256"):
+            return f"{name} does not match its recorded sha256", None
+    if manifest.get("fingerprint") != fp:
+        return "the model fingerprint does not match", None
+    return None, fp
+
+
+@contextmanager
+def _locked(lock_path: Path):
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"waiting for another process to finish converting ({lock_path.name}) ...")
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _remove(path: Path) -> None:
+    """Rename away first, so a crash mid-delete never leaves a half entry under the real name."""
+    trash = path.with_name(f"{path.name}.tmp-trash{os.getpid()}")
+    os.replace(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def converted(gguf: Path, convert: Callable[[Path, Path], None]) -> tuple[Path, str]:
+    """(cache directory, fingerprint) for a GGUF file, converting it if needed.
+
+    `convert(gguf, out_dir)` writes an HF directory into the empty `out_dir`."""
+    digest = sha256_file(gguf)
+    target = cache_root() / f"gguf-{digest[:16]}"
+    problem, fp = check(target)
+    if problem is None:
+        return target, fp
+    with _locked(target.with_name(target.name + ".lock")):
+        problem, fp = check(target)   # another process may have converted it meanwhile
+        if problem is None:
+            return target, fp
+        if problem != "missing":
+            log(f"the cached model in {target} is damaged ({problem}): converting it again")
+            _remove(target)
+        for stale in target.parent.glob(target.name + ".tmp-*"):
+            log(f"removing {stale.name}, left by an interrupted conversion")
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+        tmp.mkdir()
+        t0 = time.time()
+        log(f"converting {gguf.name} to safetensors (once; cached in {target}) ...")
+        convert(gguf, tmp)
+        files, fp = hash_dir(tmp)
+        manifest = {"source": str(gguf), "sha256": digest, "fingerprint": fp, "files": files}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        for path in tmp.iterdir():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+        os.replace(tmp, target)
+        log(f"  converted in {time.time() - t0:.0f}s")
+    return target, fp
