@@ -16,26 +16,20 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from gateeng import __version__
+from gateeng import __version__, reproducibility
 from gateeng.block_manager import BlockManager
-from gateeng.config import EngineConfig, validate_threshold
+from gateeng.config import EngineConfig, validate_threshold, validate_window
 from gateeng.loader import DTYPES, LoadedModel, load, log
 from gateeng.sampler import sample as sample_rows
 from gateeng.model import KVCache
 from gateeng.outputs import Chunk, Completion, Rollback
 from gateeng.plan import FastPlan, InvariantPlan
+from gateeng.records import Counts, SeqRecord, StatsRecord, StepRecord
 from gateeng.request import DeterminismParams, Mode, Request, SamplingParams
 from gateeng.runner import ModelRunner
 from gateeng.scheduler import Scheduler, StepPlan
 from gateeng.selfcheck import run_selfcheck
 from gateeng.stopping import StopChecker
-
-
-def _device_kind(device: str) -> str:
-    if device == "cuda" and torch.cuda.is_available():
-        return "cuda:" + torch.cuda.get_device_name()
-    import platform
-    return f"cpu:{platform.machine()}:{torch.get_num_threads()}threads"
 
 
 class QueueFull(RuntimeError):
@@ -47,13 +41,16 @@ class DeterminismUnavailable(RuntimeError):
 
 
 class Observer:
-    """Hooks for metrics. The default does nothing."""
+    """Hooks for metrics, called on the engine thread with plain records and values
+    (never live engine state). The default does nothing."""
 
-    def on_step(self, engine: "Engine", plan: StepPlan, outputs: dict, seconds: float) -> None: ...
-    def on_first_token(self, req: Request, seconds: float) -> None: ...
-    def on_tokens(self, req: Request, count: int, seconds_per_token: float) -> None: ...
-    def on_retraction(self, req: Request) -> None: ...
-    def on_finish(self, req: Request, completion: Completion, seconds: float) -> None: ...
+    def on_step(self, record: StepRecord) -> None: ...
+    def on_counts(self, counts: Counts) -> None: ...
+    def on_gate_config(self, margin_threshold: float, max_window: int) -> None: ...
+    def on_first_token(self, mode: Mode, seconds: float) -> None: ...
+    def on_tokens(self, mode: Mode, count: int, seconds_per_token: float) -> None: ...
+    def on_retraction(self, mode: Mode) -> None: ...
+    def on_finish(self, completion: Completion, seconds: float) -> None: ...
 
 
 @dataclass
@@ -104,9 +101,13 @@ class Engine:
                                        mc.head_dim, DTYPES[cfg.dtype], cfg.block_size, device=cfg.device)
         self.margin_threshold = cfg.margin_threshold
         self.max_window = cfg.max_window
-        self.device_kind = _device_kind(cfg.device)
-        self.observer = observer or Observer()
         self.version = __version__
+        self.reproducibility = reproducibility.build(
+            engine_version=self.version, model_fingerprint=self.loaded.fingerprint, dtype=cfg.dtype,
+            device=cfg.device, kernel_plan=f"{cfg.plan}; {self.invariant_plan.describe()}",
+            self_check_passed=self.selfcheck.passed, self_check=self.selfcheck.describe())
+        self.observer = observer or Observer()
+        self.counts = Counts()   # replaced (never mutated) by the engine thread
         self._handles: dict[str, RequestHandle] = {}
         self._inbox: "queue.SimpleQueue" = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -195,10 +196,17 @@ class Engine:
     def set_margin_threshold(self, tau: float) -> None:
         """Engine default tau for requests submitted from now on."""
         self.margin_threshold = validate_threshold(tau)
+        self.observer.on_gate_config(self.margin_threshold, self.max_window)
 
     def set_max_window(self, window: int) -> None:
         """Engine default W for requests submitted from now on."""
-        self.max_window = window
+        self.max_window = validate_window(window)
+        self.observer.on_gate_config(self.margin_threshold, self.max_window)
+
+    def set_observer(self, observer: Observer) -> None:
+        self.observer = observer
+        observer.on_gate_config(self.margin_threshold, self.max_window)
+        observer.on_counts(self.counts)
 
     @property
     def num_in_flight(self) -> int:
@@ -230,8 +238,27 @@ class Engine:
         plan = self.scheduler.schedule()                  # fast rows + invariant rows (prefill, replays)
         outputs = self.runner.run(plan)                   # run both plans, sample, margins
         self.scheduler.update(plan, outputs)              # gate, verify compare, commit / rollback
+        self.observer.on_step(self._record(plan, outputs, time.perf_counter() - t0))
         self._emit(plan)                                  # stream what the policy allows
-        self.observer.on_step(self, plan, outputs, time.perf_counter() - t0)
+
+    def _record(self, plan: StepPlan, outputs: dict, seconds: float) -> StepRecord:
+        seqs, stats = [], []
+        for seq in plan.seqs:
+            req = seq.request
+            out = outputs.get(req.request_id)
+            margin = out.margins[-1] if out is not None and out.margins and seq.sample_rows else None
+            seqs.append(SeqRecord(req.request_id, req.mode, seq.kind.value, seq.replay, seq.decode, margin))
+            if req.mode is Mode.VERIFIED:
+                stats.append(StatsRecord(req.request_id, req.mode, req.stats.snapshot(), req.finished))
+        mismatches = tuple(self.scheduler.mismatches)
+        self.scheduler.mismatches.clear()
+        self.counts = self._counts()
+        return StepRecord(tuple(seqs), tuple(stats), mismatches, seconds,
+                          {k.value: v for k, v in self.runner.last_seconds.items()}, self.counts)
+
+    def _counts(self) -> Counts:
+        sch = self.scheduler
+        return Counts(len(sch.running), len(sch.waiting), self.blocks.usage, sch.num_preemptions)
 
     def _ensure_thread(self) -> None:
         if self._thread is None or not self._thread.is_alive():
@@ -256,6 +283,7 @@ class Engine:
                 self._wake.clear()
 
     def _drain_inbox(self) -> None:
+        drained = False
         while True:
             try:
                 op, arg = self._inbox.get_nowait()
@@ -266,6 +294,10 @@ class Engine:
                     self.scheduler.add(r)
             elif op == "abort":
                 self.scheduler.abort(arg)
+            drained = True
+        if drained:
+            self.counts = self._counts()
+            self.observer.on_counts(self.counts)
         self._collect_finished()
 
     def _fail_all(self, exc: Exception) -> None:
@@ -353,7 +385,7 @@ class Engine:
             del h.sent_ids[common:]
             h.sent_text = self._decode(h.sent_ids)
             req.stats.retractions += 1
-            self.observer.on_retraction(req)
+            self.observer.on_retraction(req.mode)
         new = out[len(h.sent_ids):]
         if not new and not final:
             return
@@ -369,9 +401,9 @@ class Engine:
             now = time.monotonic()
             if not h.sent_ids and req.first_token_time is None:
                 req.first_token_time = now
-                self.observer.on_first_token(req, now - req.arrival)
+                self.observer.on_first_token(req.mode, now - req.arrival)
             else:
-                self.observer.on_tokens(req, len(new), (now - h.last_emit) / len(new))
+                self.observer.on_tokens(req.mode, len(new), (now - h.last_emit) / len(new))
             h.last_emit = now
         # The final call may carry only text held back for an unfinished character,
         # so the chunks always add up to the completion's text.
@@ -390,8 +422,8 @@ class Engine:
             text = text[:req.stop_text_len]
         c = Completion(req.request_id, list(req.output_ids), text, req.finish_reason, req.num_prompt,
                        req.num_cached_tokens, req.mode, req.tau,
-                       req.seed if not req.params.greedy else None, req.stats)
+                       req.seed if not req.params.greedy else None, req.stats.snapshot(), self.reproducibility)
         h.completion = c
         h.events.put(c)
         h.done.set()
-        self.observer.on_finish(req, c, time.monotonic() - req.arrival)
+        self.observer.on_finish(c, time.monotonic() - req.arrival)

@@ -1,48 +1,68 @@
 """Prometheus metrics (prefix gateeng_), fed by the engine's Observer hooks.
 
-Verifier counters are derived from the per-request DeterminismStats as deltas
-after each step, so the exported counters and the per-request reports can never
-disagree. Labels stay low-cardinality: determinism, reason, finish_reason.
-Trigger rate (PromQL; each side summed, since the labels differ):
+Every hook receives plain records (gateeng.records) built on the engine thread;
+nothing here reads the scheduler, the block manager or the runner. Verifier
+counters are deltas of the per-request DeterminismStats carried in the step
+records, so the exported counters and the per-request reports cannot disagree.
+Labels stay low-cardinality: determinism, reason, finish_reason.
+
+Trigger rate (PromQL; each side is summed because the labels differ):
   sum(rate(gateeng_verifier_triggers_total[5m]))
     / sum(rate(gateeng_decode_steps_total{determinism="verified"}[5m]))
+By reason: sum by (reason) (rate(gateeng_verifier_triggers_total[5m])) / <the same denominator>.
 """
 from __future__ import annotations
 
-
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 from gateeng.engine import Engine, Observer
-from gateeng.request import DeterminismStats, Mode
-from gateeng.scheduler import Kind
+from gateeng.records import Counts, StepRecord
+from gateeng.request import Mode
 
 LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
-MARGINS = (0.0, 0.03125, 0.0625, 0.125, 0.25, 0.5, 1, 2, 4, 8, 16)
-FIELDS = ("triggers_margin", "triggers_window", "triggers_finish", "verify_passes", "replayed_tokens",
-          "mismatches", "rolled_back_tokens", "decode_steps")
+# Fine around the useful tau range (0.05-1: where the flips of a bf16 model sit),
+# so the histogram tells an operator what a tau change would trigger.
+MARGINS = (0.0, 0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
+REASONS = ("margin", "window", "finish")
+DETERMINISM = tuple(m.value for m in Mode)
+# DeterminismStats field -> (counter attribute, label value or None)
+COUNTED = {
+    "decode_steps": ("decode_steps", "verified"),
+    **{f"triggers_{r}": ("triggers", r) for r in REASONS},
+    **{f"mismatches_{r}": ("mismatches", r) for r in REASONS},
+    "verify_passes": ("passes", None),
+    "replayed_tokens": ("replayed", None),
+    "rolled_back_tokens": ("rolled_back", None),
+}
 
 
 class Metrics(Observer):
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = r = registry or CollectorRegistry()
+        ProcessCollector(registry=r)
         self.decode_steps = Counter("gateeng_decode_steps", "Decode steps (one sampled token each)",
                                     ["determinism"], registry=r)
         self.triggers = Counter("gateeng_verifier_triggers", "Verifier triggers by reason", ["reason"], registry=r)
         self.passes = Counter("gateeng_verifier_passes", "Verify replays run", registry=r)
         self.replayed = Counter("gateeng_verifier_replayed_tokens", "Positions replayed on the invariant plan",
                                 registry=r)
-        self.mismatches = Counter("gateeng_verifier_mismatches", "Replays that found a wrong speculated token",
-                                  registry=r)
+        self.mismatches = Counter("gateeng_verifier_mismatches",
+                                  "Replays that found a wrong speculated token, by the trigger that caught it "
+                                  "(window or finish: the margin test missed a flip)", ["reason"], registry=r)
         self.rolled_back = Counter("gateeng_rolled_back_tokens", "Speculated tokens dropped by rollbacks",
                                    registry=r)
         self.retractions = Counter("gateeng_stream_retractions", "Rollback events sent to EAGER streams",
                                    registry=r)
         self.margin = Histogram("gateeng_margin", "Top-1 minus top-2 score of VERIFIED fast-path tokens",
                                 buckets=MARGINS, registry=r)
+        self.mismatch_margin = Histogram("gateeng_mismatch_margin",
+                                         "Fast-path margin of the first wrong token of each mismatch",
+                                         buckets=MARGINS, registry=r)
         self.pass_seconds = Histogram("gateeng_verifier_pass_duration_seconds",
                                       "Wall time of invariant-plan passes that included a verify replay",
                                       buckets=LAT, registry=r)
         self.threshold = Gauge("gateeng_margin_threshold", "Engine default margin threshold (tau)", registry=r)
+        self.window = Gauge("gateeng_max_window", "Engine default max window (W)", registry=r)
         self.running = Gauge("gateeng_requests_running", "Requests in the running batch", registry=r)
         self.waiting = Gauge("gateeng_requests_waiting", "Requests waiting for admission", registry=r)
         self.kv_usage = Gauge("gateeng_kv_cache_usage_ratio", "Fraction of KV blocks in use", registry=r)
@@ -60,73 +80,88 @@ class Metrics(Observer):
         self.preemptions = Counter("gateeng_preemptions", "Requests preempted (recompute)", registry=r)
         self.build_info = Gauge("gateeng_build_info", "Build and run configuration",
                                 ["version", "plan", "dtype", "device", "self_check"], registry=r)
-        for reason in ("margin", "window", "finish"):
+        # Every label value exists from the start, so ratios and rates have both sides at once.
+        for reason in REASONS:
             self.triggers.labels(reason)
-        for det in ("off", "verified", "reference"):
+            self.mismatches.labels(reason)
+        for det in DETERMINISM:
             self.decode_steps.labels(det)
             self.gen_tokens.labels(det)
+            self.ttft.labels(det)
+            self.itl.labels(det)
+            self.e2e.labels(det)
         self._seen: dict[str, dict] = {}
         self._preemptions = 0
 
     def attach(self, engine: Engine) -> None:
-        engine.observer = self
+        """Subscribe to an engine (called once, before it serves)."""
         cfg = engine.config
         self.build_info.labels(engine.version, cfg.plan, cfg.dtype, cfg.device,
                                "passed" if engine.selfcheck.passed else "failed").set(1)
-        self.threshold.set_function(lambda: engine.margin_threshold)
-        self.running.set_function(lambda: len(engine.scheduler.running))
-        self.waiting.set_function(lambda: len(engine.scheduler.waiting))
-        self.kv_usage.set_function(lambda: engine.blocks.usage)
+        engine.set_observer(self)
 
     # ---- Observer hooks (engine thread) ---------------------------------------
-    def on_step(self, engine, plan, outputs, seconds: float) -> None:
-        replay = False
-        for seq in plan.seqs:
-            req = seq.request
-            replay |= seq.replay
-            if req.mode is Mode.VERIFIED:
-                if seq.kind is Kind.FAST and seq.sample_rows:
-                    self.margin.observe(max(0.0, min(outputs[req.request_id].margins[-1], 1e6)))
-                if not req.finished:   # a finished request's last delta was taken in on_finish
-                    self._stats_delta(req.request_id, req.stats)
-            elif seq.sample_rows and not seq.replay and seq.start >= req.num_prompt:
-                self.decode_steps.labels(req.mode.value).inc()
-        if replay:
-            self.pass_seconds.observe(engine.runner.last_seconds.get(Kind.INVARIANT, 0.0))
-        n = engine.scheduler.num_preemptions
-        if n > self._preemptions:
-            self.preemptions.inc(n - self._preemptions)
-            self._preemptions = n
+    def on_step(self, record: StepRecord) -> None:
+        for seq in record.seqs:
+            if not seq.decode:
+                continue
+            if seq.mode is Mode.VERIFIED:
+                if seq.kind == "fast" and seq.margin is not None:
+                    self.margin.observe(_clamp(seq.margin))
+            else:   # VERIFIED decode steps come from the stats below, like the reports
+                self.decode_steps.labels(seq.mode.value).inc()
+        for rec in record.stats:
+            self._stats_delta(rec.request_id, rec.stats)
+            if rec.finished:
+                self._seen.pop(rec.request_id, None)
+        for _, margin in record.mismatches:
+            self.mismatch_margin.observe(_clamp(margin))
+        if any(seq.replay for seq in record.seqs):
+            self.pass_seconds.observe(record.plan_seconds.get("invariant", 0.0))
+        self.on_counts(record.counts)
 
-    def _stats_delta(self, rid: str, stats: DeterminismStats) -> None:
-        now = {f: getattr(stats, f) for f in FIELDS}
-        before = self._seen.get(rid, dict.fromkeys(FIELDS, 0))
-        d = {f: now[f] - before[f] for f in FIELDS}
+    def on_counts(self, counts: Counts) -> None:
+        self.running.set(counts.running)
+        self.waiting.set(counts.waiting)
+        self.kv_usage.set(counts.kv_usage)
+        if counts.preemptions > self._preemptions:
+            self.preemptions.inc(counts.preemptions - self._preemptions)
+            self._preemptions = counts.preemptions
+
+    def on_gate_config(self, margin_threshold: float, max_window: int) -> None:
+        self.threshold.set(margin_threshold)
+        self.window.set(max_window)
+
+    def _stats_delta(self, rid: str, stats) -> None:
+        before = self._seen.get(rid, {})
+        now = {}
+        for name, (attr, label) in COUNTED.items():
+            now[name] = value = getattr(stats, name)
+            delta = value - before.get(name, 0)
+            if delta:
+                counter = getattr(self, attr)
+                (counter.labels(label) if label else counter).inc(delta)
         self._seen[rid] = now
-        self.decode_steps.labels("verified").inc(d["decode_steps"])
-        for reason in ("margin", "window", "finish"):
-            self.triggers.labels(reason).inc(d[f"triggers_{reason}"])
-        self.passes.inc(d["verify_passes"])
-        self.replayed.inc(d["replayed_tokens"])
-        self.mismatches.inc(d["mismatches"])
-        self.rolled_back.inc(d["rolled_back_tokens"])
 
-    def on_first_token(self, req, seconds: float) -> None:
-        self.ttft.labels(req.mode.value).observe(seconds)
+    def on_first_token(self, mode: Mode, seconds: float) -> None:
+        self.ttft.labels(mode.value).observe(seconds)
 
-    def on_tokens(self, req, count: int, seconds_per_token: float) -> None:
-        h = self.itl.labels(req.mode.value)
+    def on_tokens(self, mode: Mode, count: int, seconds_per_token: float) -> None:
+        h = self.itl.labels(mode.value)
         for _ in range(count):
             h.observe(seconds_per_token)
 
-    def on_retraction(self, req) -> None:
+    def on_retraction(self, mode: Mode) -> None:
         self.retractions.inc()
 
-    def on_finish(self, req, completion, seconds: float) -> None:
-        if req.mode is Mode.VERIFIED:
-            self._stats_delta(req.request_id, req.stats)
-        self._seen.pop(req.request_id, None)
-        self.prompt_tokens.inc(req.num_prompt)
-        self.gen_tokens.labels(req.mode.value).inc(completion.completion_tokens)
+    def on_finish(self, completion, seconds: float) -> None:
+        self._seen.pop(completion.request_id, None)
+        self.prompt_tokens.inc(completion.prompt_tokens)
+        self.gen_tokens.labels(completion.mode.value).inc(completion.completion_tokens)
         self.success.labels(completion.finish_reason.value).inc()
-        self.e2e.labels(req.mode.value).observe(seconds)
+        self.e2e.labels(completion.mode.value).observe(seconds)
+
+
+def _clamp(margin: float) -> float:
+    # NaN margins (a NaN logit) count as 0: they always trigger the gate.
+    return 0.0 if margin != margin else max(0.0, min(margin, 1e6))

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from gateeng.reproducibility import Reproducibility
 from gateeng.request import DeterminismStats, FinishReason, Mode
 
 
@@ -31,6 +32,7 @@ class Completion:
     margin_threshold: float
     seed: Optional[int]
     stats: DeterminismStats = field(default_factory=DeterminismStats)
+    reproducibility: Optional[Reproducibility] = None   # what the bits depend on (shared, immutable)
 
     @property
     def completion_tokens(self) -> int:

@@ -2,6 +2,7 @@
 everyone else reads them."""
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from dataclasses import dataclass, field
@@ -94,12 +95,21 @@ class DeterminismStats:
     verify_passes: int = 0
     replayed_tokens: int = 0
     mismatches: int = 0
+    mismatches_margin: int = 0   # mismatches by the trigger that caught them
+    mismatches_window: int = 0
+    mismatches_finish: int = 0
     rolled_back_tokens: int = 0
     retractions: int = 0
 
     @property
     def triggers(self) -> int:
         return self.triggers_margin + self.triggers_window + self.triggers_finish
+
+    def add(self, name: str, n: int = 1) -> None:
+        setattr(self, name, getattr(self, name) + n)
+
+    def snapshot(self) -> "DeterminismStats":
+        return dataclasses.replace(self)
 
 
 @dataclass
@@ -119,7 +129,8 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: Optional[FinishReason] = None
     stop_text_len: Optional[int] = None  # output text is cut here when a stop string matched
-    pending_verify: bool = False
+    pending_verify: Optional[str] = None   # the trigger reason while a replay is due
+    spec_margins: list = field(default_factory=list)   # fast margins of tokens[num_verified:]
     eager_len: int = 0          # EAGER: output tokens that may be sent before verification
     stats: DeterminismStats = field(default_factory=DeterminismStats)
     tau: float = 0.0            # effective margin threshold

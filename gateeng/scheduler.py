@@ -11,8 +11,9 @@ Token bookkeeping per request (tokens = prompt + output):
   canonical_len  positions with invariant-plan KV (VERIFIED); == num_verified - 1
                  once decoding, so a verify replay starts there
 A VERIFIED request decodes speculatively on the fast plan; the gate may mark it
-`pending_verify`, and the next step replays [canonical_len, len(tokens)) on the
-invariant plan. Rollback is truncating `tokens` and the block table.
+`pending_verify` (with the trigger's reason), and the next step replays
+[canonical_len, len(tokens)) on the invariant plan. Rollback is truncating
+`tokens` and the block table.
 """
 from __future__ import annotations
 
@@ -32,26 +33,33 @@ class Kind(enum.Enum):
     INVARIANT = "invariant"
 
 
-@dataclass
+@dataclass(frozen=True)
 class ScheduledSeq:
+    """One request's share of a step, fixed when the step is planned (later updates
+    to the request do not change it)."""
     request: Request
     start: int           # first position to compute
     end: int             # one past the last position
     kind: Kind
     replay: bool = False  # verify pass: a prediction for every row
+    sample_rows: tuple = ()   # row offsets within the chunk that need a sampled token
+
+    @classmethod
+    def plan(cls, req: Request, start: int, end: int, kind: Kind, replay: bool = False) -> "ScheduledSeq":
+        if replay:
+            rows = tuple(range(end - start))
+        else:
+            rows = (end - start - 1,) if end == len(req.tokens) else ()
+        return cls(req, start, end, kind, replay, rows)
 
     @property
     def num_tokens(self) -> int:
         return self.end - self.start
 
     @property
-    def sample_rows(self) -> list:
-        """Row offsets (0-based within the chunk) that need a sampled token."""
-        if self.replay:
-            return list(range(self.num_tokens))
-        if self.end == len(self.request.tokens):
-            return [self.num_tokens - 1]
-        return []
+    def decode(self) -> bool:
+        """Samples one new token after the prompt (not a prefill chunk, not a replay)."""
+        return bool(self.sample_rows) and not self.replay and self.start >= self.request.num_prompt
 
 
 @dataclass
@@ -78,6 +86,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished: list[Request] = []   # drained by the engine after each step
+        # (trigger reason, fast-path margin of the first wrong token) per mismatch; drained likewise
+        self.mismatches: list[tuple[str, float]] = []
         self.num_preemptions = 0
 
     # ---- queue -------------------------------------------------------------
@@ -149,7 +159,7 @@ class Scheduler:
             start, end = req.canonical_len, len(req.tokens)
             if end - start > budget:
                 return None   # replays are not split; next step
-            return ScheduledSeq(req, start, end, Kind.INVARIANT, replay=True)
+            return ScheduledSeq.plan(req, start, end, Kind.INVARIANT, replay=True)
         start = req.num_computed
         end = min(len(req.tokens), start + budget)
         if req.mode is Mode.REFERENCE:
@@ -158,7 +168,7 @@ class Scheduler:
             kind = Kind.INVARIANT   # prompt (or recompute) KV is canonical from the start
         else:
             kind = Kind.FAST
-        return ScheduledSeq(req, start, end, kind)
+        return ScheduledSeq.plan(req, start, end, kind)
 
     def _reserve(self, req: Request, end: int) -> bool:
         need = self.blocks.blocks_needed(end) - len(req.block_table)
@@ -190,7 +200,8 @@ class Scheduler:
         self._unmatch(req)
         # Speculated tokens are dropped; the recompute re-derives them.
         del req.tokens[req.num_verified:]
-        req.pending_verify = False
+        req.spec_margins.clear()
+        req.pending_verify = None
         req.eager_len = min(req.eager_len, len(req.output_ids))
         req.num_preemptions += 1
         req.status = Status.WAITING
@@ -220,12 +231,13 @@ class Scheduler:
 
     def _speculate(self, req: Request, token: int, margin: float) -> None:
         req.tokens.append(token)
+        req.spec_margins.append(margin)
         req.stats.decode_steps += 1
         would_finish = self.stop.check(req, len(req.tokens) - 1)[0] is not None
         reason = gate.decide(margin, req.num_unverified, would_finish, req.tau, req.window)
         if reason is not None:
-            req.pending_verify = True
-            setattr(req.stats, f"triggers_{reason}", getattr(req.stats, f"triggers_{reason}") + 1)
+            req.pending_verify = reason
+            req.stats.add(f"triggers_{reason}")
         num_out = len(req.output_ids)
         shown = max(req.eager_len, req.num_verified - req.num_prompt)
         if req.det.stream_policy is StreamPolicy.EAGER and margin >= req.tau and shown == num_out - 1:
@@ -239,12 +251,18 @@ class Scheduler:
         st.verify_passes += 1
         st.replayed_tokens += seq.num_tokens
         if outcome.mismatch:
+            # The trigger that caught it says how to tune: window or finish catches
+            # mean a flip slipped past the margin test (tau too low).
+            reason = req.pending_verify
             st.mismatches += 1
+            st.add(f"mismatches_{reason}")
             st.rolled_back_tokens += outcome.rolled_back(len(speculated))
+            self.mismatches.append((reason, req.spec_margins[outcome.accepted]))
+        req.spec_margins.clear()
         del req.tokens[first + outcome.accepted:]
         req.tokens.append(outcome.next_token)
         req.eager_len = min(req.eager_len, first + outcome.accepted - req.num_prompt)
-        req.pending_verify = False
+        req.pending_verify = None
         req.num_computed = len(req.tokens) - 1
         self.blocks.truncate(req.block_table, len(req.tokens))
         self._commit_upto(req, len(req.tokens))
@@ -277,5 +295,5 @@ class Scheduler:
         self.blocks.release_all(req.block_table)
         req.status = Status.FINISHED
         req.finish_reason = reason
-        req.pending_verify = False
+        req.pending_verify = None
         self.finished.append(req)

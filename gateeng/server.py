@@ -14,6 +14,7 @@ import math
 import signal
 import threading
 from concurrent import futures
+from dataclasses import asdict
 from typing import Optional
 
 import grpc
@@ -25,6 +26,7 @@ from gateeng.config import EngineConfig, validate_threshold, validate_window
 from gateeng.engine import DeterminismUnavailable, Engine, QueueFull
 from gateeng.metrics import Metrics
 from gateeng.outputs import Chunk, Completion, Rollback
+from gateeng.reproducibility import Reproducibility
 from gateeng.request import DeterminismParams, FinishReason, Mode, SamplingParams, StreamPolicy
 from gateeng.v1 import engine_pb2 as pb
 from gateeng.v1 import engine_pb2_grpc as pb_grpc
@@ -57,6 +59,10 @@ def determinism_from_proto(d: pb.Determinism) -> DeterminismParams:
                              max_window=d.max_window if d.HasField("max_window") else None,
                              stream_policy=StreamPolicy.EAGER if d.stream_policy == pb.Determinism.EAGER
                              else StreamPolicy.VERIFIED_ONLY)
+
+
+def reproducibility_proto(r: Reproducibility, seed: Optional[int]) -> pb.Reproducibility:
+    return pb.Reproducibility(**asdict(r), fingerprint=r.fingerprint(), seed=seed or 0, seeded=seed is not None)
 
 
 class EngineService(pb_grpc.EngineServicer):
@@ -94,7 +100,7 @@ class EngineService(pb_grpc.EngineServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
     def _complete_proto(self, c: Completion) -> pb.CompleteResponse:
-        e, s = self.engine, c.stats
+        s = c.stats
         return pb.CompleteResponse(
             request_id=c.request_id, token_ids=c.token_ids, text=c.text, finish_reason=FINISH[c.finish_reason],
             usage=pb.Usage(prompt_tokens=c.prompt_tokens, completion_tokens=c.completion_tokens,
@@ -104,12 +110,9 @@ class EngineService(pb_grpc.EngineServicer):
                 triggers_window=s.triggers_window, triggers_finish=s.triggers_finish,
                 verify_passes=s.verify_passes, replayed_tokens=s.replayed_tokens, rollbacks=s.mismatches,
                 rolled_back_tokens=s.rolled_back_tokens, retractions=s.retractions,
-                margin_threshold=c.margin_threshold),
-            reproducibility=pb.Reproducibility(
-                engine_version=e.version, model_fingerprint=e.loaded.fingerprint, dtype=e.config.dtype,
-                device_kind=e.device_kind, kernel_plan=f"{e.config.plan}; {e.invariant_plan.describe()}",
-                self_check_passed=e.selfcheck.passed, self_check=e.selfcheck.describe(),
-                seed=c.seed or 0, seeded=c.seed is not None))
+                margin_threshold=c.margin_threshold, rollbacks_margin=s.mismatches_margin,
+                rollbacks_window=s.mismatches_window, rollbacks_finish=s.mismatches_finish),
+            reproducibility=reproducibility_proto(c.reproducibility, c.seed))
 
     def _events(self, handle, context):
         """Events of one request; aborts it if the client goes away."""
@@ -148,11 +151,13 @@ class EngineService(pb_grpc.EngineServicer):
 
     def GetServerInfo(self, request, context):
         e = self._engine(context)
-        return pb.ServerInfo(engine_version=e.version, device_kind=e.device_kind, kernel_plan=e.config.plan,
+        counts = e.counts   # an immutable record the engine thread replaces
+        return pb.ServerInfo(engine_version=e.version, device_kind=e.reproducibility.device_kind,
+                             kernel_plan=e.config.plan,
                              self_check_passed=e.selfcheck.passed, self_check=e.selfcheck.describe(),
                              gate=pb.GateConfig(margin_threshold=e.margin_threshold, max_window=e.max_window),
-                             requests_running=len(e.scheduler.running), requests_waiting=len(e.scheduler.waiting),
-                             kv_cache_usage=e.blocks.usage, max_queue=e.config.max_queue)
+                             requests_running=counts.running, requests_waiting=counts.waiting,
+                             kv_cache_usage=counts.kv_usage, max_queue=e.config.max_queue)
 
     def UpdateGateConfig(self, request, context):
         if not self.admin_token:

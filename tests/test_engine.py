@@ -167,3 +167,13 @@ def test_selfcheck_detects_a_batch_dependent_plan():
     res = run_selfcheck(Leaky(rows=8, split=8), 64, 4, 2, 16, torch.float32, 4)
     assert not res.passed and any("matmul" in f for f in res.failures)
     assert run_selfcheck(InvariantPlan(rows=8, split=8), 64, 4, 2, 16, torch.float32, 4).passed
+
+
+def test_every_completion_carries_the_engine_reproducibility_record(engine):
+    from gateeng.reproducibility import cpu_model_and_isa
+    off = engine.generate([1, 2, 3], GOOD)
+    ver = engine.generate([1, 2, 3], GOOD, VERIFIED)
+    assert off.reproducibility is ver.reproducibility is engine.reproducibility
+    r = engine.reproducibility
+    assert (r.device_name, r.isa) == cpu_model_and_isa()
+    assert r.model_fingerprint == engine.loaded.fingerprint and r.kernel_plan.endswith("invariant(rows=8,split=8)")

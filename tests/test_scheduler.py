@@ -275,3 +275,19 @@ def test_random_kv_pressure_never_aborts_an_admitted_request(seed):
         if rid not in aborted:
             want = reference_output(prompts[rid], req.params.max_tokens, rid=rid)
             assert req.output_ids == want, rid
+
+
+@pytest.mark.parametrize("script, tau, window, reason, margin", [
+    ({("r", 2): (47, 0.05)}, 1.0, 100, "margin", 0.05),     # the gate saw the low margin
+    ({("r", 2): (47, 10.0)}, 1.0, 3, "window", 10.0),       # a confident flip: only W caught it
+    ({("r", 5): (47, 10.0)}, 0.0, 100, "finish", 10.0),     # the last token: caught before finishing
+], ids=["margin", "window", "finish"])
+def test_mismatch_is_attributed_to_the_trigger_that_caught_it(script, tau, window, reason, margin):
+    sched = make_scheduler()
+    sched.add(make_request("r", PROMPT, max_tokens=6, tau=tau, window=window))
+    req = run_all(sched, FakeRunner(script))["r"]
+    assert req.output_ids == reference_output(PROMPT, 6)
+    st = req.stats
+    assert st.mismatches == 1 and getattr(st, f"mismatches_{reason}") == 1
+    assert st.mismatches_margin + st.mismatches_window + st.mismatches_finish == st.mismatches
+    assert sched.mismatches == [(reason, margin)]

@@ -265,7 +265,14 @@ def test_32_concurrent_mixed_streams_and_metrics(server, client, smollm):
     assert delta('gateeng_verifier_triggers_total{reason="finish"}') == sum(r.triggers_finish for r in reports)
     assert delta("gateeng_verifier_passes_total") == sum(r.verify_passes for r in reports)
     assert delta("gateeng_verifier_replayed_tokens_total") == sum(r.replayed_tokens for r in reports)
-    assert delta("gateeng_verifier_mismatches_total") == sum(r.rollbacks for r in reports)
+    for reason in ("margin", "window", "finish"):
+        assert delta(f'gateeng_verifier_mismatches_total{{reason="{reason}"}}') == sum(
+            getattr(r, f"rollbacks_{reason}") for r in reports)
+    assert sum(r.rollbacks_margin + r.rollbacks_window + r.rollbacks_finish for r in reports) == sum(
+        r.rollbacks for r in reports)
+    assert delta("gateeng_mismatch_margin_count") == sum(r.rollbacks for r in reports)
+    assert delta("gateeng_margin_count") == sum(r.decode_steps for r in reports)
+    assert delta('gateeng_decode_steps_total{determinism="off"}') == 16 * (24 - 1)
     assert delta("gateeng_rolled_back_tokens_total") == sum(r.rolled_back_tokens for r in reports)
     assert delta('gateeng_decode_steps_total{determinism="verified"}') == sum(r.decode_steps for r in reports)
     assert delta('gateeng_generation_tokens_total{determinism="verified"}') == 16 * 24

@@ -115,7 +115,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class DeterminismReport(_message.Message):
-    __slots__ = ("mode", "decode_steps", "triggers_margin", "triggers_window", "triggers_finish", "verify_passes", "replayed_tokens", "rollbacks", "rolled_back_tokens", "retractions", "margin_threshold")
+    __slots__ = ("mode", "decode_steps", "triggers_margin", "triggers_window", "triggers_finish", "verify_passes", "replayed_tokens", "rollbacks", "rolled_back_tokens", "retractions", "margin_threshold", "rollbacks_margin", "rollbacks_window", "rollbacks_finish")
     MODE_FIELD_NUMBER: _ClassVar[int]
     DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
     TRIGGERS_MARGIN_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +127,9 @@ class DeterminismReport(_message.Message):
     ROLLED_BACK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RETRACTIONS_FIELD_NUMBER: _ClassVar[int]
     MARGIN_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
+    ROLLBACKS_MARGIN_FIELD_NUMBER: _ClassVar[int]
+    ROLLBACKS_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    ROLLBACKS_FINISH_FIELD_NUMBER: _ClassVar[int]
     mode: str
     decode_steps: int
     triggers_margin: int
@@ -138,10 +141,13 @@ class DeterminismReport(_message.Message):
     rolled_back_tokens: int
     retractions: int
     margin_threshold: float
-    def __init__(self, mode: _Optional[str] = ..., decode_steps: _Optional[int] = ..., triggers_margin: _Optional[int] = ..., triggers_window: _Optional[int] = ..., triggers_finish: _Optional[int] = ..., verify_passes: _Optional[int] = ..., replayed_tokens: _Optional[int] = ..., rollbacks: _Optional[int] = ..., rolled_back_tokens: _Optional[int] = ..., retractions: _Optional[int] = ..., margin_threshold: _Optional[float] = ...) -> None: ...
+    rollbacks_margin: int
+    rollbacks_window: int
+    rollbacks_finish: int
+    def __init__(self, mode: _Optional[str] = ..., decode_steps: _Optional[int] = ..., triggers_margin: _Optional[int] = ..., triggers_window: _Optional[int] = ..., triggers_finish: _Optional[int] = ..., verify_passes: _Optional[int] = ..., replayed_tokens: _Optional[int] = ..., rollbacks: _Optional[int] = ..., rolled_back_tokens: _Optional[int] = ..., retractions: _Optional[int] = ..., margin_threshold: _Optional[float] = ..., rollbacks_margin: _Optional[int] = ..., rollbacks_window: _Optional[int] = ..., rollbacks_finish: _Optional[int] = ...) -> None: ...
 
 class Reproducibility(_message.Message):
-    __slots__ = ("engine_version", "model_fingerprint", "dtype", "device_kind", "kernel_plan", "self_check_passed", "self_check", "seed", "seeded")
+    __slots__ = ("engine_version", "model_fingerprint", "dtype", "device_kind", "kernel_plan", "self_check_passed", "self_check", "seed", "seeded", "device_name", "isa", "torch_version", "triton_version", "cuda_version", "num_threads", "fingerprint")
     ENGINE_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -151,6 +157,13 @@ class Reproducibility(_message.Message):
     SELF_CHECK_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     SEEDED_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_NAME_FIELD_NUMBER: _ClassVar[int]
+    ISA_FIELD_NUMBER: _ClassVar[int]
+    TORCH_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TRITON_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CUDA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NUM_THREADS_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     engine_version: str
     model_fingerprint: str
     dtype: str
@@ -160,7 +173,14 @@ class Reproducibility(_message.Message):
     self_check: str
     seed: int
     seeded: bool
-    def __init__(self, engine_version: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., device_kind: _Optional[str] = ..., kernel_plan: _Optional[str] = ..., self_check_passed: _Optional[bool] = ..., self_check: _Optional[str] = ..., seed: _Optional[int] = ..., seeded: _Optional[bool] = ...) -> None: ...
+    device_name: str
+    isa: str
+    torch_version: str
+    triton_version: str
+    cuda_version: str
+    num_threads: int
+    fingerprint: str
+    def __init__(self, engine_version: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., device_kind: _Optional[str] = ..., kernel_plan: _Optional[str] = ..., self_check_passed: _Optional[bool] = ..., self_check: _Optional[str] = ..., seed: _Optional[int] = ..., seeded: _Optional[bool] = ..., device_name: _Optional[str] = ..., isa: _Optional[str] = ..., torch_version: _Optional[str] = ..., triton_version: _Optional[str] = ..., cuda_version: _Optional[str] = ..., num_threads: _Optional[int] = ..., fingerprint: _Optional[str] = ...) -> None: ...
 
 class CompleteResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "determinism", "reproducibility")

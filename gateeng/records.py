@@ -1,0 +1,48 @@
+"""Plain records that cross from the engine thread to observers (metrics, the
+server). They are built once per step from the plan, the runner's output and the
+scheduler's state after update, and nothing changes them afterwards, so an
+observer on another thread never reads live engine state.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from gateeng.request import DeterminismStats, Mode
+
+
+@dataclass(frozen=True)
+class Counts:
+    """The scheduler's occupancy after a step (or after new requests arrived)."""
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    preemptions: int = 0          # since start
+
+
+@dataclass(frozen=True)
+class SeqRecord:
+    request_id: str
+    mode: Mode
+    kind: str                     # "fast" | "invariant"
+    replay: bool
+    decode: bool                  # sampled one new token after the prompt
+    margin: Optional[float]       # the sampled token's margin (last row)
+
+
+@dataclass(frozen=True)
+class StatsRecord:
+    request_id: str
+    mode: Mode
+    stats: DeterminismStats       # a copy: cumulative for the request
+    finished: bool
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    seqs: tuple                   # SeqRecord per scheduled sequence
+    stats: tuple                  # StatsRecord per VERIFIED request touched this step
+    mismatches: tuple             # (trigger reason, fast margin of the wrong token)
+    seconds: float                # the whole step
+    plan_seconds: dict            # "fast" / "invariant" -> seconds of that plan's pass
+    counts: Counts

@@ -1,0 +1,91 @@
+"""The Reproducibility record: everything a VERIFIED request's bits depend on.
+
+Built once per engine. Two engines whose records are equal give equal VERIFIED
+bits for the same request; a record that differs in any field promises nothing.
+The CPU's ISA is part of it because the kernels torch picks (AVX2 emulated bf16,
+AVX-512 BF16, AMX) round differently.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import platform
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import torch
+
+# The ISA extensions that change which CPU kernels run (and so their rounding).
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "avx_vnni",
+             "amx_tile", "amx_bf16", "amx_int8")
+
+
+@dataclass(frozen=True)
+class Reproducibility:
+    engine_version: str
+    model_fingerprint: str
+    dtype: str
+    device_kind: str       # one line: "cpu:<model>:<isa>" or "cuda:<name>:sm_<cc>"
+    device_name: str       # CPU model or GPU name
+    isa: str               # CPU ISA flags (comma-separated) or the GPU's compute capability
+    kernel_plan: str
+    torch_version: str
+    triton_version: str
+    cuda_version: str
+    num_threads: int
+    self_check_passed: bool
+    self_check: str
+
+    def fingerprint(self) -> str:
+        """A short stable id of the record (equal records, equal ids)."""
+        blob = json.dumps(asdict(self), sort_keys=True).encode()
+        return "gateeng-" + hashlib.sha256(blob).hexdigest()[:16]
+
+
+def cpu_model_and_isa(cpuinfo: str = "/proc/cpuinfo") -> tuple[str, str]:
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name" and value.strip():
+                    model = value.strip()
+                elif key == "flags":
+                    flags = set(value.split())
+                if flags and key == "":
+                    break   # the first processor's block is enough
+    except OSError:
+        pass
+    isa = ",".join(f for f in ISA_FLAGS if f in flags) or "none"
+    return model, isa
+
+
+def device_identity(device: str) -> tuple[str, str]:
+    """(device name, ISA or compute capability)."""
+    if device == "cuda" and torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        return torch.cuda.get_device_name(), f"sm_{major}{minor}"
+    return cpu_model_and_isa()
+
+
+def _triton_version() -> str:
+    # Read from the package metadata: importing triton on a CPU machine costs seconds.
+    try:
+        return importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
+
+
+def build(*, engine_version: str, model_fingerprint: str, dtype: str, device: str, kernel_plan: str,
+          self_check_passed: bool, self_check: str, num_threads: Optional[int] = None) -> Reproducibility:
+    name, isa = device_identity(device)
+    kind = "cuda" if device == "cuda" else f"cpu:{platform.machine()}"
+    return Reproducibility(
+        engine_version=engine_version, model_fingerprint=model_fingerprint, dtype=dtype,
+        device_kind=f"{kind}:{name}:{isa}", device_name=name, isa=isa, kernel_plan=kernel_plan,
+        torch_version=torch.__version__, triton_version=_triton_version(),
+        cuda_version=torch.version.cuda or "none",
+        num_threads=num_threads or torch.get_num_threads(),
+        self_check_passed=self_check_passed, self_check=self_check)

@@ -1,0 +1,39 @@
+"""The Reproducibility record names what VERIFIED bits depend on, the CPU's ISA included."""
+import dataclasses
+
+import torch
+
+from gateeng import reproducibility as rp
+
+CPUINFO = """processor\t: 0
+model name\t: {model}
+flags\t\t: fpu sse sse2 {flags}
+
+processor\t: 1
+model name\t: {model}
+flags\t\t: fpu sse sse2 {flags}
+"""
+
+
+def fake_cpu(tmp_path, model, flags):
+    p = tmp_path / f"cpuinfo-{len(flags)}"
+    p.write_text(CPUINFO.format(model=model, flags=flags))
+    return rp.cpu_model_and_isa(str(p))
+
+
+def test_isa_is_read_from_cpuinfo_and_tells_cpu_kinds_apart(tmp_path):
+    avx2 = fake_cpu(tmp_path, "AMD EPYC 7B13", "avx avx2 fma")
+    amx = fake_cpu(tmp_path, "Intel(R) Xeon(R) Platinum 8481C", "avx2 fma avx512f avx512_bf16 amx_tile amx_bf16")
+    assert avx2 == ("AMD EPYC 7B13", "avx2,fma")
+    assert amx == ("Intel(R) Xeon(R) Platinum 8481C", "avx2,fma,avx512f,avx512_bf16,amx_tile,amx_bf16")
+
+
+def test_records_are_equal_exactly_when_every_field_is():
+    kw = dict(engine_version="0.1.0", model_fingerprint="abc", dtype="bfloat16", device="cpu",
+              kernel_plan="fast; invariant(rows=8,split=64)", self_check_passed=True, self_check="ok")
+    a, b = rp.build(**kw), rp.build(**kw)
+    assert a == b and a.fingerprint() == b.fingerprint()
+    assert a.torch_version == torch.__version__ and a.num_threads == torch.get_num_threads()
+    assert a.isa in a.device_kind and a.device_name in a.device_kind and a.cuda_version
+    other_cpu = dataclasses.replace(a, isa="avx2,fma")
+    assert other_cpu != a and other_cpu.fingerprint() != a.fingerprint()
