@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import platform
 import sys
 import time
 
@@ -32,5 +31,9 @@ def timed(fn):
 
 
 def machine() -> str:
-    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+    """The CPU model and its ISA flags first: AVX2-only and AMX machines give different
+    bits and very different bf16 costs, so a number means little without them."""
+    from gateeng.reproducibility import cpu_model_and_isa
+    model, isa = cpu_model_and_isa()
+    return (f"{model} [{isa}], {os.cpu_count()} cores, torch {torch.__version__}, "
             f"{torch.get_num_threads()} threads, python {sys.version.split()[0]}")

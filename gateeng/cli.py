@@ -2,27 +2,49 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+from gateeng import __version__
+from gateeng.config import EngineConfig
+
+DEFAULTS = EngineConfig()
+ADMIN_ENV = "GATEENG_ADMIN_TOKEN"
+
+
+def _model_source_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default=DEFAULTS.dtype, choices=["bfloat16", "float32"], help="weights and KV dtype")
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None,
-                   help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="weights and KV dtype")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--plan", default="fast", choices=["fast", "invariant"],
+    _model_source_args(p)
+    p.add_argument("--device", default=DEFAULTS.device, choices=["cpu", "cuda"])
+    p.add_argument("--plan", default=DEFAULTS.plan, choices=["fast", "invariant"],
                    help="fast: per-request determinism; invariant: every request on the batch-invariant plan")
-    p.add_argument("--margin-threshold", type=float, default=0.1,
-                   help="verify a VERIFIED request's token when top1-top2 logit margin is below this (tau)")
-    p.add_argument("--max-window", type=int, default=32,
+    p.add_argument("--margin-threshold", type=float, default=DEFAULTS.margin_threshold,
+                   help="verify a VERIFIED request's token when top1-top2 logit margin is below this (tau); "
+                        "`gateeng calibrate` measures it for a model")
+    p.add_argument("--max-window", type=int, default=DEFAULTS.max_window,
                    help="verify after this many unverified tokens at the latest (W)")
-    p.add_argument("--kv-blocks", type=int, default=1024, help="KV cache size in blocks of 16 tokens")
-    p.add_argument("--invariant-rows", type=int, default=8,
+    p.add_argument("--kv-blocks", type=int, default=DEFAULTS.num_kv_blocks,
+                   help=f"KV cache size in blocks of {DEFAULTS.block_size} tokens")
+    p.add_argument("--invariant-rows", type=int, default=DEFAULTS.invariant_rows,
                    help="CPU invariant plan: rows per fixed-shape group (part of the canonical reference)")
 
 
+def _admin_token_arg(p: argparse.ArgumentParser, help: str) -> None:
+    p.add_argument("--admin-token", default=None,
+                   help=f"{help}; prefer the environment variable {ADMIN_ENV}, which keeps it out of the "
+                        "process list")
+
+
+def _admin_token(args):
+    return args.admin_token or os.environ.get(ADMIN_ENV) or None
+
+
 def _engine_config(args):
-    from gateeng.config import EngineConfig
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, plan=args.plan,
                         margin_threshold=args.margin_threshold, max_window=args.max_window,
                         num_kv_blocks=args.kv_blocks, invariant_rows=args.invariant_rows)
@@ -86,7 +108,7 @@ def cmd_serve(args) -> int:
         cfg.validate()
         server = Server(cfg, host=args.host, port=args.port,
                         metrics_port=None if args.metrics_port < 0 else args.metrics_port,
-                        admin_token=args.admin_token or None)
+                        admin_token=_admin_token(args))
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -94,9 +116,77 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def cmd_calibrate(args) -> int:
+    import json
+    from pathlib import Path
+
+    from gateeng import calibrate as cal
+    from gateeng.loader import load
+    try:
+        texts = cal.read_prompts(Path(args.prompts)) if args.prompts else list(cal.BUILTIN_PROMPTS)
+        if args.quick:
+            texts, args.tokens, sizes = texts[:8], min(args.tokens, 16), [1, 4]
+        else:
+            sizes = [int(b) for b in args.batch_sizes.split(",")]
+        if not (0 < args.target_miss < 1):
+            raise ValueError(f"--target-miss must be in (0, 1), got {args.target_miss}")
+        loaded = load(args.model, args.dtype)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    tok = loaded.tokenizer
+    prompts = [list(tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=False)) if not args.no_chat
+               else tok.encode(t, add_special_tokens=False) for t in texts]
+    report = cal.calibrate(loaded, prompts, args.tokens, sizes, args.dtype, args.target_miss)
+    meta = {"model": loaded.source, "dtype": args.dtype, "prompts": len(prompts), "tokens": args.tokens,
+            "batch_sizes": sizes}
+    js, png = cal.write(report, Path(args.out), meta)
+    print(cal.markdown(report))
+    print(f"\nwrote {js} and {png}", file=sys.stderr)
+    if args.apply:
+        if report.recommended_tau is None:
+            print("error: nothing to apply: no tau met the target", file=sys.stderr)
+            return 3
+        return _update_gate(args.apply, _admin_token(args), report.recommended_tau, None)
+    return 0
+
+
+def _update_gate(target: str, token, tau, window) -> int:
+    import grpc
+
+    from gateeng.client import Client
+    setting = tau is not None or window is not None
+    if setting and not token:
+        print(f"error: the admin token is missing: pass --admin-token or set ${ADMIN_ENV}", file=sys.stderr)
+        return 2
+    with Client(target, admin_token=token) as c:
+        try:
+            cfg = c.update_gate_config(margin_threshold=tau, max_window=window) if setting \
+                else c.server_info().gate
+        except grpc.RpcError as e:
+            print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 2
+    print(f"{target}: margin_threshold (tau) = {cfg.margin_threshold:g}, max_window (W) = {cfg.max_window}")
+    return 0
+
+
+def cmd_admin_gate(args) -> int:
+    return _update_gate(args.server, _admin_token(args), args.tau, args.window)
+
+
+class _Parser(argparse.ArgumentParser):
+    """Subcommand parsers show each option's default in --help."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="gateeng", description=__doc__)
-    sub = parser.add_subparsers(dest="cmd", required=True)
+    parser.add_argument("--version", action="version", version=f"gateeng {__version__}")
+    sub = parser.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
     g = sub.add_parser("generate", help="generate a completion for one prompt and print it")
     _sampling_args(g)
     _add_model_args(g)
@@ -110,11 +200,36 @@ def main(argv=None) -> int:
     s.add_argument("--metrics-port", type=int, default=9400, help="Prometheus /metrics port (-1: off)")
     s.add_argument("--max-queue", type=int, default=256,
                    help="requests allowed to wait; beyond it calls fail with RESOURCE_EXHAUSTED")
-    s.add_argument("--admin-token", default=None,
-                   help="enables admin RPCs (UpdateGateConfig) for callers sending this bearer token")
+    _admin_token_arg(s, "enables admin RPCs (UpdateGateConfig) for callers sending this bearer token")
     s.add_argument("--drain-seconds", type=float, default=30.0,
                    help="on SIGTERM, how long in-flight requests may finish before they are aborted")
     s.set_defaults(func=cmd_serve)
+    c = sub.add_parser("calibrate", help="measure where the fast path flips and recommend a margin threshold",
+                       description="Decode prompts on the reference and, teacher-forced, on the fast path under "
+                                   "several batch sizes; report trigger rate, catch rate and a miss-rate bound "
+                                   "per tau; write calibration.json and calibration.png.")
+    _model_source_args(c)
+    c.add_argument("--prompts", default=None, metavar="FILE",
+                   help="text lines, or JSONL with a `prompt` field (default: 32 built-in chat prompts)")
+    c.add_argument("--no-chat", action="store_true", help="use the prompts raw, without the chat template")
+    c.add_argument("--tokens", type=int, default=64, help="decode steps per prompt")
+    c.add_argument("--batch-sizes", default="1,8,32", help="batch compositions for the fast path")
+    c.add_argument("--target-miss", type=float, default=1e-3,
+                   help="recommend the smallest tau whose 95%% upper bound on missed flips per step is below this")
+    c.add_argument("--out", default="calibration", help="folder for calibration.json and calibration.png")
+    c.add_argument("--quick", action="store_true", help="8 prompts x 16 tokens, batch sizes 1 and 4 (a smoke run)")
+    c.add_argument("--apply", default=None, metavar="HOST:PORT",
+                   help="set the recommended tau on a running server (UpdateGateConfig)")
+    _admin_token_arg(c, "bearer token for --apply")
+    c.set_defaults(func=cmd_calibrate)
+    a = sub.add_parser("admin", help="operator commands against a running server")
+    asub = a.add_subparsers(dest="admin_cmd", required=True, parser_class=_Parser)
+    ag = asub.add_parser("gate", help="show or set the server's default gate settings (tau, W)")
+    ag.add_argument("--server", default="127.0.0.1:50051", metavar="HOST:PORT")
+    ag.add_argument("--tau", type=float, default=None, help="new default margin threshold")
+    ag.add_argument("--window", type=int, default=None, help="new default max window")
+    _admin_token_arg(ag, "bearer token for the admin RPC")
+    ag.set_defaults(func=cmd_admin_gate)
     args = parser.parse_args(argv)
     return args.func(args)
 

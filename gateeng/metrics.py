@@ -22,7 +22,7 @@ from gateeng.request import Mode
 LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 # Fine around the useful tau range (0.05-1: where the flips of a bf16 model sit),
 # so the histogram tells an operator what a tau change would trigger.
-MARGINS = (0.0, 0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
+MARGINS = (0.0, 0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
 REASONS = ("margin", "window", "finish")
 DETERMINISM = tuple(m.value for m in Mode)
 # DeterminismStats field -> (counter attribute, label value or None)
@@ -65,6 +65,7 @@ class Metrics(Observer):
         self.window = Gauge("gateeng_max_window", "Engine default max window (W)", registry=r)
         self.running = Gauge("gateeng_requests_running", "Requests in the running batch", registry=r)
         self.waiting = Gauge("gateeng_requests_waiting", "Requests waiting for admission", registry=r)
+        self.queue_capacity = Gauge("gateeng_queue_capacity", "Requests allowed to wait (--max-queue)", registry=r)
         self.kv_usage = Gauge("gateeng_kv_cache_usage_ratio", "Fraction of KV blocks in use", registry=r)
         self.prompt_tokens = Counter("gateeng_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.gen_tokens = Counter("gateeng_generation_tokens", "Output tokens of finished requests",
@@ -98,6 +99,7 @@ class Metrics(Observer):
         cfg = engine.config
         self.build_info.labels(engine.version, cfg.plan, cfg.dtype, cfg.device,
                                "passed" if engine.selfcheck.passed else "failed").set(1)
+        self.queue_capacity.set(cfg.max_queue)
         engine.set_observer(self)
 
     # ---- Observer hooks (engine thread) ---------------------------------------

@@ -9,6 +9,7 @@ deadline aborts its request, which frees its KV blocks.
 """
 from __future__ import annotations
 
+import hmac
 import logging
 import math
 import signal
@@ -164,7 +165,7 @@ class EngineService(pb_grpc.EngineServicer):
             context.abort(grpc.StatusCode.PERMISSION_DENIED,
                           "admin RPCs are disabled: start the server with --admin-token")
         md = dict(context.invocation_metadata())
-        if md.get("authorization") != f"Bearer {self.admin_token}":
+        if not hmac.compare_digest(md.get("authorization", "").encode(), f"Bearer {self.admin_token}".encode()):
             context.abort(grpc.StatusCode.UNAUTHENTICATED,
                           "admin RPC needs metadata `authorization: Bearer <admin token>`")
         e = self._engine(context)

@@ -13,6 +13,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateeng.client import Client
+from gateeng.config import EngineConfig
 from gateeng.request import DeterminismParams, Mode, SamplingParams
 from gateeng.v1 import engine_pb2 as pb
 
@@ -206,7 +207,7 @@ def test_admin_requires_token(server, client):
     cfg = client.update_gate_config(margin_threshold=0.5)
     assert cfg.margin_threshold == 0.5 and client.server_info().gate.margin_threshold == 0.5
     assert scrape(server[2])["gateeng_margin_threshold"] == 0.5
-    client.update_gate_config(margin_threshold=0.1)
+    client.update_gate_config(margin_threshold=EngineConfig().margin_threshold)
 
 
 def test_cancel_mid_stream_frees_kv(server, client):

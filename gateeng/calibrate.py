@@ -1,0 +1,309 @@
+"""`gateeng calibrate`: choose the margin threshold tau from measured flips.
+
+The reference decode (invariant plan, greedy) gives each prompt's canonical
+tokens. The fast plan then decodes the same positions teacher-forced on the
+reference, under several batch compositions: the situation the gate is in, since
+every token before a VERIFIED request's first flip is canonical. Like a VERIFIED
+request, the prompt is prefilled on the invariant plan. At every decode step it
+records the fast margin and whether the fast argmax differs from the reference
+(a flip).
+
+For a threshold tau, a step triggers when its margin < tau (a tie always does).
+A flip is caught at its own step when it triggers; a missed flip is still caught
+later by the window or finish trigger (VERIFIED output stays exact), but costs a
+longer rollback. The miss rate is missed flips per decode step, with a one-sided
+Clopper-Pearson upper bound; the recommendation is the smallest tau whose bound
+meets the target.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+from gateeng.kernels import reference as ref
+from gateeng.plan import Rows
+
+TAUS = (0.0, 0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0)
+BUILTIN_PROMPTS = [
+    "Explain how a refrigerator works.", "Write a short poem about autumn leaves.",
+    "What are three benefits of learning a second language?", "Describe a day in the life of a blacksmith.",
+    "Summarize the plot of Romeo and Juliet in two sentences.", "How do vaccines train the immune system?",
+    "Give me a recipe for a simple tomato soup.", "Why is the sky blue?",
+    "Write a Python function that reverses a string.", "What is the difference between weather and climate?",
+    "List five animals that live in the desert.", "Explain recursion to a ten-year-old.",
+    "Tell a story about a dragon who learns to paint.", "What causes the seasons on Earth?",
+    "How does a bill become a law in the United States?", "Describe the taste of a lemon.",
+    "What should I pack for a weekend camping trip?", "Explain what a black hole is.",
+    "Write a haiku about the ocean.", "How do plants make food from sunlight?",
+    "Give three tips for a job interview.", "What is the capital of Australia and why was it chosen?",
+    "Describe how to tie a shoelace.", "Explain the rules of chess briefly.",
+    "Why do cats purr?", "Write a thank-you note to a teacher.",
+    "What is machine learning?", "How do airplanes stay in the air?",
+    "Compare coffee and tea in a short paragraph.", "What were the causes of the French Revolution?",
+    "Invent a name and a slogan for a bakery.", "How does the internet send a message from one computer to another?",
+]
+
+
+@dataclass
+class TauRow:
+    tau: float
+    trigger_rate: float    # share of decode steps that trigger
+    catch_rate: float      # share of flips caught at their own step
+    misses: int            # flips with margin >= tau
+    miss_rate: float       # misses per decode step
+    miss_upper: float      # one-sided Clopper-Pearson upper bound on miss_rate
+
+
+@dataclass
+class Report:
+    steps: int
+    flips: int
+    flips_by_batch: dict
+    steps_by_batch: dict
+    confidence: float
+    target_miss: float
+    recommended_tau: Optional[float]
+    rows: list
+    machine: dict                         # the reference engine's Reproducibility record
+    margins: list = field(repr=False)     # per step, for the plot
+    flipped: list = field(repr=False)
+
+    @property
+    def flip_rate(self) -> float:
+        return self.flips / max(self.steps, 1)
+
+
+# ---- statistics ----------------------------------------------------------------
+def _binom_cdf(k: int, n: int, p: float) -> float:
+    if p <= 0.0:
+        return 1.0
+    if p >= 1.0:
+        return 0.0 if k < n else 1.0
+    lp, lq = math.log(p), math.log1p(-p)
+    base = math.lgamma(n + 1)
+    return min(1.0, sum(math.exp(base - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * lp + (n - i) * lq)
+                        for i in range(k + 1)))
+
+
+def clopper_pearson_upper(k: int, n: int, confidence: float = 0.95) -> float:
+    """Smallest p with P(X <= k | n, p) <= 1 - confidence (one-sided exact bound)."""
+    if n <= 0:
+        return 1.0
+    if k >= n:
+        return 1.0
+    lo, hi, alpha = k / n, 1.0, 1.0 - confidence
+    for _ in range(80):   # bisection: the CDF falls monotonically in p
+        mid = (lo + hi) / 2
+        if _binom_cdf(k, n, mid) > alpha:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
+def tau_table(margins: Sequence[float], flipped: Sequence[bool], taus=TAUS,
+              confidence: float = 0.95) -> list:
+    n = len(margins)
+    flips = sum(flipped)
+    rows = []
+    for tau in taus:
+        trig = [m < tau or m == 0.0 or m != m for m in margins]   # ties and NaN always trigger
+        caught = sum(1 for t, f in zip(trig, flipped) if t and f)
+        misses = flips - caught
+        rows.append(TauRow(tau, sum(trig) / max(n, 1), caught / flips if flips else 1.0, misses,
+                           misses / max(n, 1), clopper_pearson_upper(misses, n, confidence)))
+    return rows
+
+
+def recommend(rows: list, target_miss: float) -> Optional[float]:
+    for row in rows:
+        if row.miss_upper <= target_miss:
+            return row.tau
+    return None
+
+
+# ---- measurement ---------------------------------------------------------------
+def _reference(loaded, prompts: list, n_tokens: int, dtype: str, progress):
+    """(reference token ids per prompt, the invariant plan that made them, its Reproducibility record)."""
+    from gateeng.config import EngineConfig
+    from gateeng.engine import Engine
+    from gateeng.request import SamplingParams
+    engine = Engine(EngineConfig(plan="invariant", dtype=dtype), loaded=loaded)
+    try:
+        handles = engine.submit_many(prompts, SamplingParams(max_tokens=n_tokens, ignore_eos=True))
+        out = []
+        for h in handles:
+            out.append(h.result().token_ids)
+            progress.update(1)
+        return out, engine.invariant_plan, asdict(engine.reproducibility)
+    finally:
+        engine.shutdown()
+
+
+def _tables(lengths: list, block_size: int) -> list:
+    tables, nxt = [], 0
+    for n in lengths:
+        need = -(-n // block_size)
+        tables.append(list(range(nxt, nxt + need)))
+        nxt += need
+    return tables
+
+
+def _rows(seqs: list, tables: list, block_size: int) -> Rows:
+    """seqs: (token ids, first position) per sequence, as one contiguous chunk each."""
+    rows = Rows([], [], [], [], [])
+    for (ids, first), table in zip(seqs, tables):
+        start = len(rows)
+        for i, tok in enumerate(ids):
+            p = first + i
+            rows.input_ids.append(tok)
+            rows.positions.append(p)
+            rows.slots.append(table[p // block_size] * block_size + p % block_size)
+        rows.seqs.append((start, len(rows), table))
+        rows.sample_rows.append(len(rows) - 1)
+    return rows
+
+
+def _teacher_forced(model, kv, fast, invariant, prompts: list, refs: list, block_size: int):
+    """(margin, flipped) for every fast decode step of one batch of prompts."""
+    n = min(len(r) for r in refs)
+    tables = _tables([len(p) + n for p in prompts], block_size)
+    invariant.logits(model, kv, _rows([(p, 0) for p in prompts], tables, block_size))
+    out = []
+    for t in range(1, n):
+        rows = _rows([([r[t - 1]], len(p) + t - 1) for p, r in zip(prompts, refs)], tables, block_size)
+        tok, mar = ref.argmax_margin(fast.logits(model, kv, rows))
+        out.extend((float(m), int(k) != r[t]) for k, m, r in zip(tok.tolist(), mar.tolist(), refs))
+    return out
+
+
+def calibrate(loaded, prompts: list, n_tokens: int = 64, batch_sizes=(1, 8, 32), dtype: str = "bfloat16",
+              target_miss: float = 1e-3, confidence: float = 0.95, block_size: int = 16,
+              show_progress: bool = True, fast=None) -> Report:
+    """Measure flips of the fast plan against the reference; `prompts` are token-id lists.
+    `fast` replaces the fast plan (tests use a noisy one to make flips)."""
+    from tqdm import tqdm
+
+    from gateeng.model import KVCache
+    from gateeng.plan import FastPlan
+
+    groups = {b: [list(range(i, min(i + b, len(prompts)))) for i in range(0, len(prompts), b)]
+              for b in batch_sizes}
+    total = len(prompts) + sum(len(g) for g in groups.values())
+    with tqdm(total=total, desc="calibrate", unit="batch", file=sys.stderr, disable=not show_progress) as bar:
+        bar.set_postfix_str("reference decode")
+        refs, invariant, machine = _reference(loaded, prompts, n_tokens, dtype, bar)
+        model, fast = loaded.model, fast or FastPlan()
+        most = max(sum(-(-(len(prompts[i]) + n_tokens) // block_size) for i in g)
+                   for gs in groups.values() for g in gs)
+        kv = KVCache(loaded.config, most, block_size, model.dtype, model.embed.device)
+        margins, flipped, flips_by, steps_by = [], [], {}, {}
+        for b, gs in groups.items():
+            bar.set_postfix_str(f"fast decode, batch {b}")
+            for g in gs:
+                samples = _teacher_forced(model, kv, fast, invariant, [prompts[i] for i in g],
+                                          [refs[i] for i in g], block_size)
+                margins += [m for m, _ in samples]
+                flipped += [f for _, f in samples]
+                flips_by[b] = flips_by.get(b, 0) + sum(f for _, f in samples)
+                steps_by[b] = steps_by.get(b, 0) + len(samples)
+                bar.update(1)
+    rows = tau_table(margins, flipped, confidence=confidence)
+    return Report(len(margins), sum(flipped), flips_by, steps_by, confidence, target_miss,
+                  recommend(rows, target_miss), rows, machine, margins, flipped)
+
+
+# ---- output --------------------------------------------------------------------
+def markdown(report: Report) -> str:
+    lines = [f"decode steps {report.steps}, flips {report.flips} ({100 * report.flip_rate:.2f}% of steps); "
+             f"flips by batch size: " + ", ".join(f"{b}: {report.flips_by_batch[b]}/{report.steps_by_batch[b]}"
+                                                  for b in report.flips_by_batch),
+             "",
+             f"| tau | trigger rate | flips caught at their step | missed flips | miss rate | "
+             f"miss rate {100 * report.confidence:.0f}% upper bound |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for r in report.rows:
+        lines.append(f"| {r.tau:g} | {100 * r.trigger_rate:.1f}% | {100 * r.catch_rate:.1f}% | {r.misses} | "
+                     f"{r.miss_rate:.2e} | {r.miss_upper:.2e} |")
+    rec = report.recommended_tau
+    lines += ["", f"recommended tau: {rec:g} (smallest tau with the miss-rate bound <= {report.target_miss:g})"
+              if rec is not None else
+              f"no tau in the table meets --target-miss {report.target_miss:g}: measure more steps "
+              "(more prompts or --tokens) or accept a higher target"]
+    return "\n".join(lines)
+
+
+def write(report: Report, out_dir: Path, meta: dict) -> tuple[Path, Path]:
+    """calibration.json and calibration.png in out_dir."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data = {**meta, "steps": report.steps, "flips": report.flips, "flip_rate": report.flip_rate,
+            "flips_by_batch": report.flips_by_batch, "steps_by_batch": report.steps_by_batch,
+            "confidence": report.confidence, "target_miss": report.target_miss,
+            "recommended_tau": report.recommended_tau, "table": [asdict(r) for r in report.rows],
+            "reproducibility": report.machine}
+    js = out_dir / "calibration.json"
+    js.write_text(json.dumps(data, indent=2))
+    png = out_dir / "calibration.png"
+    _plot(report, png)
+    return js, png
+
+
+def _plot(report: Report, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    floor = 1e-4   # a log axis cannot show 0: ties are drawn at the floor
+    ms = [max(m, floor) if m == m else floor for m in report.margins]
+    bins = [10 ** (i / 8) for i in range(-32, 17)]
+    a.hist(ms, bins=bins, color="#7aa6c2", label="all decode steps")
+    fm = [m for m, f in zip(ms, report.flipped) if f]
+    a.hist(fm, bins=bins, color="#d1495b", label=f"flips ({len(fm)})")
+    for m in fm:
+        a.axvline(m, color="#d1495b", alpha=0.25, lw=0.8)
+    if report.recommended_tau:
+        a.axvline(report.recommended_tau, color="k", ls="--", label=f"tau = {report.recommended_tau:g}")
+    a.set_xscale("log")
+    a.set_yscale("log")
+    a.set_xlabel("fast-path margin (top-1 minus top-2 logit)")
+    a.set_ylabel("decode steps")
+    a.set_title("Margin distribution, flips marked")
+    a.legend()
+    taus = [r.tau for r in report.rows if r.tau > 0]
+    b.plot(taus, [100 * r.trigger_rate for r in report.rows if r.tau > 0], "o-", label="trigger rate")
+    b.plot(taus, [100 * r.catch_rate for r in report.rows if r.tau > 0], "s-", label="flips caught at their step")
+    if report.recommended_tau:
+        b.axvline(report.recommended_tau, color="k", ls="--")
+    b.set_xscale("log")
+    b.set_xlabel("tau")
+    b.set_ylabel("%")
+    b.set_ylim(0, 105)
+    b.set_title("Trigger rate and catch rate against tau")
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def read_prompts(path: Path) -> list:
+    """Text lines, or JSONL with a `prompt` field per line; blank lines are skipped."""
+    prompts = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith("{"):
+            try:
+                prompts.append(str(json.loads(line)["prompt"]))
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"{path}:{i}: a JSON line needs a string `prompt` field ({exc})") from None
+        else:
+            prompts.append(line)
+    if not prompts:
+        raise ValueError(f"{path} holds no prompts")
+    return prompts

@@ -1,0 +1,141 @@
+"""A real Prometheus (Debian's `prometheus` package) scraping a real `gateeng serve`
+every second, with the project's recording rules and alerts loaded. The README's
+trigger-rate query must equal what the per-request DeterminismReports add up to,
+and every shipped expression must evaluate. Then `gateeng calibrate --apply` sets
+tau on the live server, and Prometheus sees the new value."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+import urllib.request
+
+import pytest
+
+from gateeng.client import Client
+from gateeng.request import DeterminismParams, Mode, SamplingParams
+from promql import DEPLOY, expressions, readme_trigger_rate
+from test_server import ADMIN, free_port, start_server, wait_health
+
+PROMETHEUS = shutil.which("prometheus")
+pytestmark = [pytest.mark.model,
+              pytest.mark.skipif(PROMETHEUS is None, reason="prometheus missing: apt-get install prometheus "
+                                                            "(Debian's `prometheus` package; .ci/run does)")]
+
+
+def query(base: str, expr: str) -> list:
+    url = f"{base}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    body = json.loads(urllib.request.urlopen(url, timeout=10).read())
+    assert body["status"] == "success", (expr, body)
+    return body["data"]["result"]
+
+
+def scalar(base: str, expr: str):
+    res = query(base, expr)
+    return float(res[0]["value"][1]) if res else None
+
+
+def wait_for(fn, timeout=90, what="condition"):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = fn()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise TimeoutError(f"timed out waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    from grpc_health.v1 import health_pb2
+    proc, target, mport = start_server()
+    tmp = tmp_path_factory.mktemp("prometheus")
+    port = free_port()
+    (tmp / "prometheus.yml").write_text(json.dumps({
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": [str(DEPLOY / "rules.yml"), str(DEPLOY / "alerts.yml")],
+        "scrape_configs": [{"job_name": "gateeng", "static_configs": [{"targets": [f"127.0.0.1:{mport}"]}]}],
+    }))
+    prom = subprocess.Popen([PROMETHEUS, f"--config.file={tmp / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={tmp / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_health(target, health_pb2.HealthCheckResponse.SERVING)
+        wait_for(lambda: scalar(base, 'up{job="gateeng"}') == 1.0, what="Prometheus to scrape the engine")
+        yield target, base
+    finally:
+        for p in (prom, proc):
+            p.send_signal(signal.SIGTERM)
+        for p in (prom, proc):
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def test_readme_trigger_rate_in_prometheus_equals_the_reports(stack):
+    target, base = stack
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    prompts = [f"Write one sentence about {w}." for w in
+               ["rivers", "owls", "glass", "tides", "maps", "salt", "kites", "moss", "tin", "wool", "dunes", "ink"]]
+    reports = {}
+
+    def run(i):
+        det = DeterminismParams(Mode.VERIFIED) if i % 2 == 0 else None
+        with Client(target) as c:
+            reports[i] = c.complete(prompts[i], params, det, chat=True, timeout=600).determinism
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    verified = [r for r in reports.values() if r.mode == "verified"]
+    triggers = sum(r.triggers_margin + r.triggers_window + r.triggers_finish for r in verified)
+    steps = sum(r.decode_steps for r in verified)
+    assert triggers > 0 and steps > 0
+    wait_for(lambda: scalar(base, "sum(gateeng_request_success_total)") == len(prompts),
+             what="the finished requests to be scraped")
+    got = scalar(base, readme_trigger_rate())
+    # rate() extrapolates numerator and denominator alike (same scrapes, both start at 0).
+    assert got == pytest.approx(triggers / steps, rel=0.02), (got, triggers, steps)
+    by_reason = {r["metric"]["reason"]: float(r["value"][1])
+                 for r in query(base, "gateeng:verifier_trigger_rate_by_reason:ratio_rate5m")}
+    for reason in ("margin", "window", "finish"):
+        want = sum(getattr(r, f"triggers_{reason}") for r in verified) / steps
+        assert by_reason[reason] == pytest.approx(want, rel=0.02, abs=1e-9), reason
+    assert scalar(base, "sum(gateeng_margin_count)") == steps
+    assert scalar(base, 'gateeng_decode_steps_total{determinism="off"}') == 6 * (24 - 1)
+
+
+def test_every_shipped_expression_evaluates_on_live_data(stack):
+    _, base = stack
+    empty = []
+    for where, expr in expressions().items():
+        if not query(base, expr) and not where.startswith("alerts.yml"):   # alerts are quiet here
+            empty.append(where)
+    # Latency series exist for both classes once traffic ran; only what this traffic
+    # cannot produce may be empty (no preemptions, no mismatch-margin samples, ...).
+    allowed = {"dashboard:Fast-path margin at mismatches:A"}
+    assert set(empty) <= allowed, empty
+
+
+def test_calibrate_quick_applies_tau_to_the_live_server(stack, tmp_path):
+    target, base = stack
+    env = dict(os.environ, GATEENG_ADMIN_TOKEN=ADMIN)
+    res = subprocess.run([sys.executable, "-m", "gateeng.cli", "calibrate", "--quick", "--target-miss", "0.05",
+                          "--out", str(tmp_path), "--apply", target], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    report = json.loads((tmp_path / "calibration.json").read_text())
+    assert (tmp_path / "calibration.png").stat().st_size > 10_000
+    assert report["steps"] == 2 * 8 * 15 and report["recommended_tau"] is not None
+    assert "| tau | trigger rate |" in res.stdout and "calibrate" in res.stderr   # table and progress bar
+    tau = report["recommended_tau"]
+    with Client(target) as c:
+        assert c.server_info().gate.margin_threshold == pytest.approx(tau)
+    wait_for(lambda: scalar(base, "gateeng_margin_threshold") == pytest.approx(tau), what="tau in Prometheus")
