@@ -32,12 +32,12 @@ class ModelRunner:
             rows, specs, owners = self._rows(seqs)
             logits = plan.logits(self.model, self.kv, rows)
             tokens, margins = self.sample(logits, specs)
-            for seq in seqs:
-                outputs[seq.request.request_id] = SeqOutput([], [])
+            rows = {seq.request.request_id: ([], []) for seq in seqs}
             for owner, tok, mar in zip(owners, tokens, margins):
-                out = outputs[owner]
-                out.tokens.append(tok)
-                out.margins.append(mar)
+                rows[owner][0].append(tok)
+                rows[owner][1].append(mar)
+            for rid, (toks, mars) in rows.items():
+                outputs[rid] = SeqOutput(tuple(toks), tuple(mars))
             self.last_seconds[kind] = time.perf_counter() - t0
         return outputs
 

@@ -70,10 +70,12 @@ class StepPlan:
         return [s for s in self.seqs if s.kind is kind]
 
 
-@dataclass
+@dataclass(frozen=True)
 class SeqOutput:
-    tokens: list
-    margins: list
+    """What the runner returns for one scheduled sequence: immutable, so observers
+    may keep it."""
+    tokens: tuple
+    margins: tuple
 
 
 class Scheduler:

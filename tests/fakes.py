@@ -43,7 +43,7 @@ class FakeRunner:
                     tok = self.invariant_override[(req.request_id, out_idx)]
                 toks.append(tok)
                 margins.append(mar)
-            out[req.request_id] = SeqOutput(toks, margins)
+            out[req.request_id] = SeqOutput(tuple(toks), tuple(margins))
         return out
 
 
