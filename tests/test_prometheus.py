@@ -103,11 +103,18 @@ def test_readme_trigger_rate_in_prometheus_equals_the_reports(stack):
     got = scalar(base, readme_trigger_rate())
     # rate() extrapolates numerator and denominator alike (same scrapes, both start at 0).
     assert got == pytest.approx(triggers / steps, rel=0.02), (got, triggers, steps)
-    by_reason = {r["metric"]["reason"]: float(r["value"][1])
-                 for r in query(base, "gateeng:verifier_trigger_rate_by_reason:ratio_rate5m")}
-    for reason in ("margin", "window", "finish"):
-        want = sum(getattr(r, f"triggers_{reason}") for r in verified) / steps
-        assert by_reason[reason] == pytest.approx(want, rel=0.02, abs=1e-9), reason
+    want = {reason: sum(getattr(r, f"triggers_{reason}") for r in verified) / steps
+            for reason in ("margin", "window", "finish")}
+
+    def recorded():
+        return {r["metric"]["reason"]: float(r["value"][1])
+                for r in query(base, "gateeng:verifier_trigger_rate_by_reason:ratio_rate5m")}
+    # The rule is evaluated every second: wait for an evaluation after the final scrape.
+    try:
+        wait_for(lambda: recorded() == pytest.approx(want, rel=0.02, abs=1e-9), timeout=20)
+    except TimeoutError:
+        pass
+    assert recorded() == pytest.approx(want, rel=0.02, abs=1e-9)
     assert scalar(base, "sum(gateeng_margin_count)") == steps
     assert scalar(base, 'gateeng_decode_steps_total{determinism="off"}') == 6 * (24 - 1)
 
