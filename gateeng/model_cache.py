@@ -143,7 +143,7 @@ def converted(gguf: Path, convert: Callable[[Path, Path], None]) -> tuple[Path, 
         if problem != "missing":
             log(f"the cached model in {target} is damaged ({problem}): converting it again")
             _remove(target)
-        for stale in target.parent.glob(target.name + ".tmp-*"):
+        for stale in target.parent.glob(target.name + ".tmp*"):   # also older ".tmp<pid>" names
             log(f"removing {stale.name}, left by an interrupted conversion")
             shutil.rmtree(stale, ignore_errors=True)
         tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")

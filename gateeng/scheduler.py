@@ -1,9 +1,10 @@
 """Continuous batching with chunked prefill, paged KV and preemption by recompute.
 
-Pure Python: no torch, no margins. Contract with the runner: `schedule()` returns
-a StepPlan (which token positions of which request to run, and on which plan);
-the runner returns one SeqOutput per scheduled request; `update()` applies it.
-The scheduler is the only writer of Request state.
+Pure Python, no torch. Contract with the runner: `schedule()` returns a StepPlan
+(which token positions of which request to run, and on which plan); the runner
+returns one SeqOutput (tokens and margins) per scheduled request; `update()`
+applies it, running the verification stage for VERIFIED requests (gate, verify
+compare, commit / rollback). The scheduler is the only writer of Request state.
 
 Token bookkeeping per request (tokens = prompt + output):
   num_computed   positions with KV written
