@@ -4,12 +4,15 @@
 (b) 32 mixed-length prompts with mixed max_tokens (16..128): HF must pad the batch
     and run to the longest request; our continuous batching retires requests early.
 Both run in this process on the same prompts; the table reports tokens/s and the
-ratio ours/HF. Usage: python bench/throughput.py [--quick]
+ratio ours/HF. It also reports the steady decode step time at 1, 8 and 32 running
+requests against the time to read every weight once (the roofline), measured in
+the same run. Usage: python bench/throughput.py [--quick]
 """
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -40,6 +43,42 @@ def ours(engine, prompts, max_tokens):
     return sum(r.completion_tokens for r in res)
 
 
+def weight_read_ms(model) -> float:
+    """Time to read every weight once (amax over each tensor: memory bound): the
+    floor a decode step's matmuls cannot beat. The float32 lm_head copy the fast
+    plan uses for logits is read too, since every step reads it."""
+    tensors = [p for p in model.parameters()] + [model.lm_head_f32]
+    seen, unique = set(), []
+    for t in tensors:
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            unique.append(t)
+    with torch.inference_mode():
+        for _ in range(2):
+            for t in unique:
+                torch.amax(t)
+        t0 = time.perf_counter()
+        for _ in range(5):
+            for t in unique:
+                torch.amax(t)
+    return (time.perf_counter() - t0) / 5 * 1000, sum(t.numel() * t.element_size() for t in unique) / 1e6
+
+
+def decode_step_ms(loaded, batch: int, steps: int = 8) -> float:
+    """Mean wall time of a steady-state decode step with `batch` running requests."""
+    from gateeng.request import DeterminismParams
+    engine = Engine(EngineConfig(dtype="bfloat16"), loaded=loaded)
+    for p in prompt_set(batch, False):
+        engine.scheduler.add(engine._make_request(p, SamplingParams(max_tokens=steps + 8, ignore_eos=True),
+                                                  DeterminismParams(), None, True))
+    for _ in range(3):   # prefill, then the first decode steps
+        engine.step()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    return (time.perf_counter() - t0) / steps * 1000
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller runs (smoke test)")
@@ -64,11 +103,19 @@ def main():
         rows.append((name, n_us / t_us, n_hf / t_hf))
         print(f"{name}: ours {n_us / t_us:.1f} tok/s, HF {n_hf / t_hf:.1f} tok/s", file=sys.stderr)
     engine.shutdown()
+    read_ms, mb = weight_read_ms(loaded.model)
+    steps = {b: decode_step_ms(loaded, b) for b in (1, 8, 32)}
     print(f"machine: {machine()}\n")
     print("| case | gateeng fast path tok/s | HF generate tok/s | ours / HF |")
     print("| --- | --- | --- | --- |")
     for name, a, b in rows:
         print(f"| {name} | {a:.1f} | {b:.1f} | {a / b:.2f}x |")
+    print(f"\nroofline: reading the weights once ({mb:.0f} MB, bf16 + the float32 lm_head copy) takes "
+          f"{read_ms:.1f} ms\n")
+    print("| running requests | decode step ms | step / weight read |")
+    print("| --- | --- | --- |")
+    for b, ms in steps.items():
+        print(f"| {b} | {ms:.1f} | {ms / read_ms:.2f}x |")
 
 
 if __name__ == "__main__":
