@@ -11,7 +11,7 @@ KV, which is what makes the canonical reference well defined.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +27,7 @@ class Rows:
     slots: list
     seqs: list          # (row_start, row_end, block_table) per sequence, rows contiguous
     sample_rows: list   # rows whose logits are wanted, in order
+    greedy: list = field(default_factory=list)   # per sample row; empty = none known greedy
 
     def __len__(self):
         return len(self.input_ids)
@@ -120,13 +121,42 @@ class FastPlan:
         scores = scores.masked_fill(~meta.decode_mask[:, None, None, :], float("-inf"))
         return torch.matmul(torch.softmax(scores, dim=-1), v).view(b, hq, d).to(q.dtype)
 
+    @staticmethod
+    def _lm_head(model, hidden: torch.Tensor, greedy: list) -> torch.Tensor:
+        """float32 logits whose top-2 are exact for greedy rows, at a bf16 matmul's cost.
+
+        A non-greedy row samples over the whole vocabulary: its logits are the
+        float32 lm_head. A greedy row only needs its top-1 and top-2 (token and
+        margin): the bf16 lm_head (fp32 accumulation, output rounded to 8 bits,
+        so |error| <= 2^-9 |logit| plus a far smaller accumulation-order term)
+        finds candidates, and every id whose bf16 logit is within twice a
+        generous bound (2^-7 |max logit| + 1e-3) of the bf16 second-best gets its
+        exact float32 logit. Both exact top-2 ids are then among them, and every
+        other id keeps a bf16 value below them, so the sampler's argmax and margin
+        are the float32 ones. (Logprobs over the whole row would need the full
+        float32 lm_head.)"""
+        if model.dtype == torch.float32 or not any(greedy):
+            return model.logits(hidden, FastPlan)
+        logits = F.linear(hidden, model.lm_head).float()
+        sampled = [i for i, g in enumerate(greedy) if not g]
+        if sampled:
+            logits[sampled] = model.logits(hidden[sampled], FastPlan)
+        rows = torch.tensor([i for i, g in enumerate(greedy) if g], dtype=torch.int64)
+        approx = logits.index_select(0, rows)
+        bound = approx.abs().amax(dim=-1, keepdim=True) * 2.0 ** -7 + 1e-3
+        second = torch.topk(approx, 2, dim=-1).values[:, 1:]
+        r, v = torch.nonzero(approx >= second - 2 * bound, as_tuple=True)
+        exact = (hidden.index_select(0, rows[r]).float() * model.lm_head_f32.index_select(0, v)).sum(-1)
+        logits.index_put_((rows[r], v), exact)
+        return logits
+
     @torch.inference_mode()
     def logits(self, model, kv, rows: Rows) -> torch.Tensor:
         dev = model.embed.device
         meta = self._meta(rows, kv.block_size, dev)
         hidden = model(torch.tensor(rows.input_ids, device=dev), torch.tensor(rows.positions, device=dev),
                        torch.tensor(rows.slots, device=dev), meta, kv, self)
-        logits = model.logits(hidden[rows.sample_rows], self)
+        logits = self._lm_head(model, hidden[rows.sample_rows], rows.greedy)
         if self.logit_noise:
             logits += (torch.randn(logits.shape, generator=self._noise_gen) * self.logit_noise).to(logits.device)
         return logits

@@ -57,5 +57,6 @@ class ModelRunner:
             for off in seq.sample_rows:
                 rows.sample_rows.append(first + off)
                 specs.append(sampler.RowSpec(req.params, req.seed, seq.start + off + 1))
+                rows.greedy.append(req.params.greedy)
                 owners.append(req.request_id)
         return rows, specs, owners

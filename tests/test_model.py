@@ -71,3 +71,22 @@ def test_invariant_plan_is_batch_and_chunk_invariant_in_bf16():
         mixed = prefill_logits(loaded, plan, others[:2] + [target] + others[2:], chunk=chunk)[2]
         assert torch.equal(alone, mixed), f"chunk={chunk}"
 
+
+
+def test_fast_lm_head_gives_float32_top2_for_greedy_rows_and_float32_rows_for_sampled():
+    from gateeng.kernels.reference import argmax_margin
+    model = tiny_loaded("bfloat16").model
+    gen = torch.Generator().manual_seed(0)
+    hidden = (torch.randn(300, model.cfg.hidden_size, generator=gen) * 3).to(torch.bfloat16)
+    # Near-ties: a few rows that are the average of two vocab rows' directions.
+    w = model.lm_head.float()
+    hidden[:20] = ((w[torch.arange(20)] + w[torch.arange(20) + 50]) * 4).to(torch.bfloat16)
+    greedy = [i % 7 != 3 for i in range(300)]
+    full = model.logits(hidden, FastPlan)
+    got = FastPlan._lm_head(model, hidden, greedy)
+    g = torch.tensor(greedy)
+    tok_full, mar_full = argmax_margin(full[g])
+    tok, mar = argmax_margin(got[g])
+    assert torch.equal(tok, tok_full)
+    assert (mar - mar_full).abs().max().item() < 1e-4
+    assert torch.equal(got[~g], full[~g])   # sampled rows: the float32 lm_head itself
