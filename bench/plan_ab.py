@@ -11,18 +11,13 @@ import importlib.util
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine, prompt_set  # noqa: E402
+from common import decode_step_ms, machine  # noqa: E402
 
-from gateeng.config import EngineConfig  # noqa: E402
-from gateeng.engine import Engine  # noqa: E402
 from gateeng.loader import load  # noqa: E402
 from gateeng.plan import FastPlan  # noqa: E402
-from gateeng.request import DeterminismParams, SamplingParams  # noqa: E402
-from gateeng.scheduler import Kind  # noqa: E402
 
 
 def old_fast_plan(rev: str):
@@ -35,20 +30,6 @@ def old_fast_plan(rev: str):
     sys.modules["plan_old"] = module   # dataclasses look their module up
     spec.loader.exec_module(module)
     return module.FastPlan
-
-
-def step_ms(loaded, plan_cls, batch: int, steps: int = 8) -> float:
-    engine = Engine(EngineConfig(), loaded=loaded)
-    engine.runner.plans[Kind.FAST] = plan_cls()
-    for p in prompt_set(batch, False):
-        engine.scheduler.add(engine._make_request(p, SamplingParams(max_tokens=steps + 8, ignore_eos=True),
-                                                  DeterminismParams(), None, True))
-    for _ in range(3):   # prefill and the first decode steps
-        engine.step()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    return (time.perf_counter() - t0) / steps * 1000
 
 
 def main():
@@ -65,8 +46,8 @@ def main():
     for b in (int(x) for x in args.batches.split(",")):
         o, n = [], []
         for _ in range(args.repeats):
-            o.append(step_ms(loaded, old, b))
-            n.append(step_ms(loaded, FastPlan, b))
+            o.append(decode_step_ms(loaded, b, fast_plan=old()))
+            n.append(decode_step_ms(loaded, b, fast_plan=FastPlan()))
         print(f"| {b} | {min(o):.1f} | {min(n):.1f} | {min(n) / min(o):.2f}x |", flush=True)
 
 

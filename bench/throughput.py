@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine, prompt_set, timed  # noqa: E402
+from common import decode_step_ms, machine, prompt_set, timed  # noqa: E402
 
 from gateeng.config import EngineConfig  # noqa: E402
 from gateeng.engine import Engine  # noqa: E402
@@ -62,21 +62,6 @@ def weight_read_ms(model) -> float:
             for t in unique:
                 torch.amax(t)
     return (time.perf_counter() - t0) / 5 * 1000, sum(t.numel() * t.element_size() for t in unique) / 1e6
-
-
-def decode_step_ms(loaded, batch: int, steps: int = 8) -> float:
-    """Mean wall time of a steady-state decode step with `batch` running requests."""
-    from gateeng.request import DeterminismParams
-    engine = Engine(EngineConfig(dtype="bfloat16"), loaded=loaded)
-    for p in prompt_set(batch, False):
-        engine.scheduler.add(engine._make_request(p, SamplingParams(max_tokens=steps + 8, ignore_eos=True),
-                                                  DeterminismParams(), None, True))
-    for _ in range(3):   # prefill, then the first decode steps
-        engine.step()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    return (time.perf_counter() - t0) / steps * 1000
 
 
 def main():
