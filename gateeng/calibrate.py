@@ -165,6 +165,7 @@ def _rows(seqs: list, tables: list, block_size: int) -> Rows:
             rows.slots.append(table[p // block_size] * block_size + p % block_size)
         rows.seqs.append((start, len(rows), table))
         rows.sample_rows.append(len(rows) - 1)
+        rows.greedy.append(True)   # calibration is greedy: the fast plan's greedy lm_head, as served
     return rows
 
 

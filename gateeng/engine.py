@@ -249,7 +249,7 @@ class Engine:
             margin = out.margins[-1] if out is not None and out.margins and seq.sample_rows else None
             seqs.append(SeqRecord(req.request_id, req.mode, seq.kind.value, seq.replay, seq.decode, margin))
             if req.mode is Mode.VERIFIED:
-                stats.append(StatsRecord(req.request_id, req.mode, req.stats.snapshot(), req.finished))
+                stats.append(StatsRecord(req.request_id, req.stats.snapshot(), req.finished))
         mismatches = tuple(self.scheduler.mismatches)
         self.scheduler.mismatches.clear()
         self.counts = self._counts()

@@ -33,8 +33,7 @@ class SeqRecord:
 @dataclass(frozen=True)
 class StatsRecord:
     request_id: str
-    mode: Mode
-    stats: DeterminismStats       # a copy: cumulative for the request
+    stats: DeterminismStats       # a copy: cumulative for the (VERIFIED) request
     finished: bool
 
 
