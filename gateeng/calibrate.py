@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
+from gateeng import gate
 from gateeng.kernels import reference as ref
 from gateeng.plan import Rows
 
@@ -111,7 +112,7 @@ def tau_table(margins: Sequence[float], flipped: Sequence[bool], taus=TAUS,
     flips = sum(flipped)
     rows = []
     for tau in taus:
-        trig = [m < tau or m == 0.0 or m != m for m in margins]   # ties and NaN always trigger
+        trig = [gate.margin_triggers(m, tau) for m in margins]
         caught = sum(1 for t, f in zip(trig, flipped) if t and f)
         misses = flips - caught
         rows.append(TauRow(tau, sum(trig) / max(n, 1), caught / flips if flips else 1.0, misses,

@@ -117,10 +117,10 @@ def cmd_serve(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    import json
     from pathlib import Path
 
     from gateeng import calibrate as cal
+    from gateeng.engine import encode_prompt
     from gateeng.loader import load
     try:
         texts = cal.read_prompts(Path(args.prompts)) if args.prompts else list(cal.BUILTIN_PROMPTS)
@@ -134,10 +134,7 @@ def cmd_calibrate(args) -> int:
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    tok = loaded.tokenizer
-    prompts = [list(tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                            tokenize=True, return_dict=False)) if not args.no_chat
-               else tok.encode(t, add_special_tokens=False) for t in texts]
+    prompts = [encode_prompt(loaded.tokenizer, t, chat=not args.no_chat) for t in texts]
     report = cal.calibrate(loaded, prompts, args.tokens, sizes, args.dtype, args.target_miss)
     meta = {"model": loaded.source, "dtype": args.dtype, "prompts": len(prompts), "tokens": args.tokens,
             "batch_sizes": sizes}

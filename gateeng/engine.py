@@ -32,6 +32,18 @@ from gateeng.selfcheck import run_selfcheck
 from gateeng.stopping import StopChecker
 
 
+def encode_prompt(tokenizer, prompt, chat: bool = False) -> list:
+    """Token ids for a text (through the chat template when `chat`) or an id list."""
+    if isinstance(prompt, str):
+        if not prompt:
+            return []
+        if chat:
+            return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                      add_generation_prompt=True, tokenize=True, return_dict=False))
+        return tokenizer.encode(prompt, add_special_tokens=False)
+    return list(prompt)
+
+
 class QueueFull(RuntimeError):
     """Too many requests waiting; the caller should back off and retry."""
 
@@ -233,15 +245,14 @@ class Engine:
 
     # ---- the step loop ---------------------------------------------------------
     def step(self) -> None:
-        """One engine step; the data flow of DESIGN.md in order."""
-        t0 = time.perf_counter()
+        """One engine step: the data flow of the README's "How it works", in order."""
         plan = self.scheduler.schedule()                  # fast rows + invariant rows (prefill, replays)
         outputs = self.runner.run(plan)                   # run both plans, sample, margins
         self.scheduler.update(plan, outputs)              # gate, verify compare, commit / rollback
-        self.observer.on_step(self._record(plan, outputs, time.perf_counter() - t0))
+        self.observer.on_step(self._record(plan, outputs))    # an immutable record for metrics
         self._emit(plan)                                  # stream what the policy allows
 
-    def _record(self, plan: StepPlan, outputs: dict, seconds: float) -> StepRecord:
+    def _record(self, plan: StepPlan, outputs: dict) -> StepRecord:
         seqs, stats = [], []
         for seq in plan.seqs:
             req = seq.request
@@ -253,7 +264,7 @@ class Engine:
         mismatches = tuple(self.scheduler.mismatches)
         self.scheduler.mismatches.clear()
         self.counts = self._counts()
-        return StepRecord(tuple(seqs), tuple(stats), mismatches, seconds,
+        return StepRecord(tuple(seqs), tuple(stats), mismatches,
                           {k.value: v for k, v in self.runner.last_seconds.items()}, self.counts)
 
     def _counts(self) -> Counts:
@@ -344,15 +355,7 @@ class Engine:
                        tau=tau, window=window, seed=seed)
 
     def encode(self, prompt, chat: bool = False) -> list:
-        if isinstance(prompt, str):
-            if not prompt:
-                return []
-            if chat:
-                return list(self.tokenizer.apply_chat_template(
-                    [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True,
-                    return_dict=False))
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
-        return list(prompt)
+        return encode_prompt(self.tokenizer, prompt, chat)
 
     def _decode(self, ids) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -12,13 +12,15 @@ MARGIN, FINISH, WINDOW = "margin", "finish", "window"
 REASONS = (MARGIN, WINDOW, FINISH)
 
 
-def decide(margin: float, num_unverified: int, would_finish: bool, tau: float, window: int) -> Optional[str]:
-    """Return the trigger reason, or None to keep decoding on the fast path.
+def margin_triggers(margin: float, tau: float) -> bool:
+    """An exact tie (margin 0) always triggers, even with tau = 0, because the two
+    plans may break it differently. A NaN margin triggers too."""
+    return not (margin >= tau) or margin <= 0.0   # NaN fails ">="
 
-    An exact tie (margin 0) always triggers, even with tau = 0, because the two
-    plans may break it differently. A NaN margin triggers too.
-    """
-    if not (margin >= tau) or margin <= 0.0:   # NaN fails ">="
+
+def decide(margin: float, num_unverified: int, would_finish: bool, tau: float, window: int) -> Optional[str]:
+    """Return the trigger reason, or None to keep decoding on the fast path."""
+    if margin_triggers(margin, tau):
         return MARGIN
     if would_finish:
         # The verifier's token may differ and un-finish the request.

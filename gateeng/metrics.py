@@ -16,6 +16,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 from gateeng.engine import Engine, Observer
+from gateeng.gate import REASONS
 from gateeng.records import Counts, StepRecord
 from gateeng.request import Mode
 
@@ -23,7 +24,6 @@ LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 # Fine around the useful tau range (0.05-1: where the flips of a bf16 model sit),
 # so the histogram tells an operator what a tau change would trigger.
 MARGINS = (0.0, 0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
-REASONS = ("margin", "window", "finish")
 DETERMINISM = tuple(m.value for m in Mode)
 # DeterminismStats field -> (counter attribute, label value or None)
 COUNTED = {

@@ -137,17 +137,24 @@ class FastPlan:
         float32 lm_head.)"""
         if model.dtype == torch.float32 or not any(greedy):
             return model.logits(hidden, FastPlan)
-        logits = F.linear(hidden, model.lm_head).float()
         sampled = [i for i, g in enumerate(greedy) if not g]
-        if sampled:
-            logits[sampled] = model.logits(hidden[sampled], FastPlan)
-        rows = torch.tensor([i for i, g in enumerate(greedy) if g], dtype=torch.int64)
-        approx = logits.index_select(0, rows)
-        bound = approx.abs().amax(dim=-1, keepdim=True) * 2.0 ** -7 + 1e-3
-        second = torch.topk(approx, 2, dim=-1).values[:, 1:]
-        r, v = torch.nonzero(approx >= second - 2 * bound, as_tuple=True)
-        exact = (hidden.index_select(0, rows[r]).float() * model.lm_head_f32.index_select(0, v)).sum(-1)
-        logits.index_put_((rows[r], v), exact)
+        if not sampled:
+            return FastPlan._greedy_logits(model, hidden)
+        logits = torch.empty(hidden.shape[0], model.lm_head.shape[0], dtype=torch.float32, device=hidden.device)
+        logits[sampled] = model.logits(hidden[sampled], FastPlan)
+        rows = [i for i, g in enumerate(greedy) if g]
+        logits[rows] = FastPlan._greedy_logits(model, hidden[rows])
+        return logits
+
+    @staticmethod
+    def _greedy_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+        """bf16 logits, with the float32 value written over every candidate for the top-2."""
+        logits = F.linear(hidden, model.lm_head).float()
+        bound = logits.abs().amax(dim=-1, keepdim=True) * 2.0 ** -7 + 1e-3
+        second = torch.topk(logits, 2, dim=-1).values[:, 1:]
+        r, v = torch.nonzero(logits >= second - 2 * bound, as_tuple=True)
+        exact = (hidden.index_select(0, r).float() * model.lm_head_f32.index_select(0, v)).sum(-1)
+        logits.index_put_((r, v), exact)
         return logits
 
     @torch.inference_mode()

@@ -42,6 +42,5 @@ class StepRecord:
     seqs: tuple                   # SeqRecord per scheduled sequence
     stats: tuple                  # StatsRecord per VERIFIED request touched this step
     mismatches: tuple             # (trigger reason, fast margin of the wrong token)
-    seconds: float                # the whole step
     plan_seconds: dict            # "fast" / "invariant" -> seconds of that plan's pass
     counts: Counts

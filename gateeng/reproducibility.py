@@ -26,7 +26,7 @@ class Reproducibility:
     engine_version: str
     model_fingerprint: str
     dtype: str
-    device_kind: str       # one line: "cpu:<model>:<isa>" or "cuda:<name>:sm_<cc>"
+    device_kind: str       # one line: "cpu:<arch>:<model>:<isa>" or "cuda:<name>:sm_<cc>"
     device_name: str       # CPU model or GPU name
     isa: str               # CPU ISA flags (comma-separated) or the GPU's compute capability
     kernel_plan: str

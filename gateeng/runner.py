@@ -32,11 +32,11 @@ class ModelRunner:
             rows, specs, owners = self._rows(seqs)
             logits = plan.logits(self.model, self.kv, rows)
             tokens, margins = self.sample(logits, specs)
-            rows = {seq.request.request_id: ([], []) for seq in seqs}
+            per_request = {seq.request.request_id: ([], []) for seq in seqs}
             for owner, tok, mar in zip(owners, tokens, margins):
-                rows[owner][0].append(tok)
-                rows[owner][1].append(mar)
-            for rid, (toks, mars) in rows.items():
+                per_request[owner][0].append(tok)
+                per_request[owner][1].append(mar)
+            for rid, (toks, mars) in per_request.items():
                 outputs[rid] = SeqOutput(tuple(toks), tuple(mars))
             self.last_seconds[kind] = time.perf_counter() - t0
         return outputs
