@@ -96,7 +96,7 @@ def main():
     inv.shutdown()
 
     print(f"machine: {machine()}; {n} prompts x {T} tokens, bf16, greedy, "
-          f"tau={fast.margin_threshold}, W={fast.max_window}, invariant rows={fast.config.invariant_rows}, "
+          f"tau={fast.margin_threshold}, W={fast.max_window}, invariant rows={fast.invariant_plan.rows}, "
           f"split={fast.config.attention_split}\n")
     print("| mode | prompts whose alone and batch-of-%d outputs differ | prompts differing from the reference "
           "| batch wall time / OFF |" % n)

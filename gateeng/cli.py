@@ -7,6 +7,7 @@ import sys
 
 from gateeng import __version__
 from gateeng.config import EngineConfig
+from gateeng.route import ROUTES
 
 DEFAULTS = EngineConfig()
 ADMIN_ENV = "GATEENG_ADMIN_TOKEN"
@@ -28,10 +29,15 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "`gateeng calibrate` measures it for a model")
     p.add_argument("--max-window", type=int, default=DEFAULTS.max_window,
                    help="verify after this many unverified tokens at the latest (W)")
+    p.add_argument("--verified-route", choices=ROUTES, default=DEFAULTS.verified_route,
+                   help="how VERIFIED requests decode: speculative (fast plan, replayed where the gate "
+                        "says), direct (invariant plan), or adaptive (the cheaper of the two per step, "
+                        "from measured plan costs); the output is the reference either way")
     p.add_argument("--kv-blocks", type=int, default=DEFAULTS.num_kv_blocks,
                    help=f"KV cache size in blocks of {DEFAULTS.block_size} tokens")
     p.add_argument("--invariant-rows", type=int, default=DEFAULTS.invariant_rows,
-                   help="CPU invariant plan: rows per fixed-shape group (part of the canonical reference)")
+                   help="CPU invariant plan: rows per fixed-shape matmul group, part of the canonical "
+                        "reference; 0 = 16 where the CPU has native bf16 matmuls (avx512_bf16, amx_bf16), else 8")
 
 
 def _admin_token_arg(p: argparse.ArgumentParser, help: str) -> None:
@@ -47,6 +53,7 @@ def _admin_token(args):
 def _engine_config(args):
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, plan=args.plan,
                         margin_threshold=args.margin_threshold, max_window=args.max_window,
+                        verified_route=args.verified_route,
                         num_kv_blocks=args.kv_blocks, invariant_rows=args.invariant_rows)
 
 

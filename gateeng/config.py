@@ -63,15 +63,18 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     enable_prefix_caching: bool = True
-    # Invariant plan shape: every matmul runs on exactly `invariant_rows` rows and
-    # attention splits keys at multiples of `attention_split` (a multiple of block_size).
-    invariant_rows: int = 8
+    # Invariant plan shape: every matmul runs on row groups of exactly `invariant_rows`
+    # rows (0 = chosen for the CPU, see plan.default_invariant_rows) and attention
+    # splits keys at multiples of `attention_split` (a multiple of block_size).
+    invariant_rows: int = 0
     attention_split: int = 64
     # Margin gate defaults (per-request overrides allowed).
     # tau 0.3: `gateeng calibrate` on the embedded SmolLM2 (bf16, CPU) caught every flip at
     # its own step at a 14% trigger rate (bench/RESULTS.md); recalibrate for other models.
     margin_threshold: float = 0.3
     max_window: int = 32
+    # VERIFIED decode route: adaptive (per step, from measured plan costs) | speculative | direct.
+    verified_route: str = "adaptive"
     max_queue: int = 256
     # Test-only: Gaussian noise of this std added to fast-path logits, to provoke rollbacks.
     fast_logit_noise: float = 0.0
@@ -86,10 +89,15 @@ class EngineConfig:
             raise ValueError(f"plan must be 'fast' or 'invariant', got {self.plan!r}")
         if self.attention_split % self.block_size:
             raise ValueError("attention_split must be a multiple of block_size")
+        from gateeng.route import ROUTES
+        if self.verified_route not in ROUTES:
+            raise ValueError(f"verified_route must be one of {', '.join(ROUTES)}, got {self.verified_route!r}")
+        if self.invariant_rows < 0:
+            raise ValueError(f"invariant_rows must be >= 0 (0 = chosen for the CPU), got {self.invariant_rows}")
         validate_threshold(self.margin_threshold)
         validate_window(self.max_window)
         for name in ("block_size", "num_kv_blocks", "max_model_len", "max_num_seqs",
-                     "max_num_batched_tokens", "invariant_rows", "max_queue"):
+                     "max_num_batched_tokens", "max_queue"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 

@@ -23,11 +23,13 @@ from gateeng.loader import DTYPES, LoadedModel, load, log
 from gateeng.sampler import sample as sample_rows
 from gateeng.model import KVCache
 from gateeng.outputs import Chunk, Completion, Rollback
-from gateeng.plan import FastPlan, InvariantPlan
+from gateeng.plan import FastPlan, InvariantPlan, default_invariant_rows
 from gateeng.records import Counts, SeqRecord, StatsRecord, StepRecord
 from gateeng.request import DeterminismParams, Mode, Request, SamplingParams
+from gateeng.route import RoutePolicy
 from gateeng.runner import ModelRunner
 from gateeng.scheduler import Scheduler, StepPlan
+from gateeng.verification import VerificationStage
 from gateeng.selfcheck import run_selfcheck
 from gateeng.stopping import StopChecker
 
@@ -106,17 +108,20 @@ class Engine:
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.stop = StopChecker(eos, self.max_model_len, self._decode)
-        self.scheduler = Scheduler(self.blocks, self.stop, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         fast, self.invariant_plan, sample = self._plans(cfg, mc)
+        self.route = RoutePolicy(cfg.verified_route, group_rows=self.invariant_plan.rows or 1)
+        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.route)
+        self.verification = VerificationStage(self.stop)
         self.runner = ModelRunner(self.model, self.kv, fast, self.invariant_plan, sample)
         self.selfcheck = run_selfcheck(self.invariant_plan, mc.hidden_size, mc.num_heads, mc.num_kv_heads,
-                                       mc.head_dim, DTYPES[cfg.dtype], cfg.block_size, device=cfg.device)
+                                       mc.head_dim, DTYPES[cfg.dtype], cfg.block_size, device=cfg.device,
+                                       weights=self._layer_weights())
         self.margin_threshold = cfg.margin_threshold
         self.max_window = cfg.max_window
         self.version = __version__
         self.reproducibility = reproducibility.build(
             engine_version=self.version, model_fingerprint=self.loaded.fingerprint, dtype=cfg.dtype,
-            device=cfg.device, kernel_plan=f"{cfg.plan}; {self.invariant_plan.describe()}",
+            device=cfg.device, kernel_plan=f"{cfg.plan}; {self.invariant_plan.describe(cfg.dtype)}",
             self_check_passed=self.selfcheck.passed, self_check=self.selfcheck.describe())
         self.observer = observer or Observer()
         self.counts = Counts()   # replaced (never mutated) by the engine thread
@@ -129,12 +134,19 @@ class Engine:
         self._stopping = False
         self.accepting = True
 
+    def _layer_weights(self) -> list:
+        """The matrices the invariant plan multiplies by: one layer's (every layer has
+        the same shapes) and the float32 lm_head used for sampled rows."""
+        layer = self.model.layers[0]
+        return [layer.qkv, layer.o, layer.gate_up, layer.down, self.model.lm_head_f32]
+
     @staticmethod
     def _plans(cfg: EngineConfig, mc):
         """(fast plan, invariant plan, sampler) for the device: torch on CPU;
         flashinfer + Triton kernels on CUDA."""
         if cfg.device != "cuda":
-            return FastPlan(cfg.fast_logit_noise), InvariantPlan(cfg.invariant_rows, cfg.attention_split), sample_rows
+            rows = cfg.invariant_rows or default_invariant_rows(reproducibility.cpu_model_and_isa()[1])
+            return FastPlan(cfg.fast_logit_noise), InvariantPlan(rows, cfg.attention_split), sample_rows
         from gateeng.gpu import FlashInferFastPlan, TritonInvariantPlan, gpu_sample
         try:
             fast = FlashInferFastPlan(mc.num_heads, mc.num_kv_heads, mc.head_dim, DTYPES[cfg.dtype], cfg.device,
@@ -246,23 +258,30 @@ class Engine:
     # ---- the step loop ---------------------------------------------------------
     def step(self) -> None:
         """One engine step: the data flow of the README's "How it works", in order."""
-        plan = self.scheduler.schedule()                  # fast rows + invariant rows (prefill, replays)
+        plan = self.scheduler.schedule()                  # fast rows + invariant rows (prefill, replays, direct)
         outputs = self.runner.run(plan)                   # run both plans, sample, margins
-        self.scheduler.update(plan, outputs)              # gate, verify compare, commit / rollback
-        self.observer.on_step(self._record(plan, outputs))    # an immutable record for metrics
+        outcomes = self.verification.apply(plan, outputs)     # gate, verify compare, commit / rollback
+        self.scheduler.update(outcomes)                   # KV blocks, finishes
+        mismatches, speculated, triggered = self.verification.drain()
+        self._measure(plan, speculated, triggered)        # the route policy's cost model
+        self.observer.on_step(self._record(plan, outputs, mismatches))    # an immutable record for metrics
         self._emit(plan)                                  # stream what the policy allows
 
-    def _record(self, plan: StepPlan, outputs: dict) -> StepRecord:
+    def _measure(self, plan: StepPlan, speculated: int, triggered: int) -> None:
+        for kind, seconds in self.runner.last_seconds.items():
+            self.route.observe_pass(kind.value, sum(s.num_tokens for s in plan.of_kind(kind)), seconds)
+        self.route.observe_speculation(speculated, triggered)
+
+    def _record(self, plan: StepPlan, outputs: dict, mismatches: tuple) -> StepRecord:
         seqs, stats = [], []
         for seq in plan.seqs:
             req = seq.request
             out = outputs.get(req.request_id)
             margin = out.margins[-1] if out is not None and out.margins and seq.sample_rows else None
-            seqs.append(SeqRecord(req.request_id, req.mode, seq.kind.value, seq.replay, seq.decode, margin))
+            seqs.append(SeqRecord(req.request_id, req.mode, seq.kind.value, seq.replay, seq.decode, margin,
+                                  seq.route))
             if req.mode is Mode.VERIFIED:
                 stats.append(StatsRecord(req.request_id, req.stats.snapshot(), req.finished))
-        mismatches = tuple(self.scheduler.mismatches)
-        self.scheduler.mismatches.clear()
         self.counts = self._counts()
         return StepRecord(tuple(seqs), tuple(stats), mismatches,
                           {k.value: v for k, v in self.runner.last_seconds.items()}, self.counts)

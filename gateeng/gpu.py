@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from gateeng.kernels import reference as ref
 from gateeng.plan import FastPlan, InvariantAttnMeta, InvariantPlan, Rows, row_block_tables
 
 
@@ -24,8 +25,13 @@ class TritonInvariantPlan(InvariantPlan):
         from gateeng.kernels import triton_attention, triton_matmul, triton_rmsnorm
         self._mm, self._norm, self._attn = triton_matmul.matmul, triton_rmsnorm.rms_norm, triton_attention
 
+    def describe(self, dtype: str = "bfloat16") -> str:
+        return f"{self.name}(split={self.split})"
+
     def linear(self, x, w):
         return self._mm(x, w)
+
+    silu_mul = staticmethod(ref.silu_mul)   # elementwise: every CUDA thread runs the same code
 
     def rms_norm(self, x, w, eps):
         return self._norm(x, w, eps)

@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 
 from gateeng.engine import Engine, Observer
 from gateeng.gate import REASONS
+from gateeng.verification import MISMATCH_REASONS
 from gateeng.records import Counts, StepRecord
 from gateeng.request import Mode
 
@@ -28,8 +29,9 @@ DETERMINISM = tuple(m.value for m in Mode)
 # DeterminismStats field -> (counter attribute, label value or None)
 COUNTED = {
     "decode_steps": ("decode_steps", "verified"),
+    "direct_steps": ("direct_steps", None),
     **{f"triggers_{r}": ("triggers", r) for r in REASONS},
-    **{f"mismatches_{r}": ("mismatches", r) for r in REASONS},
+    **{f"mismatches_{r}": ("mismatches", r) for r in MISMATCH_REASONS},
     "verify_passes": ("passes", None),
     "replayed_tokens": ("replayed", None),
     "rolled_back_tokens": ("rolled_back", None),
@@ -40,15 +42,20 @@ class Metrics(Observer):
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = r = registry or CollectorRegistry()
         ProcessCollector(registry=r)
-        self.decode_steps = Counter("gateeng_decode_steps", "Decode steps (one sampled token each)",
-                                    ["determinism"], registry=r)
+        self.decode_steps = Counter("gateeng_decode_steps", "Decode steps (one sampled token each); for "
+                                    "VERIFIED the speculative ones, which the gate looks at", ["determinism"],
+                                    registry=r)
+        self.direct_steps = Counter("gateeng_verified_direct_steps",
+                                    "VERIFIED decodes the route policy ran directly on the invariant plan",
+                                    registry=r)
         self.triggers = Counter("gateeng_verifier_triggers", "Verifier triggers by reason", ["reason"], registry=r)
         self.passes = Counter("gateeng_verifier_passes", "Verify replays run", registry=r)
         self.replayed = Counter("gateeng_verifier_replayed_tokens", "Positions replayed on the invariant plan",
                                 registry=r)
         self.mismatches = Counter("gateeng_verifier_mismatches",
                                   "Replays that found a wrong speculated token, by the trigger that caught it "
-                                  "(window or finish: the margin test missed a flip)", ["reason"], registry=r)
+                                  "(window, finish or direct: the margin test missed a flip)", ["reason"],
+                                  registry=r)
         self.rolled_back = Counter("gateeng_rolled_back_tokens", "Speculated tokens dropped by rollbacks",
                                    registry=r)
         self.retractions = Counter("gateeng_stream_retractions", "Rollback events sent to EAGER streams",
@@ -84,6 +91,7 @@ class Metrics(Observer):
         # Every label value exists from the start, so ratios and rates have both sides at once.
         for reason in REASONS:
             self.triggers.labels(reason)
+        for reason in MISMATCH_REASONS:
             self.mismatches.labels(reason)
         for det in DETERMINISM:
             self.decode_steps.labels(det)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from gateeng.config import ModelConfig
 
@@ -93,6 +92,7 @@ class LlamaModel(torch.nn.Module):
         dtype-rounded hidden state and weights): bf16 logits are so coarse that
         top-1/top-2 ties are common and the margin would say little."""
         self.lm_head_f32 = self.lm_head.detach().float()
+        self.lm_head_max_norm = float(self.lm_head_f32.norm(dim=-1).max())   # bounds the bf16 lm_head's error
 
     def logits(self, hidden: torch.Tensor, plan) -> torch.Tensor:
         return plan.linear(hidden.float(), self.lm_head_f32)
@@ -117,8 +117,7 @@ class LlamaModel(torch.nn.Module):
             attn = plan.attention(q, kv.k[i], kv.v[i], attn_meta, 1.0 / math.sqrt(d))
             h = h + plan.linear(attn.reshape(-1, nq), layer.o)
             x = plan.rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
-            gate, up = plan.linear(x, layer.gate_up).chunk(2, dim=-1)
-            h = h + plan.linear(F.silu(gate) * up, layer.down)
+            h = h + plan.linear(plan.silu_mul(plan.linear(x, layer.gate_up)), layer.down)
         return plan.rms_norm(h, self.norm, cfg.rms_norm_eps)
 
     def load_hf_state_dict(self, sd: dict) -> None:

@@ -28,6 +28,7 @@ class SeqRecord:
     replay: bool
     decode: bool                  # sampled one new token after the prompt
     margin: Optional[float]       # the sampled token's margin (last row)
+    route: Optional[str] = None   # VERIFIED decodes: "speculative" | "direct"
 
 
 @dataclass(frozen=True)

@@ -88,7 +88,8 @@ class DeterminismParams:
 
 @dataclass
 class DeterminismStats:
-    decode_steps: int = 0
+    decode_steps: int = 0        # speculative route: fast-plan decodes the gate looked at
+    direct_steps: int = 0        # direct route: decodes run on the invariant plan
     triggers_margin: int = 0
     triggers_window: int = 0
     triggers_finish: int = 0
@@ -98,6 +99,7 @@ class DeterminismStats:
     mismatches_margin: int = 0   # mismatches by the trigger that caught them
     mismatches_window: int = 0
     mismatches_finish: int = 0
+    mismatches_direct: int = 0   # found by a direct decode before any trigger
     rolled_back_tokens: int = 0
     retractions: int = 0
 

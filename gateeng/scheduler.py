@@ -1,20 +1,21 @@
 """Continuous batching with chunked prefill, paged KV and preemption by recompute.
 
-Pure Python, no torch. Contract with the runner: `schedule()` returns a StepPlan
-(which token positions of which request to run, and on which plan); the runner
-returns one SeqOutput (tokens and margins) per scheduled request; `update()`
-applies it, running the verification stage for VERIFIED requests (gate, verify
-compare, commit / rollback). The scheduler is the only writer of Request state.
+Pure Python, no torch. The scheduler plans: `schedule()` returns a StepPlan
+(which token positions of which request to run, and on which plan, including the
+route of each VERIFIED decode, chosen by a RoutePolicy); the runner returns one
+SeqOutput per scheduled request; the verification stage (verification.py) turns
+those into token updates and Outcomes; `update()` applies the Outcomes to what
+the scheduler owns: KV blocks, num_computed and request status.
 
 Token bookkeeping per request (tokens = prompt + output):
   num_computed   positions with KV written
   num_verified   leading tokens that are final (OFF: all of them)
   canonical_len  positions with invariant-plan KV (VERIFIED); == num_verified - 1
                  once decoding, so a verify replay starts there
-A VERIFIED request decodes speculatively on the fast plan; the gate may mark it
-`pending_verify` (with the trigger's reason), and the next step replays
-[canonical_len, len(tokens)) on the invariant plan. Rollback is truncating
-`tokens` and the block table.
+A VERIFIED request decodes either speculatively on the fast plan (the gate may
+then mark it `pending_verify`, and the next step replays [canonical_len,
+len(tokens)) on the invariant plan) or directly on the invariant plan (the same
+replay, planned at once). Rollback is truncating `tokens` and the block table.
 """
 from __future__ import annotations
 
@@ -23,10 +24,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
-from gateeng import gate, verifier
 from gateeng.block_manager import BlockManager
-from gateeng.request import FinishReason, Mode, Request, Status, StreamPolicy
-from gateeng.stopping import StopChecker
+from gateeng.request import FinishReason, Mode, Request, Status
+from gateeng.route import RoutePolicy
+from gateeng.verification import DIRECT, SPECULATIVE, Outcome, discard_speculation
 
 
 class Kind(enum.Enum):
@@ -44,14 +45,18 @@ class ScheduledSeq:
     kind: Kind
     replay: bool = False  # verify pass: a prediction for every row
     sample_rows: tuple = ()   # row offsets within the chunk that need a sampled token
+    route: Optional[str] = None   # VERIFIED decodes: SPECULATIVE or DIRECT
 
     @classmethod
-    def plan(cls, req: Request, start: int, end: int, kind: Kind, replay: bool = False) -> "ScheduledSeq":
+    def plan(cls, req: Request, start: int, end: int, kind: Kind, replay: bool = False,
+             route: Optional[str] = None) -> "ScheduledSeq":
         if replay:
             rows = tuple(range(end - start))
         else:
             rows = (end - start - 1,) if end == len(req.tokens) else ()
-        return cls(req, start, end, kind, replay, rows)
+        if route is None and req.mode is Mode.VERIFIED and kind is Kind.FAST and rows:
+            route = SPECULATIVE
+        return cls(req, start, end, kind, replay, rows, route)
 
     @property
     def num_tokens(self) -> int:
@@ -80,17 +85,15 @@ class SeqOutput:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, stop: StopChecker, max_num_seqs: int,
-                 max_num_batched_tokens: int):
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 route: Optional[RoutePolicy] = None):
         self.blocks = blocks
-        self.stop = stop
         self.max_num_seqs = max_num_seqs
         self.token_budget = max_num_batched_tokens
+        self.route = route or RoutePolicy()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished: list[Request] = []   # drained by the engine after each step
-        # (trigger reason, fast-path margin of the first wrong token) per mismatch; drained likewise
-        self.mismatches: list[tuple[str, float]] = []
         self.num_preemptions = 0
 
     # ---- queue -------------------------------------------------------------
@@ -149,7 +152,24 @@ class Scheduler:
             self.running.append(req)
             plan.seqs.append(seq)
             budget -= seq.num_tokens
+        self._choose_routes(plan, budget)
         return plan
+
+    def _choose_routes(self, plan: StepPlan, budget: int) -> None:
+        """Move the VERIFIED decodes the route policy picks onto the invariant plan.
+        A direct decode replays the request's unverified tokens too, so it needs
+        len(tokens) - canonical_len rows (its KV blocks are already reserved)."""
+        idx = [i for i, s in enumerate(plan.seqs) if s.route == SPECULATIVE]
+        if not idx:
+            return
+        fast = sum(s.num_tokens for s in plan.seqs if s.kind is Kind.FAST)
+        inv = sum(s.num_tokens for s in plan.seqs if s.kind is Kind.INVARIANT)
+        rows = [len(plan.seqs[i].request.tokens) - plan.seqs[i].request.canonical_len for i in idx]
+        for i, direct in zip(idx, self.route.choose(fast, inv, rows, budget)):
+            if direct:
+                req = plan.seqs[i].request
+                plan.seqs[i] = ScheduledSeq.plan(req, req.canonical_len, len(req.tokens), Kind.INVARIANT,
+                                                 replay=True, route=DIRECT)
 
     def fits(self, num_tokens: int) -> bool:
         """Can a request of `num_tokens` positions ever run? The admission rule: a
@@ -201,85 +221,24 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self._unmatch(req)
-        # Speculated tokens are dropped; the recompute re-derives them.
-        del req.tokens[req.num_verified:]
-        req.spec_margins.clear()
-        req.pending_verify = None
-        req.eager_len = min(req.eager_len, len(req.output_ids))
+        discard_speculation(req)   # the recompute re-derives the speculated tokens
         req.num_preemptions += 1
         req.status = Status.WAITING
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
     # ---- update ------------------------------------------------------------
-    def update(self, plan: StepPlan, outputs: dict) -> None:
-        for seq in plan.seqs:
-            req = seq.request
-            if req.finished:
-                continue
-            out = outputs.get(req.request_id)
-            if seq.replay:
-                self._commit_replay(req, seq, out)
+    def update(self, outcomes: list[Outcome]) -> None:
+        """Apply the verification stage's Outcomes (after it updated the tokens)."""
+        for o in outcomes:
+            req = o.request
+            req.num_computed = o.num_computed
+            if o.rolled_back:
+                self.blocks.truncate(req.block_table, len(req.tokens))
+            if o.finish is not None:
+                self._finish(req, o.finish)
             else:
-                req.num_computed = seq.end
-                if seq.sample_rows:
-                    token, margin = out.tokens[-1], out.margins[-1]
-                    if req.mode is Mode.VERIFIED and seq.kind is Kind.FAST:
-                        self._speculate(req, token, margin)
-                    else:
-                        req.tokens.append(token)
-                        self._commit_upto(req, len(req.tokens))
-            if not req.finished:
                 self._register_blocks(req)
-
-    def _speculate(self, req: Request, token: int, margin: float) -> None:
-        req.tokens.append(token)
-        req.spec_margins.append(margin)
-        req.stats.decode_steps += 1
-        would_finish = self.stop.check(req, len(req.tokens) - 1)[0] is not None
-        reason = gate.decide(margin, req.num_unverified, would_finish, req.tau, req.window)
-        if reason is not None:
-            req.pending_verify = reason
-            req.stats.add(f"triggers_{reason}")
-        num_out = len(req.output_ids)
-        shown = max(req.eager_len, req.num_verified - req.num_prompt)
-        if req.det.stream_policy is StreamPolicy.EAGER and margin >= req.tau and shown == num_out - 1:
-            req.eager_len = num_out
-
-    def _commit_replay(self, req: Request, seq: ScheduledSeq, out: SeqOutput) -> None:
-        first = seq.start + 1            # index of the first speculated token
-        speculated = req.tokens[first:seq.end]
-        outcome = verifier.compare(speculated, out.tokens)
-        st = req.stats
-        st.verify_passes += 1
-        st.replayed_tokens += seq.num_tokens
-        if outcome.mismatch:
-            # The trigger that caught it says how to tune: window or finish catches
-            # mean a flip slipped past the margin test (tau too low).
-            reason = req.pending_verify
-            st.mismatches += 1
-            st.add(f"mismatches_{reason}")
-            st.rolled_back_tokens += outcome.rolled_back(len(speculated))
-            self.mismatches.append((reason, req.spec_margins[outcome.accepted]))
-        req.spec_margins.clear()
-        del req.tokens[first + outcome.accepted:]
-        req.tokens.append(outcome.next_token)
-        req.eager_len = min(req.eager_len, first + outcome.accepted - req.num_prompt)
-        req.pending_verify = None
-        req.num_computed = len(req.tokens) - 1
-        self.blocks.truncate(req.block_table, len(req.tokens))
-        self._commit_upto(req, len(req.tokens))
-
-    def _commit_upto(self, req: Request, upto: int) -> None:
-        """Make tokens[num_verified:upto] final, one at a time, stopping at a finish."""
-        for i in range(req.num_verified, upto):
-            req.num_verified = i + 1
-            reason, cut = self.stop.check(req, i)
-            if reason is not None:
-                del req.tokens[i + 1:]
-                req.stop_text_len = cut
-                self._finish(req, reason)
-                return
 
     def _register_blocks(self, req: Request) -> None:
         ready = req.num_computed if req.mode is Mode.OFF else req.canonical_len

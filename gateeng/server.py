@@ -112,7 +112,8 @@ class EngineService(pb_grpc.EngineServicer):
                 verify_passes=s.verify_passes, replayed_tokens=s.replayed_tokens, rollbacks=s.mismatches,
                 rolled_back_tokens=s.rolled_back_tokens, retractions=s.retractions,
                 margin_threshold=c.margin_threshold, rollbacks_margin=s.mismatches_margin,
-                rollbacks_window=s.mismatches_window, rollbacks_finish=s.mismatches_finish),
+                rollbacks_window=s.mismatches_window, rollbacks_finish=s.mismatches_finish,
+                direct_steps=s.direct_steps, rollbacks_direct=s.mismatches_direct),
             reproducibility=reproducibility_proto(c.reproducibility, c.seed))
 
     def _events(self, handle, context):

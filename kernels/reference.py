@@ -24,6 +24,12 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * (xf * torch.rsqrt(var + eps)).to(x.dtype)
 
 
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, for gate and up stacked on the last dim."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def split_attention(q, k_cache, v_cache, block_tables, positions, split: int, scale: float):
     """Causal attention over a paged KV cache with key splits at fixed absolute positions.
 
@@ -55,8 +61,9 @@ def split_attention(q, k_cache, v_cache, block_tables, positions, split: int, sc
         cols = torch.arange(j * bps, (j + 1) * bps, device=dev).clamp(max=width - 1)
         slots = (block_tables[:, cols, None] * bs + in_block).view(R, split)
         valid = (j * split + key_off)[None, :] <= positions[:, None]          # [R, split]
-        k = kflat[slots].float().permute(0, 2, 3, 1)                            # [R, Hkv, D, S]
-        v = vflat[slots].float().permute(0, 2, 1, 3)                            # [R, Hkv, S, D]
+        flat = slots.view(-1)   # index_select: the same gather as kflat[slots], far cheaper on CPU
+        k = kflat.index_select(0, flat).view(R, split, Hkv, D).float().permute(0, 2, 3, 1)   # [R, Hkv, D, S]
+        v = vflat.index_select(0, flat).view(R, split, Hkv, D).float().permute(0, 2, 1, 3)   # [R, Hkv, S, D]
         s = torch.matmul(qf, k).masked_fill(~valid[:, None, None, :], float("-inf"))
         active = (positions >= j * split)[:, None, None, None]                  # row has keys here
         m_j = torch.where(active, s.amax(-1, keepdim=True), zero)

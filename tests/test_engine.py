@@ -176,4 +176,4 @@ def test_every_completion_carries_the_engine_reproducibility_record(engine):
     assert off.reproducibility is ver.reproducibility is engine.reproducibility
     r = engine.reproducibility
     assert (r.device_name, r.isa) == cpu_model_and_isa()
-    assert r.model_fingerprint == engine.loaded.fingerprint and r.kernel_plan.endswith("invariant(rows=8,split=8)")
+    assert r.model_fingerprint == engine.loaded.fingerprint and r.kernel_plan.endswith("invariant-v2(rows=8,split=8)")

@@ -7,13 +7,22 @@ from fakes import EOS, FakeRunner, reference_output
 from gateeng.block_manager import BlockManager
 from gateeng.request import (DeterminismParams, FinishReason, Mode, Request, SamplingParams,
                              StreamPolicy)
+from gateeng.route import RoutePolicy
 from gateeng.scheduler import Kind, Scheduler
 from gateeng.stopping import StopChecker
+from gateeng.verification import VerificationStage
 
 
-def make_scheduler(num_blocks=64, block_size=4, budget=32, max_seqs=8):
+def make_scheduler(num_blocks=64, block_size=4, budget=32, max_seqs=8, route="speculative"):
+    """A scheduler and its verification stage (as `sched.stage`, for `update`)."""
     bm = BlockManager(num_blocks, block_size)
-    return Scheduler(bm, StopChecker({EOS}, max_model_len=1000), max_seqs, budget)
+    sched = Scheduler(bm, max_seqs, budget, RoutePolicy(route) if isinstance(route, str) else route)
+    sched.stage = VerificationStage(StopChecker({EOS}, max_model_len=1000))
+    return sched
+
+
+def update(sched, plan, outputs):
+    sched.update(sched.stage.apply(plan, outputs))
 
 
 def make_request(rid, prompt, max_tokens=12, mode=Mode.VERIFIED, tau=1.0, window=4,
@@ -28,7 +37,7 @@ def run_all(sched, runner, max_steps=2000, on_step=None):
         if not sched.has_work():
             break
         plan = sched.schedule()
-        sched.update(plan, runner.run(plan))
+        update(sched, plan, runner.run(plan))
         done += sched.finished
         sched.finished.clear()
         sched.blocks.check_integrity()
@@ -132,7 +141,7 @@ def test_waiting_for_verification_does_not_decode():
         req = seq.request
         if req.pending_verify:
             assert seq.kind is Kind.INVARIANT and seq.replay
-        sched.update(plan, runner.run(plan))
+        update(sched, plan, runner.run(plan))
 
 
 def test_off_requests_never_verify():
@@ -186,7 +195,7 @@ def test_abort_frees_blocks():
     runner = FakeRunner()
     for _ in range(3):
         plan = sched.schedule()
-        sched.update(plan, runner.run(plan))
+        update(sched, plan, runner.run(plan))
     aborted = sched.abort("a")
     assert aborted.finish_reason is FinishReason.ABORT
     done = run_all(sched, runner)
@@ -219,7 +228,7 @@ def test_request_needing_every_block_is_not_aborted_behind_a_prefix_holder():
     sched.add(make_request("small", small_prompt, max_tokens=4, mode=Mode.OFF))
     plan = sched.schedule()                        # big prefills 7 blocks; small matches a cached block
     assert [s.request.request_id for s in plan.seqs] == ["big"]
-    sched.update(plan, FakeRunner().run(plan))
+    update(sched, plan, FakeRunner().run(plan))
     done = run_all(sched, FakeRunner())
     assert done["big"].finish_reason is FinishReason.LENGTH
     assert done["big"].output_ids == reference_output(big_prompt, 7, rid="big")
@@ -259,7 +268,7 @@ def test_random_kv_pressure_never_aborts_an_admitted_request(seed):
                 aborted.add(rid)
                 sched.abort(rid)
         plan = sched.schedule()
-        sched.update(plan, FakeRunner(script).run(plan))
+        update(sched, plan, FakeRunner(script).run(plan))
         for req in sched.finished:
             assert req.finish_reason is not FinishReason.ABORT or req.request_id in aborted, \
                 f"seed {seed} step {step}: {req.request_id} aborted by the scheduler"
@@ -290,4 +299,4 @@ def test_mismatch_is_attributed_to_the_trigger_that_caught_it(script, tau, windo
     st = req.stats
     assert st.mismatches == 1 and getattr(st, f"mismatches_{reason}") == 1
     assert st.mismatches_margin + st.mismatches_window + st.mismatches_finish == st.mismatches
-    assert sched.mismatches == [(reason, margin)]
+    assert sched.stage.mismatches == [(reason, margin)]

@@ -1,0 +1,132 @@
+"""The verification stage: a step's outputs in, request updates out.
+
+For each scheduled sequence and the runner's SeqOutput it applies the token-level
+result:
+  prefill ends, OFF and REFERENCE decodes: append the token and commit it;
+  VERIFIED fast decodes (the speculative route): append the token unverified and
+    ask the gate whether to verify (`pending_verify` = the trigger's reason);
+  replays on the invariant plan (a verify pass, or a decode on the direct route):
+    compare the predictions with the speculated tokens, keep the agreeing prefix,
+    append the verifier's next token and commit.
+It writes a request's token state (tokens, num_verified, spec_margins,
+pending_verify, eager_len, stop_text_len, stats) and nothing else. The scheduler,
+which owns KV blocks and request status, applies the returned Outcomes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from gateeng import gate, verifier
+from gateeng.request import FinishReason, Mode, Request, StreamPolicy
+from gateeng.stopping import StopChecker
+
+SPECULATIVE, DIRECT = "speculative", "direct"   # the routes of a VERIFIED decode
+# A mismatch is attributed to the trigger that caught it, or to the direct route
+# when the policy moved a request with unverified tokens onto the invariant plan.
+MISMATCH_REASONS = gate.REASONS + (DIRECT,)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What the scheduler must apply for one scheduled sequence."""
+    request: Request
+    num_computed: int                 # positions with KV written, after this step
+    rolled_back: bool                 # tokens were cut: KV past len(tokens) is stale
+    finish: Optional[FinishReason]    # the request finished at a committed token
+
+
+def discard_speculation(req: Request) -> None:
+    """Drop the unverified tokens (a preempted request re-derives them)."""
+    del req.tokens[req.num_verified:]
+    req.spec_margins.clear()
+    req.pending_verify = None
+    req.eager_len = min(req.eager_len, len(req.output_ids))
+
+
+class VerificationStage:
+    def __init__(self, stop: StopChecker):
+        self.stop = stop
+        # (reason, fast-path margin of the first wrong token) per mismatch; drained per step.
+        self.mismatches: list[tuple[str, float]] = []
+        # Speculated tokens and gate triggers this step (the route policy's trigger rate).
+        self.speculated = 0
+        self.triggered = 0
+
+    def drain(self) -> tuple:
+        out = (tuple(self.mismatches), self.speculated, self.triggered)
+        self.mismatches.clear()
+        self.speculated = self.triggered = 0
+        return out
+
+    def apply(self, plan, outputs: dict) -> list[Outcome]:
+        outcomes = []
+        for seq in plan.seqs:
+            req = seq.request
+            if req.finished:
+                continue
+            out = outputs.get(req.request_id)
+            if seq.replay:
+                outcomes.append(self._replay(req, seq, out))
+            elif not seq.sample_rows:
+                outcomes.append(Outcome(req, seq.end, False, None))   # a prefill chunk
+            elif req.mode is Mode.VERIFIED and seq.route == SPECULATIVE:
+                self._speculate(req, out.tokens[-1], out.margins[-1])
+                outcomes.append(Outcome(req, seq.end, False, None))
+            else:
+                req.tokens.append(out.tokens[-1])
+                outcomes.append(Outcome(req, seq.end, False, self._commit_upto(req, len(req.tokens))))
+        return outcomes
+
+    def _speculate(self, req: Request, token: int, margin: float) -> None:
+        req.tokens.append(token)
+        req.spec_margins.append(margin)
+        req.stats.decode_steps += 1
+        self.speculated += 1
+        would_finish = self.stop.check(req, len(req.tokens) - 1)[0] is not None
+        reason = gate.decide(margin, req.num_unverified, would_finish, req.tau, req.window)
+        if reason is not None:
+            req.pending_verify = reason
+            req.stats.add(f"triggers_{reason}")
+            self.triggered += 1
+        num_out = len(req.output_ids)
+        shown = max(req.eager_len, req.num_verified - req.num_prompt)
+        if req.det.stream_policy is StreamPolicy.EAGER and margin >= req.tau and shown == num_out - 1:
+            req.eager_len = num_out
+
+    def _replay(self, req: Request, seq, out) -> Outcome:
+        first = seq.start + 1            # index of the first speculated token
+        speculated = req.tokens[first:seq.end]
+        outcome = verifier.compare(speculated, out.tokens)
+        st = req.stats
+        if seq.route == DIRECT:
+            st.direct_steps += 1
+        if speculated:
+            st.verify_passes += 1
+            st.replayed_tokens += seq.num_tokens
+        if outcome.mismatch:
+            # The trigger that caught it says how to tune: window or finish catches
+            # mean a flip slipped past the margin test (tau too low).
+            reason = req.pending_verify or DIRECT
+            st.mismatches += 1
+            st.add(f"mismatches_{reason}")
+            st.rolled_back_tokens += outcome.rolled_back(len(speculated))
+            self.mismatches.append((reason, req.spec_margins[outcome.accepted]))
+        req.spec_margins.clear()
+        del req.tokens[first + outcome.accepted:]
+        req.tokens.append(outcome.next_token)
+        req.eager_len = min(req.eager_len, first + outcome.accepted - req.num_prompt)
+        req.pending_verify = None
+        finish = self._commit_upto(req, len(req.tokens))
+        return Outcome(req, first + outcome.accepted, outcome.mismatch, finish)
+
+    def _commit_upto(self, req: Request, upto: int) -> Optional[FinishReason]:
+        """Make tokens[num_verified:upto] final, one at a time, stopping at a finish."""
+        for i in range(req.num_verified, upto):
+            req.num_verified = i + 1
+            reason, cut = self.stop.check(req, i)
+            if reason is not None:
+                del req.tokens[i + 1:]
+                req.stop_text_len = cut
+                return reason
+        return None
