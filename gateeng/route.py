@@ -26,7 +26,7 @@ class CostModel:
 
     def __init__(self, base: float, per_row: float, forget: float = 0.97):
         self.theta = [base, per_row]
-        self.p = [[1e-4, 0.0], [0.0, 1e-8]]   # prior covariance: trust the prior a little
+        self.p = [[1e-2, 0.0], [0.0, 1e-4]]   # prior spread: 0.1 s on the base, 0.01 s per row
         self.forget = forget
 
     def cost(self, rows: int) -> float:

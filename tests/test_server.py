@@ -260,17 +260,19 @@ def test_32_concurrent_mixed_streams_and_metrics(server, client, smollm):
         return after.get(name, 0.0) - before.get(name, 0.0)
     reports = [results[i].determinism for i in want]
     trig = sum(r.triggers_margin + r.triggers_window + r.triggers_finish for r in reports)
-    assert trig > 0
+    direct = sum(r.direct_steps for r in reports)
+    assert trig + direct > 0   # the adaptive route decides which of the two happen
+    assert delta("gateeng_verified_direct_steps_total") == direct
     assert delta('gateeng_verifier_triggers_total{reason="margin"}') == sum(r.triggers_margin for r in reports)
     assert delta('gateeng_verifier_triggers_total{reason="window"}') == sum(r.triggers_window for r in reports)
     assert delta('gateeng_verifier_triggers_total{reason="finish"}') == sum(r.triggers_finish for r in reports)
     assert delta("gateeng_verifier_passes_total") == sum(r.verify_passes for r in reports)
     assert delta("gateeng_verifier_replayed_tokens_total") == sum(r.replayed_tokens for r in reports)
-    for reason in ("margin", "window", "finish"):
+    for reason in ("margin", "window", "finish", "direct"):
         assert delta(f'gateeng_verifier_mismatches_total{{reason="{reason}"}}') == sum(
             getattr(r, f"rollbacks_{reason}") for r in reports)
-    assert sum(r.rollbacks_margin + r.rollbacks_window + r.rollbacks_finish for r in reports) == sum(
-        r.rollbacks for r in reports)
+    assert sum(r.rollbacks_margin + r.rollbacks_window + r.rollbacks_finish + r.rollbacks_direct
+               for r in reports) == sum(r.rollbacks for r in reports)
     assert delta("gateeng_mismatch_margin_count") == sum(r.rollbacks for r in reports)
     assert delta("gateeng_margin_count") == sum(r.decode_steps for r in reports)
     assert delta('gateeng_decode_steps_total{determinism="off"}') == 16 * (24 - 1)

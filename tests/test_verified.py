@@ -164,3 +164,26 @@ def test_window_only_mode_tau_zero(engine, reference):
     det = DeterminismParams(Mode.VERIFIED, margin_threshold=0.0, max_window=8)
     res = run_in_batch(engine, 6, det, seed=5)
     assert res == reference
+
+
+@pytest.mark.parametrize("route", ["direct", "adaptive", "switching"])
+def test_7_every_verified_route_gives_the_reference(loaded, reference, route):
+    """Speculative or direct, chosen per step (randomly for "switching", so requests
+    change route mid-way), with a noisy fast path and OFF traffic in the batch."""
+    from test_route import Switching
+    n = 24
+    e = Engine(EngineConfig(fast_logit_noise=2.0, verified_route="adaptive" if route == "switching" else route),
+               loaded=loaded)
+    if route == "switching":
+        e.scheduler.route = Switching(3)
+    params = SamplingParams(max_tokens=n, ignore_eos=True)
+    prompts = TARGETS[:2] + fillers(4, 11)
+    res = e.generate(prompts, params, [VERIFIED] * 2 + [None] * 4, chat=True)
+    assert [r.token_ids for r in res[:2]] == [r[:n] for r in reference[:2]]
+    for r in res[:2]:
+        if route == "direct":
+            assert r.stats.decode_steps == 0 and r.stats.direct_steps == n - 1
+        if route == "switching":
+            assert r.stats.decode_steps > 0 and r.stats.direct_steps > 0
+    e.shutdown()
+    e.blocks.check_integrity()

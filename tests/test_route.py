@@ -1,0 +1,93 @@
+"""The VERIFIED route policy (pure) and the scheduler on every route (fake runner)."""
+import random
+
+import pytest
+
+from fakes import FakeRunner, reference_output
+from gateeng.route import CostModel, RoutePolicy
+from test_scheduler import PROMPT, make_request, make_scheduler, run_all
+
+
+def trained(group_rows=16, fast=(0.040, 0.0005), invariant=(0.045, 0.0006), trigger_rate=0.15):
+    """A policy whose cost models have seen passes of a known cost."""
+    p = RoutePolicy("adaptive", group_rows=group_rows, trigger_rate=trigger_rate)
+    for rows in (1, 4, 8, 16, 20, 32, 48, 64) * 20:
+        p.observe_pass("fast", rows, fast[0] + fast[1] * rows)
+        padded = -(-rows // group_rows) * group_rows
+        p.observe_pass("invariant", rows, invariant[0] + invariant[1] * padded)
+    return p
+
+
+def test_cost_model_learns_a_linear_cost():
+    m = CostModel(0.02, 0.001)
+    for rows in (1, 5, 9, 30, 2, 17) * 30:
+        m.observe(rows, 0.03 + 0.002 * rows)
+    assert m.cost(0) == 0.0
+    assert m.cost(10) == pytest.approx(0.05, rel=0.05) and m.cost(40) == pytest.approx(0.11, rel=0.05)
+
+
+def test_a_lone_verified_decode_stays_speculative():
+    # 19 OFF rows + 1 VERIFIED on the fast plan, no invariant pass this step: going
+    # direct would add a whole invariant pass for one row.
+    assert trained().choose(20, 0, [1], budget=100) == [False]
+
+
+def test_a_step_with_an_invariant_pass_takes_decodes_along():
+    # A replay of 3 rows already pays for a 16-row group: the decodes fill it.
+    assert trained().choose(20, 3, [1, 4], budget=100) == [True, True]
+
+
+def test_an_all_verified_batch_goes_direct():
+    # Without the fast pass the step is one invariant pass and no replays follow.
+    assert trained().choose(24, 0, [1] * 24, budget=100) == [True] * 24
+
+
+def test_expensive_invariant_rows_keep_a_batch_speculative():
+    p = trained(invariant=(0.2, 0.01), trigger_rate=0.05)
+    assert p.choose(24, 0, [1] * 24, budget=100) == [False] * 24
+
+
+def test_fixed_modes_and_the_token_budget():
+    assert RoutePolicy("speculative").choose(8, 0, [1, 2], budget=100) == [False, False]
+    assert RoutePolicy("direct").choose(8, 0, [1, 2], budget=100) == [True, True]
+    # A direct decode with k unverified tokens needs k more rows than its fast row.
+    assert RoutePolicy("direct").choose(8, 0, [5, 1, 30], budget=10) == [True, True, False]
+    with pytest.raises(ValueError, match="adaptive, speculative, direct"):
+        RoutePolicy("fastest")
+
+
+class Switching(RoutePolicy):
+    """Test policy: a random route per decode, so requests switch mid-way."""
+
+    def __init__(self, seed):
+        super().__init__("adaptive")
+        self.rng = random.Random(seed)
+
+    def choose(self, fast_rows, inv_rows, direct_rows, budget):
+        out = []
+        for rows in direct_rows:
+            go = self.rng.random() < 0.5 and rows - 1 <= budget
+            budget -= (rows - 1) if go else 0
+            out.append(go)
+        return out
+
+
+@pytest.mark.parametrize("route", ["speculative", "direct", "adaptive", "switching"])
+def test_every_route_gives_the_reference_even_with_wrong_fast_tokens(route):
+    # The fast path is wrong at several positions (confidently, so no margin trigger).
+    script = {(rid, i): (47, 10.0) for rid in ("a", "b", "c") for i in (2, 5, 6)}
+    sched = make_scheduler(route=Switching(7) if route == "switching" else route)
+    for rid in ("a", "b", "c"):
+        sched.add(make_request(rid, PROMPT + [ord(rid)], max_tokens=14, window=4))
+    done = run_all(sched, FakeRunner(script))
+    for rid, req in done.items():
+        assert req.output_ids == reference_output(PROMPT + [ord(rid)], 14, rid=rid)
+        st = req.stats
+        if route == "speculative":
+            assert st.direct_steps == 0 and st.mismatches > 0
+        elif route == "direct":
+            assert st.decode_steps == 0 and st.direct_steps == 13   # out[0] comes from the prefill
+        elif route == "switching":
+            assert st.decode_steps > 0 and st.direct_steps > 0     # switched in the middle
+        assert st.mismatches == sum(getattr(st, f"mismatches_{r}")
+                                    for r in ("margin", "window", "finish", "direct"))
