@@ -33,6 +33,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="how VERIFIED requests decode: speculative (fast plan, replayed where the gate "
                         "says), direct (invariant plan), or adaptive (the cheaper of the two per step, "
                         "from measured plan costs); the output is the reference either way")
+    p.add_argument("--max-verify-delay", type=int, default=DEFAULTS.max_verify_delay,
+                   help="steps a margin-triggered verify replay may wait to share an invariant pass with "
+                        "others (speculating meanwhile); window and finish triggers never wait")
     p.add_argument("--kv-blocks", type=int, default=DEFAULTS.num_kv_blocks,
                    help=f"KV cache size in blocks of {DEFAULTS.block_size} tokens")
     p.add_argument("--invariant-rows", type=int, default=DEFAULTS.invariant_rows,
@@ -53,7 +56,7 @@ def _admin_token(args):
 def _engine_config(args):
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, plan=args.plan,
                         margin_threshold=args.margin_threshold, max_window=args.max_window,
-                        verified_route=args.verified_route,
+                        verified_route=args.verified_route, max_verify_delay=args.max_verify_delay,
                         num_kv_blocks=args.kv_blocks, invariant_rows=args.invariant_rows)
 
 

@@ -75,6 +75,8 @@ class EngineConfig:
     max_window: int = 32
     # VERIFIED decode route: adaptive (per step, from measured plan costs) | speculative | direct.
     verified_route: str = "adaptive"
+    # Steps a margin-triggered replay may wait for an invariant pass to join (0 = at once).
+    max_verify_delay: int = 4
     max_queue: int = 256
     # Test-only: Gaussian noise of this std added to fast-path logits, to provoke rollbacks.
     fast_logit_noise: float = 0.0
@@ -92,6 +94,8 @@ class EngineConfig:
         from gateeng.route import ROUTES
         if self.verified_route not in ROUTES:
             raise ValueError(f"verified_route must be one of {', '.join(ROUTES)}, got {self.verified_route!r}")
+        if self.max_verify_delay < 0:
+            raise ValueError(f"max_verify_delay must be >= 0, got {self.max_verify_delay}")
         if self.invariant_rows < 0:
             raise ValueError(f"invariant_rows must be >= 0 (0 = chosen for the CPU), got {self.invariant_rows}")
         validate_threshold(self.margin_threshold)

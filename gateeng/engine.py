@@ -109,8 +109,10 @@ class Engine:
             eos.add(self.tokenizer.eos_token_id)
         self.stop = StopChecker(eos, self.max_model_len, self._decode)
         fast, self.invariant_plan, sample = self._plans(cfg, mc)
-        self.route = RoutePolicy(cfg.verified_route, group_rows=self.invariant_plan.rows or 1)
-        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.route)
+        self.route = RoutePolicy(cfg.verified_route, group_rows=self.invariant_plan.rows or 1,
+                                 replay_delay=cfg.max_verify_delay)
+        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.route,
+                                   cfg.max_verify_delay)
         self.verification = VerificationStage(self.stop)
         self.runner = ModelRunner(self.model, self.kv, fast, self.invariant_plan, sample)
         self.selfcheck = run_selfcheck(self.invariant_plan, mc.hidden_size, mc.num_heads, mc.num_kv_heads,

@@ -131,7 +131,9 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: Optional[FinishReason] = None
     stop_text_len: Optional[int] = None  # output text is cut here when a stop string matched
-    pending_verify: Optional[str] = None   # the trigger reason while a replay is due
+    pending_verify: Optional[str] = None   # the trigger reason while a replay is pending
+    replay_due: bool = False    # the pending replay may not wait (window reached, or a finish ahead)
+    pending_age: int = 0        # steps a margin-triggered replay has waited for company
     spec_margins: list = field(default_factory=list)   # fast margins of tokens[num_verified:]
     eager_len: int = 0          # EAGER: output tokens that may be sent before verification
     stats: DeterminismStats = field(default_factory=DeterminismStats)

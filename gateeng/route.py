@@ -48,7 +48,7 @@ class CostModel:
 
 class RoutePolicy:
     def __init__(self, mode: str = "adaptive", group_rows: int = 1, fast: Optional[CostModel] = None,
-                 invariant: Optional[CostModel] = None, trigger_rate: float = 0.15):
+                 invariant: Optional[CostModel] = None, trigger_rate: float = 0.15, replay_delay: int = 0):
         if mode not in ROUTES:
             raise ValueError(f"verified route must be one of {', '.join(ROUTES)}, got {mode!r}")
         self.mode = mode
@@ -58,6 +58,7 @@ class RoutePolicy:
         self.fast = fast or CostModel(0.02, 0.001)
         self.invariant = invariant or CostModel(0.03, 0.002)
         self.trigger_rate = trigger_rate
+        self.replay_delay = replay_delay   # the scheduler's max_verify_delay
 
     # ---- measurements ----------------------------------------------------------
     def observe_pass(self, kind: str, rows: int, seconds: float) -> None:
@@ -76,11 +77,15 @@ class RoutePolicy:
         return -(-rows // self.group_rows) * self.group_rows
 
     def step_cost(self, fast_rows: int, inv_rows: int, speculative: int) -> float:
-        """A step's estimated cost: both passes, plus the expected replays the
-        speculated tokens will need (a replay alone pays an invariant pass)."""
-        replay = self.invariant.cost(self.group_rows)
-        return (self.fast.cost(fast_rows) + self.invariant.cost(self._padded(inv_rows))
-                + speculative * self.trigger_rate * replay)
+        """A step's estimated cost: both passes, plus the share of a future replay
+        pass the speculated tokens will need. Replays of different requests share
+        a pass, and a margin-triggered one may wait `replay_delay` steps for others,
+        so a pass is needed once per 1 + replay_delay steps in which any of them
+        triggers."""
+        span = 1 + self.replay_delay
+        p_pass = 1.0 - (1.0 - min(self.trigger_rate, 1.0)) ** (speculative * span)
+        replay = p_pass / span * self.invariant.cost(self.group_rows) if speculative else 0.0
+        return self.fast.cost(fast_rows) + self.invariant.cost(self._padded(inv_rows)) + replay
 
     def choose(self, fast_rows: int, inv_rows: int, direct_rows: list, budget: int) -> list:
         """Which of the step's speculative VERIFIED decodes go direct.

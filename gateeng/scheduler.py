@@ -86,8 +86,13 @@ class SeqOutput:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 route: Optional[RoutePolicy] = None):
+                 route: Optional[RoutePolicy] = None, max_verify_delay: int = 0):
         self.blocks = blocks
+        # A margin-triggered replay may wait this many steps for an invariant pass to
+        # join (other replays, prefills, direct decodes), speculating meanwhile; window
+        # and finish triggers never wait. Fewer, fuller invariant passes for a little
+        # VERIFIED latency.
+        self.max_verify_delay = max_verify_delay
         self.max_num_seqs = max_num_seqs
         self.token_budget = max_num_batched_tokens
         self.route = route or RoutePolicy()
@@ -156,20 +161,38 @@ class Scheduler:
         return plan
 
     def _choose_routes(self, plan: StepPlan, budget: int) -> None:
-        """Move the VERIFIED decodes the route policy picks onto the invariant plan.
-        A direct decode replays the request's unverified tokens too, so it needs
-        len(tokens) - canonical_len rows (its KV blocks are already reserved)."""
-        idx = [i for i, s in enumerate(plan.seqs) if s.route == SPECULATIVE]
-        if not idx:
-            return
+        """Move the VERIFIED decodes the route policy picks onto the invariant plan,
+        then the waiting replays if the step has an invariant pass. A direct decode
+        replays the request's unverified tokens too, so it needs len(tokens) -
+        canonical_len rows (its KV blocks are already reserved)."""
+        spec = [i for i, s in enumerate(plan.seqs) if s.route == SPECULATIVE]
+        waiting = [i for i in spec if plan.seqs[i].request.pending_verify]   # replays that wait
+        idx = [i for i in spec if not plan.seqs[i].request.pending_verify]
         fast = sum(s.num_tokens for s in plan.seqs if s.kind is Kind.FAST)
         inv = sum(s.num_tokens for s in plan.seqs if s.kind is Kind.INVARIANT)
-        rows = [len(plan.seqs[i].request.tokens) - plan.seqs[i].request.canonical_len for i in idx]
+        rows = [self._replay_rows(i, plan) for i in idx]
         for i, direct in zip(idx, self.route.choose(fast, inv, rows, budget)):
             if direct:
-                req = plan.seqs[i].request
-                plan.seqs[i] = ScheduledSeq.plan(req, req.canonical_len, len(req.tokens), Kind.INVARIANT,
-                                                 replay=True, route=DIRECT)
+                inv += self._replay_rows(i, plan)
+                budget -= self._replay_rows(i, plan) - 1
+                self._to_replay(plan, i, DIRECT)
+        # Waiting replays join any invariant pass this step has: it runs anyway.
+        for i in waiting:
+            extra = self._replay_rows(i, plan) - 1
+            if inv and extra <= budget:
+                budget -= extra
+                self._to_replay(plan, i, None)
+
+    @staticmethod
+    def _replay_rows(i: int, plan: StepPlan) -> int:
+        req = plan.seqs[i].request
+        return len(req.tokens) - req.canonical_len
+
+    @staticmethod
+    def _to_replay(plan: StepPlan, i: int, route: Optional[str]) -> None:
+        req = plan.seqs[i].request
+        plan.seqs[i] = ScheduledSeq.plan(req, req.canonical_len, len(req.tokens), Kind.INVARIANT,
+                                         replay=True, route=route)
 
     def fits(self, num_tokens: int) -> bool:
         """Can a request of `num_tokens` positions ever run? The admission rule: a
@@ -178,7 +201,7 @@ class Scheduler:
         return self.blocks.blocks_needed(num_tokens) <= self.blocks.num_blocks
 
     def _next_chunk(self, req: Request, budget: int) -> Optional[ScheduledSeq]:
-        if req.pending_verify:
+        if req.pending_verify and (req.replay_due or req.pending_age >= self.max_verify_delay):
             start, end = req.canonical_len, len(req.tokens)
             if end - start > budget:
                 return None   # replays are not split; next step

@@ -4,7 +4,8 @@ For each scheduled sequence and the runner's SeqOutput it applies the token-leve
 result:
   prefill ends, OFF and REFERENCE decodes: append the token and commit it;
   VERIFIED fast decodes (the speculative route): append the token unverified and
-    ask the gate whether to verify (`pending_verify` = the trigger's reason);
+    ask the gate whether to verify (`pending_verify` = the trigger's reason;
+    `replay_due` once the replay may not wait: see Scheduler);
   replays on the invariant plan (a verify pass, or a decode on the direct route):
     compare the predictions with the speculated tokens, keep the agreeing prefix,
     append the verifier's next token and commit.
@@ -41,6 +42,8 @@ def discard_speculation(req: Request) -> None:
     del req.tokens[req.num_verified:]
     req.spec_margins.clear()
     req.pending_verify = None
+    req.replay_due = False
+    req.pending_age = 0
     req.eager_len = min(req.eager_len, len(req.output_ids))
 
 
@@ -84,11 +87,17 @@ class VerificationStage:
         req.stats.decode_steps += 1
         self.speculated += 1
         would_finish = self.stop.check(req, len(req.tokens) - 1)[0] is not None
-        reason = gate.decide(margin, req.num_unverified, would_finish, req.tau, req.window)
-        if reason is not None:
-            req.pending_verify = reason
-            req.stats.add(f"triggers_{reason}")
-            self.triggered += 1
+        if req.pending_verify is not None:
+            req.pending_age += 1       # a margin-triggered replay waiting for company
+        else:
+            reason = gate.decide(margin, req.num_unverified, would_finish, req.tau, req.window)
+            if reason is not None:
+                req.pending_verify = reason
+                req.stats.add(f"triggers_{reason}")
+                self.triggered += 1
+        # A window or finish trigger cannot wait: W bounds the unverified tokens, and
+        # nothing may be decoded past a token that would finish the request.
+        req.replay_due = req.pending_verify is not None and (would_finish or req.num_unverified >= req.window)
         num_out = len(req.output_ids)
         shown = max(req.eager_len, req.num_verified - req.num_prompt)
         if req.det.stream_policy is StreamPolicy.EAGER and margin >= req.tau and shown == num_out - 1:
@@ -117,6 +126,8 @@ class VerificationStage:
         req.tokens.append(outcome.next_token)
         req.eager_len = min(req.eager_len, first + outcome.accepted - req.num_prompt)
         req.pending_verify = None
+        req.replay_due = False
+        req.pending_age = 0
         finish = self._commit_upto(req, len(req.tokens))
         return Outcome(req, first + outcome.accepted, outcome.mismatch, finish)
 

@@ -30,6 +30,11 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+# Keys gathered at once per row (bounds the float32 copies of K and V: about
+# 1.5 KB per key for Hkv * D = 192).
+SPLIT_BATCH_KEYS = 1 << 15
+
+
 def split_attention(q, k_cache, v_cache, block_tables, positions, split: int, scale: float):
     """Causal attention over a paged KV cache with key splits at fixed absolute positions.
 
@@ -38,8 +43,11 @@ def split_attention(q, k_cache, v_cache, block_tables, positions, split: int, sc
     Row r attends keys 0..positions[r]. Keys are split at multiples of `split`; each
     split's partial softmax (max, sum, weighted V) is computed at shape [R, split]
     and merged in split order, so a row's bits depend only on its own keys and
-    position, never on other rows or on how many splits the batch needed. Masked
-    keys contribute exact zeros. Arithmetic in float32.
+    position, never on how many splits the batch needed. The plan calls it on a
+    fixed number of rows R. Masked keys contribute exact zeros. Arithmetic in
+    float32. The splits' partials are computed by one batched matmul pair (their
+    count only changes the batch dimension, never a row's reduction), and K and V
+    are gathered and converted in one copy laid out for those matmuls.
     """
     R, H, D = q.shape
     nb, bs, Hkv, _ = k_cache.shape
@@ -49,32 +57,44 @@ def split_attention(q, k_cache, v_cache, block_tables, positions, split: int, sc
     kflat = k_cache.view(nb * bs, Hkv, D)
     vflat = v_cache.view(nb * bs, Hkv, D)
     dev = q.device
-    qf = (q.float() * scale).view(R, Hkv, G, D)
+    qf = (q.float() * scale).view(R * Hkv, G, D)
     m = torch.full((R, Hkv, G, 1), float("-inf"), device=dev)
     l = torch.zeros((R, Hkv, G, 1), device=dev)
     acc = torch.zeros((R, Hkv, G, D), device=dev)
     in_block = torch.arange(bs, device=dev)
-    key_off = torch.arange(split, device=dev)
     zero = torch.zeros((), device=dev)
     n_splits = int(positions.max()) // split + 1
-    for j in range(n_splits):
-        cols = torch.arange(j * bps, (j + 1) * bps, device=dev).clamp(max=width - 1)
-        slots = (block_tables[:, cols, None] * bs + in_block).view(R, split)
-        valid = (j * split + key_off)[None, :] <= positions[:, None]          # [R, split]
-        flat = slots.view(-1)   # index_select: the same gather as kflat[slots], far cheaper on CPU
-        k = kflat.index_select(0, flat).view(R, split, Hkv, D).float().permute(0, 2, 3, 1)   # [R, Hkv, D, S]
-        v = vflat.index_select(0, flat).view(R, split, Hkv, D).float().permute(0, 2, 1, 3)   # [R, Hkv, S, D]
-        s = torch.matmul(qf, k).masked_fill(~valid[:, None, None, :], float("-inf"))
-        active = (positions >= j * split)[:, None, None, None]                  # row has keys here
-        m_j = torch.where(active, s.amax(-1, keepdim=True), zero)
-        p = torch.exp(s - m_j)
-        l_j = p.sum(-1, keepdim=True)
-        o_j = torch.matmul(p, v)
-        m_new = torch.maximum(m, m_j)
-        a, b = torch.exp(m - m_new), torch.exp(m_j - m_new)
-        m = torch.where(active, m_new, m)
-        l = torch.where(active, l * a + l_j * b, l)
-        acc = torch.where(active, acc * a + o_j * b, acc)
+    per_gather = max(1, SPLIT_BATCH_KEYS // (R * split))
+
+    def gather(flat_cache, slots, ns):
+        x = flat_cache.index_select(0, slots).view(R, ns * split, Hkv, D).transpose(1, 2)
+        out = torch.empty(R, Hkv, ns * split, D, dtype=torch.float32, device=dev)
+        return out.copy_(x).view(R * Hkv, ns, split, D)   # one copy: gather layout and dtype
+
+    for j0 in range(0, n_splits, per_gather):
+        ns = min(per_gather, n_splits - j0)
+        cols = torch.arange(j0 * bps, (j0 + ns) * bps, device=dev).clamp(max=width - 1)
+        slots = (block_tables[:, cols, None] * bs + in_block).reshape(-1)
+        k, v = gather(kflat, slots, ns), gather(vflat, slots, ns)              # [R*Hkv, ns, S, D]
+        # Each split's partials at once: one [G, D] x [D, S] and one [G, S] x [S, D]
+        # product per (row, head, split), reductions over the split's S keys only.
+        keys = torch.arange(j0 * split, (j0 + ns) * split, device=dev).view(ns, split)
+        valid = keys[None] <= positions[:, None, None]                           # [R, ns, S]
+        qs = qf[:, None].expand(R * Hkv, ns, G, D).reshape(R * Hkv * ns, G, D)
+        s = torch.bmm(qs, k.view(R * Hkv * ns, split, D).transpose(1, 2)).view(R, Hkv, ns, G, split)
+        s = s.masked_fill(~valid[:, None, :, None, :], float("-inf"))
+        active = (positions[:, None] >= keys[None, :, 0])[:, None, :, None, None]   # [R, 1, ns, 1, 1]
+        m_s = torch.where(active, s.amax(-1, keepdim=True), zero)
+        p = torch.exp(s - m_s)
+        l_s = p.sum(-1, keepdim=True)
+        o_s = torch.bmm(p.view(R * Hkv * ns, G, split), v.view(R * Hkv * ns, split, D)).view(R, Hkv, ns, G, D)
+        for jj in range(ns):   # merge in split order
+            m_j, act = m_s[:, :, jj], active[:, :, jj]
+            m_new = torch.maximum(m, m_j)
+            a, b = torch.exp(m - m_new), torch.exp(m_j - m_new)
+            m = torch.where(act, m_new, m)
+            l = torch.where(act, l * a + l_s[:, :, jj] * b, l)
+            acc = torch.where(act, acc * a + o_s[:, :, jj] * b, acc)
     return (acc / l).view(R, H, D).to(q.dtype)
 
 

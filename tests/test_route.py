@@ -72,11 +72,13 @@ class Switching(RoutePolicy):
         return out
 
 
+@pytest.mark.parametrize("delay", [0, 3])
 @pytest.mark.parametrize("route", ["speculative", "direct", "adaptive", "switching"])
-def test_every_route_gives_the_reference_even_with_wrong_fast_tokens(route):
-    # The fast path is wrong at several positions (confidently, so no margin trigger).
-    script = {(rid, i): (47, 10.0) for rid in ("a", "b", "c") for i in (2, 5, 6)}
-    sched = make_scheduler(route=Switching(7) if route == "switching" else route)
+def test_every_route_gives_the_reference_even_with_wrong_fast_tokens(route, delay):
+    # The fast path is wrong at several positions, confidently (only W catches those)
+    # and at a low margin (the margin replay may wait `delay` steps).
+    script = {(rid, i): (47, m) for rid in ("a", "b", "c") for i, m in ((2, 10.0), (5, 0.1), (6, 10.0), (9, 0.1))}
+    sched = make_scheduler(route=Switching(7) if route == "switching" else route, delay=delay)
     for rid in ("a", "b", "c"):
         sched.add(make_request(rid, PROMPT + [ord(rid)], max_tokens=14, window=4))
     done = run_all(sched, FakeRunner(script))

@@ -13,10 +13,10 @@ from gateeng.stopping import StopChecker
 from gateeng.verification import VerificationStage
 
 
-def make_scheduler(num_blocks=64, block_size=4, budget=32, max_seqs=8, route="speculative"):
+def make_scheduler(num_blocks=64, block_size=4, budget=32, max_seqs=8, route="speculative", delay=0):
     """A scheduler and its verification stage (as `sched.stage`, for `update`)."""
     bm = BlockManager(num_blocks, block_size)
-    sched = Scheduler(bm, max_seqs, budget, RoutePolicy(route) if isinstance(route, str) else route)
+    sched = Scheduler(bm, max_seqs, budget, RoutePolicy(route) if isinstance(route, str) else route, delay)
     sched.stage = VerificationStage(StopChecker({EOS}, max_model_len=1000))
     return sched
 
@@ -121,12 +121,48 @@ def test_max_tokens_is_verified_before_finishing():
 
 
 @pytest.mark.parametrize("window", [1, 2, 5])
-def test_window_caps_unverified_tokens(window):
+@pytest.mark.parametrize("delay", [0, 10])
+def test_window_caps_unverified_tokens(window, delay):
+    # With every token below tau the margin replay would wait `delay` steps; W still caps.
     seen = []
-    sched = make_scheduler()
-    sched.add(make_request("r", PROMPT, max_tokens=20, window=window))
-    run_all(sched, FakeRunner(), on_step=lambda s, p: seen.extend(r.num_unverified for r in s.running))
+    sched = make_scheduler(delay=delay)
+    sched.add(make_request("r", PROMPT, max_tokens=20, window=window, tau=100.0 if delay else 1.0))
+    done = run_all(sched, FakeRunner(), on_step=lambda s, p: seen.extend(r.num_unverified for r in s.running))
     assert max(seen) <= window
+    assert done["r"].output_ids == reference_output(PROMPT, 20)
+
+
+def test_a_margin_replay_waits_at_most_the_delay_and_joins_an_invariant_pass():
+    """r's fast token 2 is a low-margin flip: its replay waits up to 3 steps, speculating
+    on; when s arrives its invariant prefill is a pass r's replay joins at once."""
+    sched = make_scheduler(delay=3)
+    sched.add(make_request("r", PROMPT, max_tokens=30, window=100))
+    runner = FakeRunner(script={("r", 2): (47, 0.05)})
+    waits = []
+    for _ in range(7):
+        plan = sched.schedule()
+        (seq,) = [s for s in plan.seqs if s.request.request_id == "r"]
+        waits.append((seq.request.pending_age, seq.replay))
+        update(sched, plan, runner.run(plan))
+    # Step 1 prefills, 2 and 3 decode (the flip, triggered), 4-6 speculate on, 7 replays.
+    assert waits == [(0, False)] * 4 + [(1, False), (2, False), (3, True)]
+    sched.add(make_request("s", PROMPT + [8], max_tokens=4, window=100))
+    for _ in range(3):
+        plan = sched.schedule()
+        update(sched, plan, runner.run(plan))
+    r = [q for q in sched.running if q.request_id == "r"][0]
+    assert r.stats.mismatches == 1 and r.stats.mismatches_margin == 1
+    # A new margin flip while s prefills: r's replay rides along in the same step.
+    runner.script[("r", len(r.output_ids))] = (47, 0.05)
+    plan = sched.schedule()
+    update(sched, plan, runner.run(plan))
+    sched.add(make_request("t", PROMPT + [9], max_tokens=4, window=100))
+    plan = sched.schedule()
+    kinds = {s.request.request_id: (s.kind, s.replay) for s in plan.seqs}
+    assert kinds["t"][0] is Kind.INVARIANT and kinds["r"] == (Kind.INVARIANT, True)
+    update(sched, plan, runner.run(plan))
+    done = run_all(sched, runner)
+    assert done["r"].output_ids == reference_output(PROMPT, 30)
 
 
 def test_waiting_for_verification_does_not_decode():
@@ -243,7 +279,7 @@ def test_random_kv_pressure_never_aborts_an_admitted_request(seed):
     rng = random.Random(seed)
     bs = 4
     sched = make_scheduler(num_blocks=rng.randint(6, 12), block_size=bs, budget=rng.randint(8, 40),
-                           max_seqs=rng.randint(2, 8))
+                           max_seqs=rng.randint(2, 8), delay=seed % 3)
     capacity = sched.blocks.num_blocks * bs
     prefixes = [[rng.randrange(1, 40) for _ in range(rng.randint(4, 12))] for _ in range(3)]
     script, prompts, aborted, done = {}, {}, set(), {}
