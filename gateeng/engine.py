@@ -270,8 +270,12 @@ class Engine:
         self._emit(plan)                                  # stream what the policy allows
 
     def _measure(self, plan: StepPlan, speculated: int, triggered: int) -> None:
+        """Feed the route policy the decode-phase pass costs it compares. Passes with a
+        prefill chunk are left out: their attention grows with the chunk, not the rows."""
         for kind, seconds in self.runner.last_seconds.items():
-            self.route.observe_pass(kind.value, sum(s.num_tokens for s in plan.of_kind(kind)), seconds)
+            seqs = plan.of_kind(kind)
+            if all(s.replay or s.num_tokens == 1 for s in seqs):
+                self.route.observe_pass(kind.value, sum(s.num_tokens for s in seqs), seconds)
         self.route.observe_speculation(speculated, triggered)
 
     def _record(self, plan: StepPlan, outputs: dict, mismatches: tuple) -> StepRecord:

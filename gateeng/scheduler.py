@@ -171,7 +171,8 @@ class Scheduler:
         fast = sum(s.num_tokens for s in plan.seqs if s.kind is Kind.FAST)
         inv = sum(s.num_tokens for s in plan.seqs if s.kind is Kind.INVARIANT)
         rows = [self._replay_rows(i, plan) for i in idx]
-        for i, direct in zip(idx, self.route.choose(fast, inv, rows, budget)):
+        waiting_rows = tuple(self._replay_rows(i, plan) for i in waiting)
+        for i, direct in zip(idx, self.route.choose(fast, inv, rows, budget, waiting_rows)):
             if direct:
                 inv += self._replay_rows(i, plan)
                 budget -= self._replay_rows(i, plan) - 1

@@ -4,18 +4,25 @@ import random
 import pytest
 
 from fakes import FakeRunner, reference_output
-from gateeng.route import CostModel, RoutePolicy
+from gateeng.route import CostModel, GroupCost, RoutePolicy
 from test_scheduler import PROMPT, make_request, make_scheduler, run_all
 
 
-def trained(group_rows=16, fast=(0.040, 0.0005), invariant=(0.045, 0.0006), trigger_rate=0.15):
-    """A policy whose cost models have seen passes of a known cost."""
+def trained(group_rows=16, fast=(0.045, 0.0019), per_group=0.065, trigger_rate=0.15):
+    """A policy whose cost models have seen passes of a known cost (defaults: as
+    measured for SmolLM2 on an AVX-512 BF16 CPU)."""
     p = RoutePolicy("adaptive", group_rows=group_rows, trigger_rate=trigger_rate)
     for rows in (1, 4, 8, 16, 20, 32, 48, 64) * 20:
         p.observe_pass("fast", rows, fast[0] + fast[1] * rows)
-        padded = -(-rows // group_rows) * group_rows
-        p.observe_pass("invariant", rows, invariant[0] + invariant[1] * padded)
+        p.observe_pass("invariant", rows, per_group * -(-rows // group_rows))
     return p
+
+
+def test_group_cost_learns_the_cost_of_a_group():
+    g = GroupCost(0.01, group_rows=16)
+    for rows in (3, 20, 40, 16) * 10:
+        g.observe(rows, 0.06 * -(-rows // 16))
+    assert g.cost(0) == 0.0 and g.cost(17) == pytest.approx(0.12, rel=0.01)
 
 
 def test_cost_model_learns_a_linear_cost():
@@ -42,9 +49,10 @@ def test_an_all_verified_batch_goes_direct():
     assert trained().choose(24, 0, [1] * 24, budget=100) == [True] * 24
 
 
-def test_expensive_invariant_rows_keep_a_batch_speculative():
-    p = trained(invariant=(0.2, 0.01), trigger_rate=0.05)
-    assert p.choose(24, 0, [1] * 24, budget=100) == [False] * 24
+def test_a_verified_minority_stays_speculative():
+    # Three direct decodes would open a 16-row group for 3 rows; speculating, their
+    # tokens are replayed later several to a row group.
+    assert trained().choose(20, 0, [1, 1, 1], budget=100) == [False] * 3
 
 
 def test_fixed_modes_and_the_token_budget():
@@ -63,7 +71,7 @@ class Switching(RoutePolicy):
         super().__init__("adaptive")
         self.rng = random.Random(seed)
 
-    def choose(self, fast_rows, inv_rows, direct_rows, budget):
+    def choose(self, fast_rows, inv_rows, direct_rows, budget, waiting_rows=()):
         out = []
         for rows in direct_rows:
             go = self.rng.random() < 0.5 and rows - 1 <= budget
