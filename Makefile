@@ -36,6 +36,7 @@ proto-check: install
 bench: install
 	$(PY) bench/throughput.py
 	$(PY) bench/determinism.py
+	$(PY) bench/mixed.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,14 +1,17 @@
 """Mixed traffic: what OFF requests keep and what VERIFIED requests cost.
 
-One process, one loaded model, the same prompts in every mode (greedy, bf16):
+One process, one loaded model, the same prompts in every mode (greedy, bf16).
+First the two plans' decode step on the same running requests, then:
   all OFF; 10 / 50 / 100% VERIFIED (adaptive route); plan=invariant (the
   server-wide batch-invariant mode); and, at 10% VERIFIED, the VERIFIED latency
   increment (a VERIFIED request's TPOT minus the TPOT the same request had in the
   all-OFF run) for the margin gate, window-only verification (tau = 0, W = 64)
   and always-verify (W = 1).
-A mode is one batch submitted at once; TPOT is measured per request from the
-arrival times of its streamed tokens (a VERIFIED_ONLY stream shows a token once
-it is verified, so verification delays count).
+A mode is one batch submitted at once, on a fresh engine; TPOT is measured per
+request from the arrival times of its streamed tokens (a VERIFIED_ONLY stream
+shows a token once it is verified, so verification delays count). The machine is
+shared and noisy, so every mode runs once per round and each round's ratios are
+taken against that round's own all-OFF and plan=invariant runs.
 
 Usage: python bench/mixed.py [--prompts 20] [--tokens 96] [--quick]
 """
@@ -58,6 +61,33 @@ def run(engine, prompts, params, dets):
     return wall, rows, [c for c, _ in done]
 
 
+def plan_steps_ms(loaded, batch: int, tokens: int, reps: int = 5, invariant_rows: int = 0) -> tuple:
+    """(fast, invariant) ms of one decode step over the same `batch` running
+    requests, after `tokens` decode steps (the runner alone, both plans in turn)."""
+    from gateeng.scheduler import Kind, ScheduledSeq, StepPlan
+    e = Engine(EngineConfig(invariant_rows=invariant_rows), loaded=loaded)
+    for p in prompt_set(batch, mixed=True):
+        e.scheduler.add(e._make_request(p, SamplingParams(max_tokens=tokens + 8, ignore_eos=True),
+                                        DeterminismParams(), None, True))
+    for _ in range(tokens):
+        e.step()
+    running = e.scheduler.running
+    assert len(running) == batch and all(r.num_computed == len(r.tokens) - 1 for r in running)
+    for r in running:
+        e.scheduler._reserve(r, len(r.tokens))   # the slot of the token each decode writes
+    out = []
+    for kind in (Kind.FAST, Kind.INVARIANT):
+        step = StepPlan([ScheduledSeq.plan(r, len(r.tokens) - 1, len(r.tokens), kind) for r in running])
+        e.runner.run(step)
+        best = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            e.runner.run(step)
+            best = min(best, time.perf_counter() - t0)
+        out.append(best * 1e3)
+    return tuple(out)
+
+
 def tput(rows, idx):
     """Tokens per second of these requests: their tokens over their summed times."""
     return sum(rows[i][1] for i in idx) / sum(rows[i][2] for i in idx)
@@ -72,9 +102,14 @@ def main():
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--quick", action="store_true", help="8 prompts x 16 tokens (a smoke run)")
+    ap.add_argument("--fractions", type=float, nargs="+", default=[0.1, 0.5, 1.0], help="VERIFIED fractions")
+    ap.add_argument("--max-verify-delay", type=int, default=None, help="engine setting (default: its default)")
+    ap.add_argument("--invariant-rows", type=int, default=0, help="engine setting (0: chosen for the CPU)")
+    ap.add_argument("--rounds", type=int, default=2, help="repeat every mode; figures per round")
+    ap.add_argument("--no-latency", action="store_true", help="skip the latency-increment table")
     args = ap.parse_args()
     if args.quick:
-        args.prompts, args.tokens = 8, 16
+        args.prompts, args.tokens, args.rounds = 8, 16, 1
     n = args.prompts
     loaded = load(None, "bfloat16")
     prompts = prompt_set(n, mixed=True)
@@ -82,8 +117,12 @@ def main():
     print(f"machine: {machine()}", flush=True)
 
     def engine(**kw):
+        if args.max_verify_delay is not None:
+            kw.setdefault("max_verify_delay", args.max_verify_delay)
+        kw.setdefault("invariant_rows", args.invariant_rows)
         e = Engine(EngineConfig(**kw), loaded=loaded)
-        e.generate(prompts[:2], SamplingParams(max_tokens=4), chat=True)   # warm-up
+        # Warm-up on both plans: a plan's first passes pay one-time kernel set-up.
+        e.generate(prompts[:2], SamplingParams(max_tokens=4), [None, DeterminismParams(Mode.VERIFIED)], chat=True)
         return e
 
     def mix(frac, det=DeterminismParams(Mode.VERIFIED)):
@@ -92,62 +131,84 @@ def main():
         ver = {int(i * step) for i in range(k)}
         return [det if i in ver else None for i in range(n)], sorted(ver)
 
+    print("Decode step per plan on the same running requests (best of 5; context after "
+          f"{args.tokens // 2} decode steps):\n")
+    print("| running requests | fast plan | invariant plan | invariant / fast per token |")
+    print("| --- | --- | --- | --- |")
+    for batch in (1, 16, 20, 32):
+        fast_ms, inv_ms = plan_steps_ms(loaded, batch, args.tokens // 2, invariant_rows=args.invariant_rows)
+        print(f"| {batch} | {fast_ms:.1f} ms | {inv_ms:.1f} ms | {inv_ms / fast_ms:.2f}x |", flush=True)
+    print()
     base = engine()
     run(base, prompts, params, [None] * n)   # the process's first full batch runs slower: not timed
     print(f"invariant plan: {base.invariant_plan.describe()}; tau={base.margin_threshold}, "
-          f"W={base.max_window}; {n} chat prompts x {args.tokens} tokens, greedy\n", flush=True)
-    t_off, rows_off, _ = run(base, prompts, params, [None] * n)
+          f"W={base.max_window}, max_verify_delay={base.config.max_verify_delay}; {n} chat prompts x "
+          f"{args.tokens} tokens, greedy; {args.rounds} rounds, each against its own all-OFF and "
+          f"plan=invariant runs (figures per round, separated by /)\n", flush=True)
     base.shutdown()
-    e = engine(plan="invariant")
-    t_inv, rows_inv, ref = run(e, prompts, params, [None] * n)
-    e.shutdown()
+    gates = (("margin gate", None, None), ("window-only", 0.0, 64), ("always-verify", None, 1))
+    table = {}      # row name -> list of per-round cells
+    latency = {}    # gate name -> list of (increment s, OFF TPOT ratio, replayed, rollbacks)
+    same = True
+    for _ in range(args.rounds):
+        e = engine()
+        t_off, rows_off, _ = run(e, prompts, params, [None] * n)
+        e.shutdown()
+        e = engine(plan="invariant")
+        t_inv, rows_inv, ref = run(e, prompts, params, [None] * n)
+        e.shutdown()
+        table.setdefault("all OFF", []).append((f"{t_off:.1f} s", "1.00x", "100%", f"{tpot(rows_off, range(n)) * 1e3:.0f} ms",
+                                                 "-", "-", "-"))
+        for frac in args.fractions:
+            dets, ver = mix(frac)
+            off = [i for i in range(n) if i not in ver]
+            e = engine()
+            wall, rows, comps = run(e, prompts, params, dets)
+            e.shutdown()
+            same &= all(comps[i].token_ids == ref[i].token_ids for i in ver)
+            spec = sum(comps[i].stats.decode_steps for i in ver)
+            direct = sum(comps[i].stats.direct_steps for i in ver)
+            table.setdefault(f"{frac:.0%} VERIFIED", []).append((
+                f"{wall:.1f} s", f"{wall / t_off:.2f}x",
+                f"{tput(rows, off) / tput(rows_off, off):.1%}" if off else "-",
+                f"{tpot(rows, off) * 1e3:.0f} ms" if off else "-", f"{tpot(rows, ver) * 1e3:.0f} ms",
+                f"{tput(rows, ver) / tput(rows_inv, ver):.2f}x", f"{spec} / {direct}"))
+        table.setdefault("plan=invariant", []).append((f"{t_inv:.1f} s", f"{t_inv / t_off:.2f}x", "-", "-",
+                                                        f"{tpot(rows_inv, range(n)) * 1e3:.0f} ms", "1.00x", "-"))
+        if args.no_latency:
+            continue
+        for name, tau, w in gates:
+            dets, ver = mix(0.1, DeterminismParams(Mode.VERIFIED, margin_threshold=tau, max_window=w))
+            off = [i for i in range(n) if i not in ver]
+            e = engine()
+            _, rows, comps = run(e, prompts, params, dets)
+            e.shutdown()
+            same &= all(comps[i].token_ids == ref[i].token_ids for i in ver)
+            latency.setdefault(name, []).append((
+                statistics.median(rows[i][3] - rows_off[i][3] for i in ver), tpot(rows, off) / tpot(rows_off, off),
+                sum(comps[i].stats.replayed_tokens for i in ver), sum(comps[i].stats.mismatches for i in ver)))
 
     print("| mode | wall time | vs all-OFF | OFF throughput kept | OFF TPOT | VERIFIED TPOT | "
-          "VERIFIED vs plan=invariant | decode steps speculative / direct | VERIFIED == reference |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    print(f"| all OFF | {t_off:.1f} s | 1.00x | 100% | {tpot(rows_off, range(n)) * 1e3:.0f} ms | - | - | - | - |")
-    for frac in (0.1, 0.5, 1.0):
-        dets, ver = mix(frac)
-        off = [i for i in range(n) if i not in ver]
-        e = engine()
-        wall, rows, comps = run(e, prompts, params, dets)
-        e.shutdown()
-        kept = f"{tput(rows, off) / tput(rows_off, off):.1%}" if off else "-"
-        off_tpot = f"{tpot(rows, off) * 1e3:.0f} ms" if off else "-"
-        spec = sum(comps[i].stats.decode_steps for i in ver)
-        direct = sum(comps[i].stats.direct_steps for i in ver)
-        same = all(comps[i].token_ids == ref[i].token_ids for i in ver)
-        print(f"| {frac:.0%} VERIFIED | {wall:.1f} s | {wall / t_off:.2f}x | {kept} | {off_tpot} | "
-              f"{tpot(rows, ver) * 1e3:.0f} ms | {tput(rows, ver) / tput(rows_inv, ver):.2f}x | "
-              f"{spec} / {direct} | {'yes' if same else 'NO'} |", flush=True)
-    print(f"| plan=invariant | {t_inv:.1f} s | {t_inv / t_off:.2f}x | - | - | "
-          f"{tpot(rows_inv, range(n)) * 1e3:.0f} ms | 1.00x | - | (is the reference) |\n", flush=True)
-
+          "VERIFIED vs plan=invariant | VERIFIED decode steps speculative / direct |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, cells in table.items():
+        print(f"| {name} | " + " | ".join(" / ".join(c[j] for c in cells) for j in range(7)) + " |")
+    print(f"\nVERIFIED outputs equal to the plan=invariant reference in every run: {'yes' if same else 'NO'}\n")
+    if args.no_latency:
+        return
     print("VERIFIED latency increment at 10% VERIFIED: median over the VERIFIED requests of their TPOT "
-          "minus their TPOT in the all-OFF run\n")
+          "minus their TPOT in the same round's all-OFF run\n")
     print("| verification | tau | W | increment | vs always-verify | OFF TPOT vs all-OFF | replayed tokens | "
           "rollbacks |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    results = []
-    for name, tau, w in (("margin gate", None, None), ("window-only", 0.0, 64), ("always-verify", None, 1)):
-        dets, ver = mix(0.1, DeterminismParams(Mode.VERIFIED, margin_threshold=tau, max_window=w))
-        off = [i for i in range(n) if i not in ver]
-        e = engine()
-        _, rows, comps = run(e, prompts, params, dets)
-        shown_tau = e.margin_threshold if tau is None else tau
-        shown_w = e.max_window if w is None else w
-        e.shutdown()
-        inc = statistics.median(rows[i][3] - rows_off[i][3] for i in ver)
-        off_ratio = tpot(rows, off) / tpot(rows_off, off)
-        replayed = sum(comps[i].stats.replayed_tokens for i in ver)
-        rollbacks = sum(comps[i].stats.mismatches for i in ver)
-        results.append((name, shown_tau, shown_w, inc, off_ratio, replayed, rollbacks))
-    always = results[-1][3]
-    for name, tau, w, inc, off_ratio, replayed, rollbacks in results:
-        ratio = f"{inc / always:.2f}x" if always > 0 else "-"
-        print(f"| {name} | {tau:g} | {w} | {inc * 1e3:+.1f} ms | {ratio} | {off_ratio:.2f}x | {replayed} | "
-              f"{rollbacks} |", flush=True)
-
+    always = [r[0] for r in latency["always-verify"]]
+    for name, tau, w in gates:
+        res = latency[name]
+        ratio = " / ".join(f"{r[0] / a:.2f}x" if a > 0 else "-" for r, a in zip(res, always))
+        print(f"| {name} | {base.margin_threshold if tau is None else tau:g} | {base.max_window if w is None else w} | "
+              + " / ".join(f"{r[0] * 1e3:+.1f} ms" for r in res) + f" | {ratio} | "
+              + " / ".join(f"{r[1]:.2f}x" for r in res) + " | " + " / ".join(str(r[2]) for r in res) + " | "
+              + " / ".join(str(r[3]) for r in res) + " |")
 
 if __name__ == "__main__":
     main()

@@ -40,7 +40,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help=f"KV cache size in blocks of {DEFAULTS.block_size} tokens")
     p.add_argument("--invariant-rows", type=int, default=DEFAULTS.invariant_rows,
                    help="CPU invariant plan: rows per fixed-shape matmul group, part of the canonical "
-                        "reference; 0 = 16 where the CPU has native bf16 matmuls (avx512_bf16, amx_bf16), else 8")
+                        "reference; 0 = 32 where the CPU has native bf16 matmuls (avx512_bf16, amx_bf16), else 8")
 
 
 def _admin_token_arg(p: argparse.ArgumentParser, help: str) -> None:

@@ -76,7 +76,7 @@ class EngineConfig:
     # VERIFIED decode route: adaptive (per step, from measured plan costs) | speculative | direct.
     verified_route: str = "adaptive"
     # Steps a margin-triggered replay may wait for an invariant pass to join (0 = at once).
-    max_verify_delay: int = 4
+    max_verify_delay: int = 8
     max_queue: int = 256
     # Test-only: Gaussian noise of this std added to fast-path logits, to provoke rollbacks.
     fast_logit_noise: float = 0.0
