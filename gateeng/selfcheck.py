@@ -88,7 +88,7 @@ def run_selfcheck(plan: InvariantPlan, hidden: int, num_heads: int, num_kv_heads
     # (1) all in one group, (2) one at a time among rows of another sequence B,
     # in a call with three groups of rows.
     split = plan.split
-    length = 2 * split + block_size // 2 + 1
+    length = max(2 * split, c) + block_size // 2 + 1   # c query rows, over more than two splits
     nblocks = 2 * (-(-length // block_size)) + 1
     k_cache, v_cache = randn(nblocks, block_size, num_kv_heads, head_dim), randn(nblocks, block_size, num_kv_heads, head_dim)
     perm = (torch.randperm(nblocks - 1, generator=gen) + 1).to(device)
