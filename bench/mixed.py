@@ -144,7 +144,7 @@ def main():
     print(f"invariant plan: {base.invariant_plan.describe()}; tau={base.margin_threshold}, "
           f"W={base.max_window}, max_verify_delay={base.config.max_verify_delay}; {n} chat prompts x "
           f"{args.tokens} tokens, greedy; {args.rounds} rounds, each against its own all-OFF and "
-          f"plan=invariant runs (figures per round, separated by /)\n", flush=True)
+          f"plan=invariant runs (figures per round, separated by ;)\n", flush=True)
     base.shutdown()
     gates = (("margin gate", None, None), ("window-only", 0.0, 64), ("always-verify", None, 1))
     table = {}      # row name -> list of per-round cells
@@ -192,7 +192,7 @@ def main():
           "VERIFIED vs plan=invariant | VERIFIED decode steps speculative / direct |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, cells in table.items():
-        print(f"| {name} | " + " | ".join(" / ".join(c[j] for c in cells) for j in range(7)) + " |")
+        print(f"| {name} | " + " | ".join("; ".join(c[j] for c in cells) for j in range(7)) + " |")
     print(f"\nVERIFIED outputs equal to the plan=invariant reference in every run: {'yes' if same else 'NO'}\n")
     if args.no_latency:
         return
@@ -204,11 +204,11 @@ def main():
     always = [r[0] for r in latency["always-verify"]]
     for name, tau, w in gates:
         res = latency[name]
-        ratio = " / ".join(f"{r[0] / a:.2f}x" if a > 0 else "-" for r, a in zip(res, always))
+        ratio = "; ".join(f"{r[0] / a:.2f}x" if a > 0 else "-" for r, a in zip(res, always))
         print(f"| {name} | {base.margin_threshold if tau is None else tau:g} | {base.max_window if w is None else w} | "
-              + " / ".join(f"{r[0] * 1e3:+.1f} ms" for r in res) + f" | {ratio} | "
-              + " / ".join(f"{r[1]:.2f}x" for r in res) + " | " + " / ".join(str(r[2]) for r in res) + " | "
-              + " / ".join(str(r[3]) for r in res) + " |")
+              + "; ".join(f"{r[0] * 1e3:+.1f} ms" for r in res) + f" | {ratio} | "
+              + "; ".join(f"{r[1]:.2f}x" for r in res) + " | " + "; ".join(str(r[2]) for r in res) + " | "
+              + "; ".join(str(r[3]) for r in res) + " |")
 
 if __name__ == "__main__":
     main()

@@ -8,10 +8,13 @@ Both routes give the reference bits, because the invariant plan is row-invariant
 The adaptive policy compares the step's cost under a few assignments, from
 measured per-plan pass costs (fast: seconds as a linear function of rows;
 invariant: seconds per row group) and the measured trigger rate, and picks the
-cheapest. Direct wins when an invariant pass runs this step anyway and has room
-(padding rows are paid for already), or when most of the batch is VERIFIED (the
-fast pass disappears); speculative wins when a direct decode would add an
-invariant pass of its own. Pure Python; the engine feeds it measurements.
+cheapest. Every VERIFIED token costs one invariant row on either route (a
+speculated token is replayed), so the routes differ in padding and in fast rows:
+direct wins when an invariant pass runs this step anyway and has room (its
+padding rows are paid for), or when most of the batch is VERIFIED (the fast pass
+disappears); speculative wins for a VERIFIED minority, whose tokens are then
+replayed several to a row group instead of opening a group per step. Pure
+Python; the engine feeds it measurements.
 """
 from __future__ import annotations
 
