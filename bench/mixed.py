@@ -93,6 +93,11 @@ def tput(rows, idx):
     return sum(rows[i][1] for i in idx) / sum(rows[i][2] for i in idx)
 
 
+def rate(rows, idx, wall):
+    """Tokens per second a class produced over the run."""
+    return sum(rows[i][1] for i in idx) / wall
+
+
 def tpot(rows, idx):
     return statistics.median(rows[i][3] for i in idx)
 
@@ -157,8 +162,8 @@ def main():
         e = engine(plan="invariant")
         t_inv, rows_inv, ref = run(e, prompts, params, [None] * n)
         e.shutdown()
-        table.setdefault("all OFF", []).append((f"{t_off:.1f} s", "1.00x", "100%", f"{tpot(rows_off, range(n)) * 1e3:.0f} ms",
-                                                 "-", "-", "-"))
+        table.setdefault("all OFF", []).append((f"{t_off:.1f} s", "1.00x", f"{rate(rows_off, range(n), t_off):.0f}",
+                                                 "100%", f"{tpot(rows_off, range(n)) * 1e3:.0f} ms", "-", "-", "-", "-"))
         for frac in args.fractions:
             dets, ver = mix(frac)
             off = [i for i in range(n) if i not in ver]
@@ -169,11 +174,12 @@ def main():
             spec = sum(comps[i].stats.decode_steps for i in ver)
             direct = sum(comps[i].stats.direct_steps for i in ver)
             table.setdefault(f"{frac:.0%} VERIFIED", []).append((
-                f"{wall:.1f} s", f"{wall / t_off:.2f}x",
+                f"{wall:.1f} s", f"{wall / t_off:.2f}x", f"{rate(rows, off, wall):.0f}" if off else "-",
                 f"{tput(rows, off) / tput(rows_off, off):.1%}" if off else "-",
-                f"{tpot(rows, off) * 1e3:.0f} ms" if off else "-", f"{tpot(rows, ver) * 1e3:.0f} ms",
-                f"{tput(rows, ver) / tput(rows_inv, ver):.2f}x", f"{spec} / {direct}"))
-        table.setdefault("plan=invariant", []).append((f"{t_inv:.1f} s", f"{t_inv / t_off:.2f}x", "-", "-",
+                f"{tpot(rows, off) * 1e3:.0f} ms" if off else "-", f"{rate(rows, ver, wall):.0f}",
+                f"{tpot(rows, ver) * 1e3:.0f} ms", f"{tput(rows, ver) / tput(rows_inv, ver):.2f}x", f"{spec} / {direct}"))
+        table.setdefault("plan=invariant", []).append((f"{t_inv:.1f} s", f"{t_inv / t_off:.2f}x", "-", "-", "-",
+                                                        f"{rate(rows_inv, range(n), t_inv):.0f}",
                                                         f"{tpot(rows_inv, range(n)) * 1e3:.0f} ms", "1.00x", "-"))
         if args.no_latency:
             continue
@@ -188,11 +194,11 @@ def main():
                 statistics.median(rows[i][3] - rows_off[i][3] for i in ver), tpot(rows, off) / tpot(rows_off, off),
                 sum(comps[i].stats.replayed_tokens for i in ver), sum(comps[i].stats.mismatches for i in ver)))
 
-    print("| mode | wall time | vs all-OFF | OFF throughput kept | OFF TPOT | VERIFIED TPOT | "
-          "VERIFIED vs plan=invariant | VERIFIED decode steps speculative / direct |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| mode | wall time | vs all-OFF | OFF tok/s | OFF throughput kept | OFF TPOT | VERIFIED tok/s | "
+          "VERIFIED TPOT | VERIFIED vs plan=invariant | VERIFIED decode steps speculative / direct |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, cells in table.items():
-        print(f"| {name} | " + " | ".join("; ".join(c[j] for c in cells) for j in range(7)) + " |")
+        print(f"| {name} | " + " | ".join("; ".join(c[j] for c in cells) for j in range(9)) + " |")
     print(f"\nVERIFIED outputs equal to the plan=invariant reference in every run: {'yes' if same else 'NO'}\n")
     if args.no_latency:
         return

@@ -121,16 +121,33 @@ class RoutePolicy:
             cost += speculative * group / self.group_rows + p_pass / span * group / 2
         return cost
 
+    def off_to_move(self, fast_rows: int, inv_rows: int, off_decodes: int) -> int:
+        """How many OFF decodes to run on the step's invariant pass instead of the
+        fast one. OFF promises nothing about its bits, so either plan serves it; an
+        invariant pass that runs anyway has padding rows paid for, and when every
+        fast row moves, the fast pass disappears. Candidates: none, as many as fit
+        the padding, all."""
+        if self.mode != "adaptive" or not inv_rows or not off_decodes:
+            return 0
+        room = self.invariant.groups(inv_rows) * self.group_rows - inv_rows
+        options = sorted({0, min(room, off_decodes), off_decodes})
+        return min(options, key=lambda k: (self.fast.cost(fast_rows - k) + self.invariant.cost(inv_rows + k), k))
+
+    def _with_off(self, fast_rows: int, inv_rows: int, off_decodes: int) -> tuple:
+        k = self.off_to_move(fast_rows, inv_rows, off_decodes)
+        return fast_rows - k, inv_rows + k
+
     def choose(self, fast_rows: int, inv_rows: int, direct_rows: list, budget: int,
-               waiting_rows: tuple = ()) -> list:
+               waiting_rows: tuple = (), off_decodes: int = 0) -> list:
         """Which of the step's speculative VERIFIED decodes go direct.
 
         fast_rows / inv_rows: the step's rows on each plan as planned (every
         candidate's and waiting replay's one fast row included); direct_rows: rows
         each candidate needs on the direct route; waiting_rows: the same for
         requests whose margin-triggered replay is waiting, which the scheduler
-        moves into any invariant pass the step ends up with; budget: token budget
-        left this step.
+        moves into any invariant pass the step ends up with; off_decodes: OFF
+        decodes on the fast plan, which then may move too (off_to_move); budget:
+        token budget left this step.
         """
         n = len(direct_rows)
         if self.mode == "speculative" or not n:
@@ -143,6 +160,7 @@ class RoutePolicy:
                 fast, inv = fast - len(waiting_rows), inv + sum(waiting_rows)
             else:
                 spec += len(waiting_rows)
+            fast, inv = self._with_off(fast, inv, off_decodes)
             return self.step_cost(fast, inv, spec)
 
         # Prefixes, shortest replays first: k candidates direct, as many as the budget

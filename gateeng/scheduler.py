@@ -162,9 +162,10 @@ class Scheduler:
 
     def _choose_routes(self, plan: StepPlan, budget: int) -> None:
         """Move the VERIFIED decodes the route policy picks onto the invariant plan,
-        then the waiting replays if the step has an invariant pass. A direct decode
-        replays the request's unverified tokens too, so it needs len(tokens) -
-        canonical_len rows (its KV blocks are already reserved)."""
+        then, if the step has an invariant pass, the waiting replays and the OFF
+        decodes the policy picks. A direct decode replays the request's unverified
+        tokens too, so it needs len(tokens) - canonical_len rows (its KV blocks are
+        already reserved)."""
         spec = [i for i, s in enumerate(plan.seqs) if s.route == SPECULATIVE]
         waiting = [i for i in spec if plan.seqs[i].request.pending_verify]   # replays that wait
         idx = [i for i in spec if not plan.seqs[i].request.pending_verify]
@@ -172,7 +173,8 @@ class Scheduler:
         inv = sum(s.num_tokens for s in plan.seqs if s.kind is Kind.INVARIANT)
         rows = [self._replay_rows(i, plan) for i in idx]
         waiting_rows = tuple(self._replay_rows(i, plan) for i in waiting)
-        for i, direct in zip(idx, self.route.choose(fast, inv, rows, budget, waiting_rows)):
+        off = [i for i, s in enumerate(plan.seqs) if s.kind is Kind.FAST and s.decode and s.request.mode is Mode.OFF]
+        for i, direct in zip(idx, self.route.choose(fast, inv, rows, budget, waiting_rows, len(off))):
             if direct:
                 inv += self._replay_rows(i, plan)
                 budget -= self._replay_rows(i, plan) - 1
@@ -182,7 +184,13 @@ class Scheduler:
             extra = self._replay_rows(i, plan) - 1
             if inv and extra <= budget:
                 budget -= extra
+                inv += extra + 1
                 self._to_replay(plan, i, None)
+        # OFF decodes may ride along on it too (they promise nothing about the plan).
+        fast = sum(s.num_tokens for s in plan.seqs if s.kind is Kind.FAST)
+        for i in off[:self.route.off_to_move(fast, inv, len(off))]:
+            s = plan.seqs[i]
+            plan.seqs[i] = ScheduledSeq.plan(s.request, s.start, s.end, Kind.INVARIANT)
 
     @staticmethod
     def _replay_rows(i: int, plan: StepPlan) -> int:

@@ -20,7 +20,8 @@ def value(m: Metrics, name: str, **labels) -> float:
 @pytest.fixture(scope="module")
 def served():
     cfg = EngineConfig(dtype="float32", num_kv_blocks=64, max_model_len=128, block_size=4, attention_split=8,
-                       invariant_rows=8, max_num_batched_tokens=64, fast_logit_noise=1.0)
+                       invariant_rows=8, max_num_batched_tokens=64, fast_logit_noise=1.0,
+                       verified_route="speculative")   # the gate and its counters at work
     engine = Engine(cfg, loaded=tiny_loaded("float32"))
     metrics = Metrics()
     metrics.attach(engine)

@@ -5,6 +5,8 @@ import pytest
 
 from fakes import FakeRunner, reference_output
 from gateeng.route import CostModel, GroupCost, RoutePolicy
+from gateeng.request import Mode
+from gateeng.scheduler import Kind
 from test_scheduler import PROMPT, make_request, make_scheduler, run_all
 
 
@@ -71,7 +73,7 @@ class Switching(RoutePolicy):
         super().__init__("adaptive")
         self.rng = random.Random(seed)
 
-    def choose(self, fast_rows, inv_rows, direct_rows, budget, waiting_rows=()):
+    def choose(self, fast_rows, inv_rows, direct_rows, budget, waiting_rows=(), off_decodes=0):
         out = []
         for rows in direct_rows:
             go = self.rng.random() < 0.5 and rows - 1 <= budget
@@ -101,3 +103,26 @@ def test_every_route_gives_the_reference_even_with_wrong_fast_tokens(route, dela
             assert st.decode_steps > 0 and st.direct_steps > 0     # switched in the middle
         assert st.mismatches == sum(getattr(st, f"mismatches_{r}")
                                     for r in ("margin", "window", "finish", "direct"))
+
+
+def test_off_decodes_fill_an_invariant_pass_or_drop_the_fast_pass():
+    p = trained(group_rows=32)
+    assert p.off_to_move(20, 0, 20) == 0              # no invariant pass: nothing to ride along
+    assert p.off_to_move(10, 10, 10) == 10            # they fit the 32-row group's padding: no fast pass
+    assert p.off_to_move(40, 10, 30) == 22            # fill the padding; a second group costs more
+    assert RoutePolicy("speculative", group_rows=32).off_to_move(20, 10, 10) == 0   # fixed routes: never
+
+
+def test_off_requests_riding_on_invariant_passes_still_finish_and_verified_is_the_reference():
+    sched = make_scheduler(route=trained(group_rows=8), delay=2)
+    kinds = []
+    for rid in ("v1", "v2"):
+        sched.add(make_request(rid, PROMPT + [ord(rid[1])], max_tokens=10, window=3))
+    for rid in ("o1", "o2", "o3"):
+        sched.add(make_request(rid, PROMPT + [ord(rid[1]) + 5], max_tokens=10, mode=Mode.OFF))
+    done = run_all(sched, FakeRunner({("v1", 3): (47, 0.05)}),
+                   on_step=lambda s, plan: kinds.extend(x.kind for x in plan.seqs if x.request.mode is Mode.OFF
+                                                        and x.decode))
+    assert Kind.INVARIANT in kinds                        # OFF decodes did ride along
+    for rid, req in done.items():
+        assert req.output_ids == reference_output(req.prompt_ids, 10, rid=rid)
