@@ -12,7 +12,7 @@ from gateeng.config import validate_threshold, validate_window
 
 
 class Mode(str, enum.Enum):
-    OFF = "off"              # fast path only
+    OFF = "off"              # no promise about the bits (fast path, or a spare invariant row)
     VERIFIED = "verified"    # fast path, margin-gated verification, bitwise == reference
     REFERENCE = "reference"  # invariant plan for every step (plan=invariant engine)
 

@@ -13,8 +13,10 @@ speculated token is replayed), so the routes differ in padding and in fast rows:
 direct wins when an invariant pass runs this step anyway and has room (its
 padding rows are paid for), or when most of the batch is VERIFIED (the fast pass
 disappears); speculative wins for a VERIFIED minority, whose tokens are then
-replayed several to a row group instead of opening a group per step. Pure
-Python; the engine feeds it measurements.
+replayed several to a row group instead of opening a group per step. OFF
+decodes may run on either plan (they promise nothing about their bits), so the
+adaptive policy also moves them into a step's invariant pass where that is
+cheaper (`off_to_move`). Pure Python; the engine feeds it measurements.
 """
 from __future__ import annotations
 
