@@ -52,7 +52,8 @@ def wait_for(fn, timeout=90, what="condition"):
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     from grpc_health.v1 import health_pb2
-    proc, target, mport = start_server()
+    # The speculative route: the README trigger-rate query is over gated (speculative) steps.
+    proc, target, mport = start_server("--verified-route", "speculative")
     tmp = tmp_path_factory.mktemp("prometheus")
     port = free_port()
     (tmp / "prometheus.yml").write_text(json.dumps({
