@@ -13,7 +13,6 @@ sequence's KV, which is what makes the canonical reference well defined.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -191,7 +190,6 @@ class InvariantAttnMeta:
     block_tables: torch.Tensor   # [R, W] per row
     positions: torch.Tensor      # [R]
     split: int
-    rows: Optional[int] = None   # leading rows that are real (the rest is padding); None = all
 
 
 def default_invariant_rows(isa: str) -> int:
@@ -254,11 +252,10 @@ class InvariantPlan:
         return self._grouped(ref.silu_mul, gate_up)
 
     def attention(self, q, k_cache, v_cache, meta: InvariantAttnMeta, scale: float):
-        """Per group of `rows` rows; a group of padding rows only is skipped (zeros)."""
+        """Per group of `rows` rows."""
         c = self.rows
-        n = q.shape[0] if meta.rows is None else meta.rows
-        out = torch.zeros_like(q)
-        for g in range(0, n, c):
+        out = torch.empty_like(q)
+        for g in range(0, q.shape[0], c):
             out[g:g + c] = ref.split_attention(q[g:g + c], k_cache, v_cache, meta.block_tables[g:g + c],
                                                meta.positions[g:g + c], meta.split, scale)
         return out
@@ -287,7 +284,7 @@ class InvariantPlan:
         pos = rows.positions + [0] * pad
         tables = row_block_tables(row_table, max(pos) // kv.block_size + 1)
         pos_t = torch.tensor(pos, device=dev)
-        meta = InvariantAttnMeta(tables.to(dev), pos_t, self.split, n)
+        meta = InvariantAttnMeta(tables.to(dev), pos_t, self.split)
         hidden = model(torch.tensor(rows.input_ids + [0] * pad, device=dev), pos_t,
                        torch.tensor(rows.slots + [-1] * pad, device=dev), meta, kv, self)
         if not rows.sample_rows:

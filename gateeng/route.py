@@ -155,9 +155,12 @@ class RoutePolicy:
         if self.mode == "speculative" or not n:
             return [False] * n
         order = sorted(range(n), key=lambda i: direct_rows[i])
+        moved = [0]   # rows the k shortest candidates take onto the invariant plan
+        for i in order:
+            moved.append(moved[-1] + direct_rows[i])
 
         def cost(k: int) -> float:
-            fast, inv, spec = fast_rows - k, inv_rows + sum(direct_rows[j] for j in order[:k]), n - k
+            fast, inv, spec = fast_rows - k, inv_rows + moved[k], n - k
             if inv and waiting_rows:   # the waiting replays join, dropping their fast rows
                 fast, inv = fast - len(waiting_rows), inv + sum(waiting_rows)
             else:

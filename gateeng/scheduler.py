@@ -174,10 +174,10 @@ class Scheduler:
         rows = [self._replay_rows(i, plan) for i in idx]
         waiting_rows = tuple(self._replay_rows(i, plan) for i in waiting)
         off = [i for i, s in enumerate(plan.seqs) if s.kind is Kind.FAST and s.decode and s.request.mode is Mode.OFF]
-        for i, direct in zip(idx, self.route.choose(fast, inv, rows, budget, waiting_rows, len(off))):
+        for i, r, direct in zip(idx, rows, self.route.choose(fast, inv, rows, budget, waiting_rows, len(off))):
             if direct:
-                inv += self._replay_rows(i, plan)
-                budget -= self._replay_rows(i, plan) - 1
+                inv += r
+                budget -= r - 1
                 self._to_replay(plan, i, DIRECT)
         # Waiting replays join any invariant pass this step has: it runs anyway.
         for i in waiting:
