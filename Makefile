@@ -37,6 +37,7 @@ bench: install
 	$(PY) bench/throughput.py
 	$(PY) bench/determinism.py
 	$(PY) bench/mixed.py
+	$(PY) bench/serve.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

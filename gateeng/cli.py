@@ -6,10 +6,12 @@ import os
 import sys
 
 from gateeng import __version__
-from gateeng.config import EngineConfig
+from gateeng.config import EngineConfig, GateBounds, ServerConfig
+from gateeng.request import DEFAULT_MAX_TOKENS
 from gateeng.route import ROUTES
 
 DEFAULTS = EngineConfig()
+SERVER = ServerConfig()
 ADMIN_ENV = "GATEENG_ADMIN_TOKEN"
 
 
@@ -41,28 +43,53 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--invariant-rows", type=int, default=DEFAULTS.invariant_rows,
                    help="CPU invariant plan: rows per fixed-shape matmul group, part of the canonical "
                         "reference; 0 = 32 where the CPU has native bf16 matmuls (avx512_bf16, amx_bf16), else 8")
+    p.add_argument("--max-model-len", type=int, default=DEFAULTS.max_model_len,
+                   help="positions one request may use, prompt and output (0: the model's limit, within "
+                        "what --kv-blocks holds)")
+    p.add_argument("--max-num-seqs", type=int, default=DEFAULTS.max_num_seqs,
+                   help="requests in the running batch at most")
+    p.add_argument("--max-num-batched-tokens", type=int, default=DEFAULTS.max_num_batched_tokens,
+                   help="positions one engine step may compute (decodes, prefill chunks, verify replays)")
+    p.add_argument("--prefill-chunk", type=int, default=DEFAULTS.prefill_chunk,
+                   help="while requests are decoding, a step prefills at most max(this, number of decoding "
+                        "requests) prompt positions: long prompts are chunked and interleaved with the decodes, "
+                        "which bounds inter-token latency (0 = no limit beyond --max-num-batched-tokens)")
+    p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse the KV of shared prompt prefixes")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice, usually the core count)")
 
 
 def _admin_token_arg(p: argparse.ArgumentParser, help: str) -> None:
-    p.add_argument("--admin-token", default=None,
-                   help=f"{help}; prefer the environment variable {ADMIN_ENV}, which keeps it out of the "
-                        "process list")
+    p.add_argument("--admin-token-file", default=None, metavar="FILE",
+                   help=f"{help}: the admin bearer token, read from this file (or from ${ADMIN_ENV}); "
+                        "never on the command line, where the process list shows it")
 
 
 def _admin_token(args):
-    return args.admin_token or os.environ.get(ADMIN_ENV) or None
+    """The admin token from --admin-token-file, else $GATEENG_ADMIN_TOKEN, else None."""
+    if args.admin_token_file:
+        with open(args.admin_token_file) as f:
+            token = f.read().strip()
+        if not token:
+            raise ValueError(f"--admin-token-file {args.admin_token_file} is empty")
+        return token
+    return os.environ.get(ADMIN_ENV) or None
 
 
 def _engine_config(args):
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, plan=args.plan,
                         margin_threshold=args.margin_threshold, max_window=args.max_window,
                         verified_route=args.verified_route, max_verify_delay=args.max_verify_delay,
-                        num_kv_blocks=args.kv_blocks, invariant_rows=args.invariant_rows)
+                        num_kv_blocks=args.kv_blocks, invariant_rows=args.invariant_rows,
+                        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens,
+                        prefill_chunk=args.prefill_chunk, enable_prefix_caching=not args.no_prefix_caching,
+                        num_threads=args.threads, max_queue=getattr(args, "max_queue", DEFAULTS.max_queue))
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", help="the prompt text")
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
     p.add_argument("--temperature", type=float, default=0.0, help="0 (or below 1e-5) = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -109,21 +136,26 @@ def cmd_generate(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    import asyncio
     import logging
+
     from gateeng.server import Server
-    logging.basicConfig(level=logging.INFO, format="[gateeng] %(message)s")
-    cfg = _engine_config(args)
-    cfg.max_queue = args.max_queue
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="[gateeng] %(levelname)s %(message)s")
     try:
+        cfg = _engine_config(args)
         cfg.validate()
-        server = Server(cfg, host=args.host, port=args.port,
-                        metrics_port=None if args.metrics_port < 0 else args.metrics_port,
-                        admin_token=_admin_token(args))
+        settings = ServerConfig(host=args.host, port=args.port,
+                                metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+                                drain_seconds=args.drain_seconds, max_prompt_bytes=args.max_prompt_bytes,
+                                http_port=args.http_port, served_model_name=args.served_model_name,
+                                http_default_mode=args.http_default_mode,
+                                bounds=GateBounds(args.request_tau_max, args.request_window_min,
+                                                  args.request_window_max))
+        server = Server(cfg, settings, admin_token=_admin_token(args))
+        return asyncio.run(server.run())
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    server.serve_forever(drain_seconds=args.drain_seconds)
-    return 0
 
 
 def cmd_calibrate(args) -> int:
@@ -155,7 +187,12 @@ def cmd_calibrate(args) -> int:
         if report.recommended_tau is None:
             print("error: nothing to apply: no tau met the target", file=sys.stderr)
             return 3
-        return _update_gate(args.apply, _admin_token(args), report.recommended_tau, None)
+        try:
+            token = _admin_token(args)
+        except (ValueError, OSError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        return _update_gate(args.apply, token, report.recommended_tau, None)
     return 0
 
 
@@ -165,7 +202,7 @@ def _update_gate(target: str, token, tau, window) -> int:
     from gateeng.client import Client
     setting = tau is not None or window is not None
     if setting and not token:
-        print(f"error: the admin token is missing: pass --admin-token or set ${ADMIN_ENV}", file=sys.stderr)
+        print(f"error: the admin token is missing: pass --admin-token-file or set ${ADMIN_ENV}", file=sys.stderr)
         return 2
     with Client(target, admin_token=token) as c:
         try:
@@ -179,7 +216,42 @@ def _update_gate(target: str, token, tau, window) -> int:
 
 
 def cmd_admin_gate(args) -> int:
-    return _update_gate(args.server, _admin_token(args), args.tau, args.window)
+    try:
+        token = _admin_token(args)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return _update_gate(args.server, token, args.tau, args.window)
+
+
+def cmd_model_dir(args) -> int:
+    """Print the Hugging Face-format directory of a model (a .gguf is converted once
+    and cached): the tokenizer path tools such as lm-eval-harness take."""
+    from pathlib import Path
+
+    from gateeng.loader import default_model_path, ensure_hf_dir
+    try:
+        print(ensure_hf_dir(Path(args.model) if args.model else default_model_path()))
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def cmd_health(args) -> int:
+    """Exit 0 when the server's engine is SERVING, 1 otherwise (a container HEALTHCHECK)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    with grpc.insecure_channel(args.server) as channel:
+        try:
+            status = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service="gateeng.v1.Engine"), timeout=args.timeout).status
+        except grpc.RpcError as e:
+            print(f"{args.server}: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    name = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+    print(f"{args.server}: {name}")
+    return 0 if status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
 class _Parser(argparse.ArgumentParser):
@@ -190,7 +262,7 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gateeng", description=__doc__)
     parser.add_argument("--version", action="version", version=f"gateeng {__version__}")
     sub = parser.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
@@ -202,14 +274,34 @@ def main(argv=None) -> int:
     g.set_defaults(func=cmd_generate)
     s = sub.add_parser("serve", help="serve the model over gRPC, with Prometheus metrics")
     _add_model_args(s)
-    s.add_argument("--host", default="127.0.0.1", help="address to bind (gRPC and metrics)")
-    s.add_argument("--port", type=int, default=50051, help="gRPC port")
-    s.add_argument("--metrics-port", type=int, default=9400, help="Prometheus /metrics port (-1: off)")
-    s.add_argument("--max-queue", type=int, default=256,
-                   help="requests allowed to wait; beyond it calls fail with RESOURCE_EXHAUSTED")
-    _admin_token_arg(s, "enables admin RPCs (UpdateGateConfig) for callers sending this bearer token")
-    s.add_argument("--drain-seconds", type=float, default=30.0,
-                   help="on SIGTERM, how long in-flight requests may finish before they are aborted")
+    s.add_argument("--host", default=SERVER.host, help="address to bind (gRPC and metrics)")
+    s.add_argument("--port", type=int, default=SERVER.port, help="gRPC port")
+    s.add_argument("--metrics-port", type=int, default=SERVER.metrics_port, help="Prometheus /metrics port (-1: off)")
+    s.add_argument("--http-port", type=int, default=SERVER.http_port,
+                   help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+                        "/v1/models, /health) on this port too (default: off)")
+    s.add_argument("--http-default-mode", choices=["off", "verified"], default=SERVER.http_default_mode,
+                   help="determinism of HTTP requests that set none: `verified` makes every lm-eval or openai "
+                        "client request VERIFIED without an extension field")
+    s.add_argument("--served-model-name", default=SERVER.served_model_name,
+                   help="the model id the HTTP API reports and accepts (default: the model file's name)")
+    s.add_argument("--max-queue", type=int, default=DEFAULTS.max_queue,
+                   help="requests allowed to wait; beyond it calls fail with RESOURCE_EXHAUSTED and a retry hint")
+    s.add_argument("--max-prompt-bytes", type=int, default=SERVER.max_prompt_bytes,
+                   help="largest prompt text accepted, checked before tokenizing (0: 32 bytes per "
+                        "context position)")
+    s.add_argument("--request-tau-max", type=float, default=SERVER.bounds.max_margin_threshold,
+                   help="the largest margin_threshold a request may ask for")
+    s.add_argument("--request-window-min", type=int, default=SERVER.bounds.min_window,
+                   help="the smallest max_window a request may ask for")
+    s.add_argument("--request-window-max", type=int, default=SERVER.bounds.max_window,
+                   help="the largest max_window a request may ask for (a verify replay is up to W+1 "
+                        "positions in one step)")
+    _admin_token_arg(s, "enables admin RPCs (UpdateGateConfig)")
+    s.add_argument("--drain-seconds", type=float, default=SERVER.drain_seconds,
+                   help="on SIGTERM, how long in-flight requests may finish before they end with UNAVAILABLE")
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--version", action="version", version=f"gateeng {__version__}")
     s.set_defaults(func=cmd_serve)
     c = sub.add_parser("calibrate", help="measure where the fast path flips and recommend a margin threshold",
                        description="Decode prompts on the reference and, teacher-forced, on the fast path under "
@@ -227,17 +319,30 @@ def main(argv=None) -> int:
     c.add_argument("--quick", action="store_true", help="8 prompts x 16 tokens, batch sizes 1 and 4 (a smoke run)")
     c.add_argument("--apply", default=None, metavar="HOST:PORT",
                    help="set the recommended tau on a running server (UpdateGateConfig)")
-    _admin_token_arg(c, "bearer token for --apply")
+    _admin_token_arg(c, "for --apply")
     c.set_defaults(func=cmd_calibrate)
+    m = sub.add_parser("model-dir", help="print a model's Hugging Face-format directory (config, weights, "
+                                          "tokenizer), converting a .gguf once")
+    m.add_argument("--model", default=None,
+                   help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    m.set_defaults(func=cmd_model_dir)
+    h = sub.add_parser("health", help="check a running server's health (exit 0 only when SERVING)")
+    h.add_argument("--server", default="127.0.0.1:50051", metavar="HOST:PORT")
+    h.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the answer")
+    h.set_defaults(func=cmd_health)
     a = sub.add_parser("admin", help="operator commands against a running server")
     asub = a.add_subparsers(dest="admin_cmd", required=True, parser_class=_Parser)
     ag = asub.add_parser("gate", help="show or set the server's default gate settings (tau, W)")
     ag.add_argument("--server", default="127.0.0.1:50051", metavar="HOST:PORT")
     ag.add_argument("--tau", type=float, default=None, help="new default margin threshold")
     ag.add_argument("--window", type=int, default=None, help="new default max window")
-    _admin_token_arg(ag, "bearer token for the admin RPC")
+    _admin_token_arg(ag, "for setting tau or W")
     ag.set_defaults(func=cmd_admin_gate)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     return args.func(args)
 
 

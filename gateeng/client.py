@@ -3,6 +3,7 @@
     with Client("127.0.0.1:50051") as c:
         res = c.complete("Hello", SamplingParams(max_tokens=32), DeterminismParams(Mode.VERIFIED))
         print(res.text, res.determinism.rollbacks)
+        chat = c.complete([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
 """
 from __future__ import annotations
 
@@ -23,6 +24,10 @@ def to_proto(prompt: Union[str, list], params: Optional[SamplingParams] = None,
                            stop=list(p.stop), stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos)
     if p.seed is not None:
         sp.seed = p.seed
+    if p.logprobs is not None:
+        sp.logprobs = p.logprobs
+    if p.prompt_logprobs is not None:
+        sp.prompt_logprobs = p.prompt_logprobs
     dp = pb.Determinism(
         mode=pb.Determinism.MODE_VERIFIED if d.mode is Mode.VERIFIED else pb.Determinism.MODE_OFF,
         stream_policy=pb.Determinism.EAGER if d.stream_policy is StreamPolicy.EAGER else pb.Determinism.VERIFIED_ONLY)
@@ -33,6 +38,8 @@ def to_proto(prompt: Union[str, list], params: Optional[SamplingParams] = None,
     req = pb.GenerateRequest(request_id=request_id, chat=chat, sampling=sp, determinism=dp)
     if isinstance(prompt, str):
         req.text = prompt
+    elif prompt and isinstance(prompt[0], dict):      # chat messages
+        req.messages.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in prompt)
     else:
         req.token_ids.ids.extend(prompt)
     return req

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 
@@ -22,10 +22,16 @@ class ModelConfig:
     tie_word_embeddings: bool = True
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple = ()
+    architecture: str = "llama"        # transformers' model_type
+    qkv_bias: bool = False             # Qwen2/2.5; Llama's attention_bias (with o_bias)
+    o_bias: bool = False
+    qk_norm: bool = False              # Qwen3: RMSNorm of each head's q and k before RoPE
+    sliding_window: Optional[int] = None   # attention window (Mistral); None = full attention
 
     @classmethod
     def from_hf(cls, hf) -> "ModelConfig":
-        """From a transformers LlamaConfig-like object (Llama, Qwen2, Mistral, SmolLM)."""
+        """From a transformers config of a Llama-family decoder (Llama 2/3.x, Mistral,
+        Qwen2/2.5, Qwen3, SmolLM)."""
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         rope = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
         rope = dict(rope)
@@ -48,7 +54,21 @@ class ModelConfig:
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             bos_token_id=hf.bos_token_id,
             eos_token_ids=eos,
+            architecture=hf.model_type,
+            qkv_bias=hf.model_type == "qwen2" or bool(getattr(hf, "attention_bias", False)),
+            o_bias=hf.model_type != "qwen2" and bool(getattr(hf, "attention_bias", False)),
+            qk_norm=hf.model_type == "qwen3",
+            sliding_window=_sliding_window(hf),
         )
+
+
+def _sliding_window(hf) -> Optional[int]:
+    """The attention window the model applies, or None for full attention. Qwen
+    configs carry a window that applies only with use_sliding_window."""
+    window = getattr(hf, "sliding_window", None)
+    if window is None or (hasattr(hf, "use_sliding_window") and not hf.use_sliding_window):
+        return None
+    return int(window)
 
 
 @dataclass
@@ -59,9 +79,17 @@ class EngineConfig:
     plan: str = "fast"                   # fast | invariant (server-wide batch-invariant mode)
     block_size: int = 16
     num_kv_blocks: int = 1024
-    max_model_len: int = 2048
+    # Positions one request may use (prompt + output); 0 = the model's limit (its
+    # max_position_embeddings, or its sliding window if smaller), within what the
+    # KV cache holds. An explicit value above either is refused.
+    max_model_len: int = 0
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
+    # While requests are decoding, a step prefills at most max(prefill_chunk, number
+    # of decoding requests) prompt positions (0 = up to the whole budget): long
+    # prompts are chunked and interleaved with the decodes, which bounds their
+    # inter-token latency. 16: bench/serve.py's prefill phase (bench/RESULTS.md).
+    prefill_chunk: int = 16
     enable_prefix_caching: bool = True
     # Invariant plan shape: every matmul runs on row groups of exactly `invariant_rows`
     # rows (0 = chosen for the CPU, see plan.default_invariant_rows) and attention
@@ -96,11 +124,19 @@ class EngineConfig:
             raise ValueError(f"verified_route must be one of {', '.join(ROUTES)}, got {self.verified_route!r}")
         if self.max_verify_delay < 0:
             raise ValueError(f"max_verify_delay must be >= 0, got {self.max_verify_delay}")
+        if self.prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk must be >= 0 (0 = no limit), got {self.prefill_chunk}")
         if self.invariant_rows < 0:
             raise ValueError(f"invariant_rows must be >= 0 (0 = chosen for the CPU), got {self.invariant_rows}")
         validate_threshold(self.margin_threshold)
         validate_window(self.max_window)
-        for name in ("block_size", "num_kv_blocks", "max_model_len", "max_num_seqs",
+        if self.max_window + 1 > self.max_num_batched_tokens:
+            raise ValueError(f"max_window {self.max_window} must be below the step token budget "
+                             f"max_num_batched_tokens {self.max_num_batched_tokens}: a verify replay is W+1 "
+                             f"positions in one step")
+        if self.max_model_len < 0:
+            raise ValueError(f"max_model_len must be >= 0 (0 = the model's limit), got {self.max_model_len}")
+        for name in ("block_size", "num_kv_blocks", "max_num_seqs",
                      "max_num_batched_tokens", "max_queue"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -116,3 +152,53 @@ def validate_window(w: int) -> int:
     if w is None or int(w) < 1:
         raise ValueError(f"max_window must be >= 1, got {w!r}")
     return int(w)
+
+
+@dataclass(frozen=True)
+class GateBounds:
+    """What a request may ask of the gate (operator flags). A larger tau or a
+    smaller W costs other requests invariant passes; a larger W makes one verify
+    replay, which is not split across steps, a longer step for everyone."""
+    max_margin_threshold: float = 4.0
+    min_window: int = 4
+    max_window: int = 64
+
+    def validate(self) -> None:
+        if not (math.isfinite(self.max_margin_threshold) and self.max_margin_threshold >= 0):
+            raise ValueError(f"the tau ceiling must be a finite number >= 0, got {self.max_margin_threshold}")
+        if not 1 <= self.min_window <= self.max_window:
+            raise ValueError(f"need 1 <= W floor <= W ceiling, got {self.min_window} and {self.max_window}")
+
+    def check(self, tau: Optional[float], window: Optional[int], what: str = "determinism") -> None:
+        if tau is not None and not (math.isfinite(tau) and 0 <= tau <= self.max_margin_threshold):
+            raise ValueError(f"{what}.margin_threshold must be in [0, {self.max_margin_threshold:g}] on this "
+                             f"server (--request-tau-max), got {tau:g}")
+        if window is not None and not self.min_window <= window <= self.max_window:
+            raise ValueError(f"{what}.max_window must be in [{self.min_window}, {self.max_window}] on this "
+                             f"server (--request-window-min/--request-window-max), got {window}")
+
+
+@dataclass
+class ServerConfig:
+    """The server's own settings (the engine's are EngineConfig). `gateeng serve`
+    takes its defaults from here."""
+    host: str = "127.0.0.1"
+    port: int = 50051
+    metrics_port: Optional[int] = 9400     # None: no /metrics endpoint
+    drain_seconds: float = 30.0            # SIGTERM: how long in-flight requests may finish
+    max_prompt_bytes: int = 0              # 0: 32 bytes per context position
+    bounds: GateBounds = field(default_factory=GateBounds)
+    http_port: Optional[int] = None        # the OpenAI-compatible HTTP front; None: off
+    served_model_name: Optional[str] = None   # its model id; None: the model file's or directory's name
+    http_default_mode: str = "off"         # determinism of HTTP requests that name none (off | verified)
+
+    def prompt_bytes(self, max_model_len: int) -> int:
+        """The prompt byte limit for a server whose context holds max_model_len positions."""
+        return self.max_prompt_bytes or 32 * max_model_len
+
+    def validate(self) -> None:
+        self.bounds.validate()
+        if self.http_default_mode not in ("off", "verified"):
+            raise ValueError(f"http_default_mode must be off or verified, got {self.http_default_mode!r}")
+        if self.drain_seconds < 0 or self.max_prompt_bytes < 0:
+            raise ValueError("drain_seconds and max_prompt_bytes must be >= 0")

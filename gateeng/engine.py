@@ -5,24 +5,25 @@ scheduler; other threads talk to it through an inbox.
 """
 from __future__ import annotations
 
-import asyncio
 import itertools
 import queue
 import secrets
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
 import torch
 
 from gateeng import __version__, reproducibility
+from gateeng import chat as chat_template
 from gateeng.block_manager import BlockManager
 from gateeng.config import EngineConfig, validate_threshold, validate_window
 from gateeng.loader import DTYPES, LoadedModel, load, log
 from gateeng.sampler import sample as sample_rows
 from gateeng.model import KVCache
-from gateeng.outputs import Chunk, Completion, Rollback
+from gateeng.detokenizer import IncrementalText
+from gateeng.output_processor import OutputProcessor, RequestHandle
+from gateeng.outputs import Completion
 from gateeng.plan import FastPlan, InvariantPlan, default_invariant_rows
 from gateeng.records import Counts, SeqRecord, StatsRecord, StepRecord
 from gateeng.request import DeterminismParams, Mode, Request, SamplingParams
@@ -35,19 +36,43 @@ from gateeng.stopping import StopChecker
 
 
 def encode_prompt(tokenizer, prompt, chat: bool = False) -> list:
-    """Token ids for a text (through the chat template when `chat`) or an id list."""
+    """Token ids for a text (through the chat template as one user message when
+    `chat`), a list of chat messages ({"role", "content"} dicts), or an id list."""
     if isinstance(prompt, str):
         if not prompt:
             return []
         if chat:
-            return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                      add_generation_prompt=True, tokenize=True, return_dict=False))
+            return chat_template.render(tokenizer, [{"role": "user", "content": prompt}])
         return tokenizer.encode(prompt, add_special_tokens=False)
-    return list(prompt)
+    prompt = list(prompt)
+    if prompt and isinstance(prompt[0], dict):
+        return chat_template.render(tokenizer, prompt)
+    return prompt
+
+
+def resolve_max_model_len(cfg: EngineConfig, mc) -> int:
+    """The context length: --max-model-len, checked against the model's limit and
+    the KV cache, or (0) the largest both allow. Capping at a sliding window keeps
+    full attention exact for such models (every key stays inside the window)."""
+    limit = mc.max_position if mc.sliding_window is None else min(mc.max_position, mc.sliding_window)
+    why = "max_position_embeddings" if limit == mc.max_position else "its sliding window"
+    kv_tokens = cfg.num_kv_blocks * cfg.block_size
+    if not cfg.max_model_len:
+        return min(limit, kv_tokens)
+    if cfg.max_model_len > limit:
+        raise ValueError(f"--max-model-len {cfg.max_model_len} is above the model's limit {limit} ({why})")
+    if cfg.max_model_len > kv_tokens:
+        raise ValueError(f"--max-model-len {cfg.max_model_len} does not fit the KV cache ({cfg.num_kv_blocks} "
+                         f"blocks of {cfg.block_size} = {kv_tokens} positions): raise --kv-blocks or lower it")
+    return cfg.max_model_len
 
 
 class QueueFull(RuntimeError):
     """Too many requests waiting; the caller should back off and retry."""
+
+
+class EngineDead(RuntimeError):
+    """The step loop stopped on an error; the engine serves nothing more."""
 
 
 class DeterminismUnavailable(RuntimeError):
@@ -67,30 +92,6 @@ class Observer:
     def on_finish(self, completion: Completion, seconds: float) -> None: ...
 
 
-@dataclass
-class RequestHandle:
-    request_id: str
-    events: "queue.SimpleQueue" = field(default_factory=queue.SimpleQueue)
-    sent_ids: list = field(default_factory=list)
-    sent_text: str = ""
-    last_emit: float = 0.0
-    completion: Optional[Completion] = None
-    done: threading.Event = field(default_factory=threading.Event)
-
-    def __iter__(self):
-        """Blocking iterator over Chunk / Rollback events, ending with the Completion."""
-        while True:
-            ev = self.events.get()
-            yield ev
-            if isinstance(ev, Completion):
-                return
-
-    def result(self, timeout: Optional[float] = None) -> Completion:
-        if not self.done.wait(timeout):
-            raise TimeoutError(f"request {self.request_id} did not finish in {timeout}s")
-        return self.completion
-
-
 class Engine:
     def __init__(self, config: Optional[EngineConfig] = None, loaded: Optional[LoadedModel] = None,
                  observer: Optional[Observer] = None):
@@ -101,18 +102,18 @@ class Engine:
         self.loaded = loaded or load(cfg.model, cfg.dtype, cfg.device)
         self.model, self.tokenizer = self.loaded.model, self.loaded.tokenizer
         mc = self.model_config = self.loaded.config
-        self.max_model_len = min(cfg.max_model_len, mc.max_position)
+        self.max_model_len = resolve_max_model_len(cfg, mc)
         self.kv = KVCache(mc, cfg.num_kv_blocks, cfg.block_size, DTYPES[cfg.dtype], cfg.device)
         self.blocks = BlockManager(cfg.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching)
         eos = set(mc.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(self.tokenizer.eos_token_id)
-        self.stop = StopChecker(eos, self.max_model_len, self._decode)
+        self.stop = StopChecker(eos, self.max_model_len)
         fast, self.invariant_plan, sample = self._plans(cfg, mc)
         self.route = RoutePolicy(cfg.verified_route, group_rows=self.invariant_plan.rows or 1,
                                  replay_delay=cfg.max_verify_delay)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.route,
-                                   cfg.max_verify_delay)
+                                   cfg.max_verify_delay, cfg.prefill_chunk)
         self.verification = VerificationStage(self.stop)
         self.runner = ModelRunner(self.model, self.kv, fast, self.invariant_plan, sample)
         self.selfcheck = run_selfcheck(self.invariant_plan, mc.hidden_size, mc.num_heads, mc.num_kv_heads,
@@ -126,6 +127,9 @@ class Engine:
             device=cfg.device, kernel_plan=f"{cfg.plan}; {self.invariant_plan.describe(cfg.dtype)}",
             self_check_passed=self.selfcheck.passed, self_check=self.selfcheck.describe())
         self.observer = observer or Observer()
+        self.outputs = OutputProcessor(self.observer, self.reproducibility)
+        self.failure: Optional[BaseException] = None   # set if the step loop died
+        self.on_death: list = []   # callables(exc), called on the engine thread when it dies
         self.counts = Counts()   # replaced (never mutated) by the engine thread
         self._handles: dict[str, RequestHandle] = {}
         self._inbox: "queue.SimpleQueue" = queue.SimpleQueue()
@@ -161,11 +165,15 @@ class Engine:
     # ---- public API ----------------------------------------------------------
     def submit(self, prompt: Union[str, Sequence[int]], params: Optional[SamplingParams] = None,
                determinism: Optional[DeterminismParams] = None, request_id: Optional[str] = None,
-               chat: bool = False) -> RequestHandle:
-        return self.submit_many([prompt], params, determinism, [request_id], chat)[0]
+               chat: bool = False, sink=None) -> RequestHandle:
+        """Validate and enqueue one request. Its events go to the handle's queue, or
+        to `sink(event)` (called on the engine thread, so it must not block)."""
+        return self.submit_many([prompt], params, determinism, [request_id], chat, [sink])[0]
 
-    def submit_many(self, prompts, params=None, determinism=None, request_ids=None, chat=False):
+    def submit_many(self, prompts, params=None, determinism=None, request_ids=None, chat=False, sinks=None):
         """Validate and enqueue requests atomically (they join the same step)."""
+        if self.failure is not None:
+            raise EngineDead(f"the engine loop stopped on an error: {self.failure!r}")
         if not self.accepting:
             raise QueueFull("the engine is shutting down and accepts no new requests")
         params_list = params if isinstance(params, list) else [params] * len(prompts)
@@ -181,8 +189,8 @@ class Engine:
             for r in reqs:
                 if r.request_id in self._handles:
                     raise ValueError(f"request_id {r.request_id!r} is already in flight")
-            for r in reqs:
-                h = RequestHandle(r.request_id, last_emit=r.arrival)
+            for r, sink in zip(reqs, sinks or [None] * len(reqs)):
+                h = RequestHandle(r.request_id, sink=sink, last_emit=r.arrival)
                 self._handles[r.request_id] = h
                 handles.append(h)
         self._inbox.put(("add", reqs))
@@ -191,25 +199,19 @@ class Engine:
 
     def generate(self, prompts, params=None, determinism=None, chat: bool = False) -> list:
         """Blocking: run all prompts (batched together) and return their Completions."""
-        single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
+        single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], (int, dict)))
         handles = self.submit_many([prompts] if single else list(prompts), params, determinism, chat=chat)
         results = [h.result() for h in handles]
         return results[0] if single else results
 
     async def stream(self, prompt, params=None, determinism=None, request_id=None, chat=False):
         """Async iterator of Chunk / Rollback events, ending with the Completion.
-        Cancelling the iterator aborts the request."""
-        handle = self.submit(prompt, params, determinism, request_id, chat)
-        loop = asyncio.get_running_loop()
-        try:
-            while True:
-                ev = await loop.run_in_executor(None, handle.events.get)
+        Events reach the event loop without blocking it; cancelling the iterator
+        aborts the request."""
+        from gateeng.aio import Submitted, stream_request   # aio builds on this module
+        async for ev in stream_request(self, None, prompt, params, determinism, request_id, chat):
+            if not isinstance(ev, Submitted):
                 yield ev
-                if isinstance(ev, Completion):
-                    return
-        finally:
-            if not handle.done.is_set():
-                self.abort(handle.request_id)
 
     def abort(self, request_id: str) -> bool:
         with self._lock:
@@ -230,7 +232,7 @@ class Engine:
         self.observer.on_gate_config(self.margin_threshold, self.max_window)
 
     def set_observer(self, observer: Observer) -> None:
-        self.observer = observer
+        self.observer = self.outputs.observer = observer
         observer.on_gate_config(self.margin_threshold, self.max_window)
         observer.on_counts(self.counts)
 
@@ -311,7 +313,11 @@ class Engine:
                 try:
                     self.step()
                 except Exception as exc:   # a bug must not hang every caller
+                    self.failure = exc
+                    self.accepting = False
                     self._fail_all(exc)
+                    for callback in list(self.on_death):
+                        callback(exc)
                     raise
             else:
                 self.blocks.check_integrity()
@@ -341,7 +347,7 @@ class Engine:
             handles = list(self._handles.values())
             self._handles.clear()
         for h in handles:
-            h.events.put(exc)
+            h.put(exc)
             h.done.set()
 
     # ---- requests ----------------------------------------------------------------
@@ -359,10 +365,8 @@ class Engine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens but the context holds {self.max_model_len}: "
                              f"shorten the prompt")
-        total = min(len(ids) + params.max_tokens, self.max_model_len)
-        if not self.scheduler.fits(total):
-            raise ValueError(f"prompt plus max_tokens needs {self.blocks.blocks_needed(total)} KV blocks but "
-                             f"the cache has {self.blocks.num_blocks}: lower max_tokens")
+        # resolve_max_model_len keeps the context within the KV cache, so every admitted
+        # request fits it (Scheduler.fits) and is never dropped for lack of blocks.
         mode = Mode.REFERENCE if self.config.plan == "invariant" else det.mode
         if mode is Mode.VERIFIED and not self.selfcheck.passed:
             raise DeterminismUnavailable("VERIFIED is unavailable on this machine: " + self.selfcheck.describe())
@@ -377,7 +381,7 @@ class Engine:
         rid = request_id or f"req-{next(self._ids)}-{secrets.token_hex(4)}"
         tau = det.margin_threshold if det.margin_threshold is not None else self.margin_threshold
         return Request(rid, [int(t) for t in ids], params, det, arrival=time.monotonic(),
-                       tau=tau, window=window, seed=seed)
+                       tau=tau, window=window, seed=seed, text=IncrementalText(self._decode))
 
     def encode(self, prompt, chat: bool = False) -> list:
         return encode_prompt(self.tokenizer, prompt, chat)
@@ -389,8 +393,9 @@ class Engine:
     def _emit(self, plan: StepPlan) -> None:
         for seq in plan.seqs:
             req = seq.request
-            if not req.finished:
-                self._send_new(req)
+            h = self._handles.get(req.request_id)
+            if h is not None and not req.finished:
+                self.outputs.emit(req, h)
         self._collect_finished()
 
     def _collect_finished(self) -> None:
@@ -398,60 +403,12 @@ class Engine:
             self._finish(req)
         self.scheduler.finished.clear()
 
-    def _send_new(self, req: Request, final: bool = False) -> None:
-        h = self._handles.get(req.request_id)
-        if h is None:
-            return
-        out = req.output_ids if final else req.output_ids[:req.emit_limit()]
-        common = 0
-        for a, b in zip(h.sent_ids, out):
-            if a != b:
-                break
-            common += 1
-        if common < len(h.sent_ids):
-            h.events.put(Rollback(common))
-            del h.sent_ids[common:]
-            h.sent_text = self._decode(h.sent_ids)
-            req.stats.retractions += 1
-            self.observer.on_retraction(req.mode)
-        new = out[len(h.sent_ids):]
-        if not new and not final:
-            return
-        text = self._decode(out)
-        if final and req.stop_text_len is not None:
-            text = text[:req.stop_text_len]
-        elif not final and text.endswith("\ufffd"):
-            text = h.sent_text   # wait for the rest of a multi-byte character
-        delta = text[len(h.sent_text):] if text.startswith(h.sent_text) else text
-        if not new and not delta:
-            return
-        if new:
-            now = time.monotonic()
-            if not h.sent_ids and req.first_token_time is None:
-                req.first_token_time = now
-                self.observer.on_first_token(req.mode, now - req.arrival)
-            else:
-                self.observer.on_tokens(req.mode, len(new), (now - h.last_emit) / len(new))
-            h.last_emit = now
-        # The final call may carry only text held back for an unfinished character,
-        # so the chunks always add up to the completion's text.
-        h.events.put(Chunk(list(new), delta, len(h.sent_ids)))
-        h.sent_ids.extend(new)
-        h.sent_text = text
-
     def _finish(self, req: Request) -> None:
-        self._send_new(req, final=True)
         with self._lock:
             h = self._handles.pop(req.request_id, None)
         if h is None:
             return
-        text = self._decode(req.output_ids)
-        if req.stop_text_len is not None:
-            text = text[:req.stop_text_len]
-        c = Completion(req.request_id, list(req.output_ids), text, req.finish_reason, req.num_prompt,
-                       req.num_cached_tokens, req.mode, req.tau,
-                       req.seed if not req.params.greedy else None, req.stats.snapshot(), self.reproducibility)
-        h.completion = c
-        h.events.put(c)
+        c = h.completion = self.outputs.finish(req, h)
+        h.put(c)
         h.done.set()
         self.observer.on_finish(c, time.monotonic() - req.arrival)

@@ -40,7 +40,7 @@ class TritonInvariantPlan(InvariantPlan):
         return self._attn.split_attention(q, k_cache, v_cache, meta.block_tables, meta.positions, meta.split, scale)
 
     @torch.inference_mode()
-    def logits(self, model, kv, rows: Rows) -> torch.Tensor:
+    def hidden(self, model, kv, rows: Rows) -> torch.Tensor:
         dev = model.embed.device
         n = len(rows)
         row_table = [None] * n
@@ -51,7 +51,13 @@ class TritonInvariantPlan(InvariantPlan):
         meta = InvariantAttnMeta(tables.to(dev), pos, self.split)
         hidden = model(torch.tensor(rows.input_ids, device=dev), pos, torch.tensor(rows.slots, device=dev),
                        meta, kv, self)
-        return model.logits(hidden[rows.sample_rows], self)
+        return hidden[rows.sample_rows + rows.extra_rows]
+
+    @torch.inference_mode()
+    def choice_logits(self, model, hidden, greedy):
+        return model.logits(hidden, self)   # the Triton matmul is row-invariant at any row count
+
+    full_logits = choice_logits
 
 
 class FlashInferFastPlan(FastPlan):

@@ -22,7 +22,7 @@ from gateeng.logs import log
 from gateeng.model import LlamaModel
 from gateeng.model_cache import converted, fingerprint
 
-SUPPORTED = ("llama", "mistral", "qwen2", "smollm", "smollm3")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "smollm")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -98,8 +98,8 @@ def load(path: Optional[str], dtype: str = "bfloat16", device: str = "cpu") -> L
     if hf_cfg.model_type not in SUPPORTED:
         raise ValueError(f"model type {hf_cfg.model_type!r} is not a supported Llama-family decoder "
                          f"({', '.join(SUPPORTED)})")
-    if getattr(hf_cfg, "attention_bias", False) or getattr(hf_cfg, "mlp_bias", False) or hf_cfg.model_type == "qwen2":
-        raise ValueError("models with attention/MLP biases (e.g. Qwen2) are not supported yet")
+    if getattr(hf_cfg, "mlp_bias", False):
+        raise ValueError("models with MLP biases are not supported")
     cfg = ModelConfig.from_hf(hf_cfg)
     files = sorted(hf_dir.glob("*.safetensors"))
     if not files:

@@ -85,10 +85,17 @@ class Metrics(Observer):
                              ["determinism"], buckets=LAT, registry=r)
         self.e2e = Histogram("gateeng_e2e_request_latency_seconds", "Arrival to completion",
                              ["determinism"], buckets=LAT, registry=r)
+        self.overrides = Counter("gateeng_gate_overrides", "Requests that set their own gate setting "
+                                 "(margin_threshold or max_window) instead of the server default", ["setting"],
+                                 registry=r)
+        self.errors = Counter("gateeng_rpc_errors", "Calls answered with an error status, by gRPC status code",
+                              ["code"], registry=r)
         self.preemptions = Counter("gateeng_preemptions", "Requests preempted (recompute)", registry=r)
         self.build_info = Gauge("gateeng_build_info", "Build and run configuration",
                                 ["version", "plan", "dtype", "device", "self_check"], registry=r)
         # Every label value exists from the start, so ratios and rates have both sides at once.
+        for setting in ("margin_threshold", "max_window"):
+            self.overrides.labels(setting)
         for reason in REASONS:
             self.triggers.labels(reason)
         for reason in MISMATCH_REASONS:
@@ -109,6 +116,13 @@ class Metrics(Observer):
                                "passed" if engine.selfcheck.passed else "failed").set(1)
         self.queue_capacity.set(cfg.max_queue)
         engine.set_observer(self)
+
+    def count_overrides(self, det) -> None:
+        """A request was admitted with these DeterminismParams (any thread)."""
+        if det.margin_threshold is not None:
+            self.overrides.labels("margin_threshold").inc()
+        if det.max_window is not None:
+            self.overrides.labels("max_window").inc()
 
     # ---- Observer hooks (engine thread) ---------------------------------------
     def on_step(self, record: StepRecord) -> None:

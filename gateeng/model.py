@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Qwen2, Mistral, SmolLM) over a paged KV cache.
+"""Llama-family decoder (Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3, SmolLM) over a paged KV cache.
 
 One model definition. How each reduction is computed (matmul, RMSNorm, attention)
 is chosen by the plan object passed to `forward`, so the fast and invariant plans
@@ -69,7 +69,11 @@ class LlamaModel(torch.nn.Module):
             layer = torch.nn.Module()
             layer.input_norm = p(h)
             layer.qkv = p(qkv, h)                         # q, k, v stacked
+            layer.qkv_bias = p(qkv) if cfg.qkv_bias else None
             layer.o = p(h, cfg.num_heads * d)
+            layer.o_bias = p(h) if cfg.o_bias else None
+            layer.q_norm = p(d) if cfg.qk_norm else None
+            layer.k_norm = p(d) if cfg.qk_norm else None
             layer.post_norm = p(h)
             layer.gate_up = p(2 * cfg.intermediate_size, h)  # gate, up stacked
             layer.down = p(h, cfg.intermediate_size)
@@ -110,12 +114,19 @@ class LlamaModel(torch.nn.Module):
         h = self.embed[input_ids]
         for i, layer in enumerate(self.layers):
             x = plan.rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
-            q, k, v = plan.linear(x, layer.qkv).split([nq, nkv, nkv], dim=-1)
-            q = self._rope(q.view(-1, cfg.num_heads, d), positions)
-            k = self._rope(k.view(-1, cfg.num_kv_heads, d), positions)
-            kv.write(i, k, v.view(-1, cfg.num_kv_heads, d), slots)
+            qkv = plan.linear(x, layer.qkv)
+            if layer.qkv_bias is not None:     # elementwise: the same bits in any batch
+                qkv = qkv + layer.qkv_bias
+            q, k, v = qkv.split([nq, nkv, nkv], dim=-1)
+            q, k = q.reshape(-1, cfg.num_heads, d), k.reshape(-1, cfg.num_kv_heads, d)
+            if layer.q_norm is not None:       # one reduction per (row, head)
+                q = plan.rms_norm(q.reshape(-1, d), layer.q_norm, cfg.rms_norm_eps).view_as(q)
+                k = plan.rms_norm(k.reshape(-1, d), layer.k_norm, cfg.rms_norm_eps).view_as(k)
+            q, k = self._rope(q, positions), self._rope(k, positions)
+            kv.write(i, k, v.reshape(-1, cfg.num_kv_heads, d), slots)
             attn = plan.attention(q, kv.k[i], kv.v[i], attn_meta, 1.0 / math.sqrt(d))
-            h = h + plan.linear(attn.reshape(-1, nq), layer.o)
+            o = plan.linear(attn.reshape(-1, nq), layer.o)
+            h = h + (o + layer.o_bias if layer.o_bias is not None else o)
             x = plan.rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
             h = h + plan.linear(plan.silu_mul(plan.linear(x, layer.gate_up)), layer.down)
         return plan.rms_norm(h, self.norm, cfg.rms_norm_eps)
@@ -133,7 +144,14 @@ class LlamaModel(torch.nn.Module):
                 layer.input_norm.copy_(take(pre + "input_layernorm.weight"))
                 layer.post_norm.copy_(take(pre + "post_attention_layernorm.weight"))
                 layer.qkv.copy_(torch.cat([take(pre + f"self_attn.{n}_proj.weight") for n in "qkv"]))
+                if layer.qkv_bias is not None:
+                    layer.qkv_bias.copy_(torch.cat([take(pre + f"self_attn.{n}_proj.bias") for n in "qkv"]))
                 layer.o.copy_(take(pre + "self_attn.o_proj.weight"))
+                if layer.o_bias is not None:
+                    layer.o_bias.copy_(take(pre + "self_attn.o_proj.bias"))
+                if layer.q_norm is not None:
+                    layer.q_norm.copy_(take(pre + "self_attn.q_norm.weight"))
+                    layer.k_norm.copy_(take(pre + "self_attn.k_norm.weight"))
                 layer.gate_up.copy_(torch.cat([take(pre + "mlp.gate_proj.weight"), take(pre + "mlp.up_proj.weight")]))
                 layer.down.copy_(take(pre + "mlp.down_proj.weight"))
             self.norm.copy_(take("model.norm.weight"))

@@ -13,6 +13,7 @@ class Chunk:
     token_ids: list
     text: str
     position: int          # output index of token_ids[0]
+    logprobs: list = field(default_factory=list)   # sampler.Logprobs per token, if asked for
 
 
 @dataclass
@@ -33,6 +34,9 @@ class Completion:
     seed: Optional[int]
     stats: DeterminismStats = field(default_factory=DeterminismStats)
     reproducibility: Optional[Reproducibility] = None   # what the bits depend on (shared, immutable)
+    logprobs: list = field(default_factory=list)   # sampler.Logprobs per token, if asked for
+    prompt_logprobs: list = field(default_factory=list)   # per prompt token after the first, if asked for
+    prompt_ids: list = field(default_factory=list)
 
     @property
     def completion_tokens(self) -> int:

@@ -29,6 +29,7 @@ class Rows:
     seqs: list          # (row_start, row_end, block_table) per sequence, rows contiguous
     sample_rows: list   # rows whose logits are wanted, in order
     greedy: list = field(default_factory=list)   # per sample row; empty = none known greedy
+    extra_rows: list = field(default_factory=list)   # rows wanted for logprobs only (prompt logprobs)
 
     def __len__(self):
         return len(self.input_ids)
@@ -174,15 +175,29 @@ class FastPlan:
         return mixed_lm_head(model, hidden, greedy, lambda h: model.logits(h, FastPlan))
 
     @torch.inference_mode()
-    def logits(self, model, kv, rows: Rows) -> torch.Tensor:
+    def hidden(self, model, kv, rows: Rows) -> torch.Tensor:
+        """Run the rows; the final hidden states of the sample rows, then the extra rows."""
         dev = model.embed.device
         meta = self._meta(rows, kv.block_size, dev)
         hidden = model(torch.tensor(rows.input_ids, device=dev), torch.tensor(rows.positions, device=dev),
                        torch.tensor(rows.slots, device=dev), meta, kv, self)
-        logits = self._lm_head(model, hidden[rows.sample_rows], rows.greedy)
+        return hidden[rows.sample_rows + rows.extra_rows]
+
+    @torch.inference_mode()
+    def choice_logits(self, model, hidden: torch.Tensor, greedy: list) -> torch.Tensor:
+        """The logits the sampler chooses from (exact top-2 for greedy rows)."""
+        logits = self._lm_head(model, hidden, greedy)
         if self.logit_noise:
             logits += (torch.randn(logits.shape, generator=self._noise_gen) * self.logit_noise).to(logits.device)
         return logits
+
+    @torch.inference_mode()
+    def full_logits(self, model, hidden: torch.Tensor) -> torch.Tensor:
+        """Full float32 logits (logprobs need the whole distribution)."""
+        return model.logits(hidden, FastPlan)
+
+    def logits(self, model, kv, rows: Rows) -> torch.Tensor:
+        return self.choice_logits(model, self.hidden(model, kv, rows), rows.greedy)
 
 
 @dataclass
@@ -270,13 +285,14 @@ class InvariantPlan:
         return model.logits(padded, self)[:n]
 
     @torch.inference_mode()
-    def logits(self, model, kv, rows: Rows) -> torch.Tensor:
+    def hidden(self, model, kv, rows: Rows) -> torch.Tensor:
         """All rows in one forward: every row writes its KV before any row's attention
         reads it, and attention masks by position, so a sequence's chunk sees its own
-        earlier rows as a prefill does."""
+        earlier rows as a prefill does. Returns the final hidden states of the sample
+        rows, then the extra rows."""
         n, dev = len(rows), model.embed.device
         if not n:
-            return torch.zeros(0, model.cfg.vocab_size, device=dev)
+            return torch.zeros(0, model.cfg.hidden_size, dtype=model.dtype, device=dev)
         pad = self._pad(n) - n
         row_table = [None] * (n + pad)
         for start, end, table in rows.seqs:
@@ -287,10 +303,22 @@ class InvariantPlan:
         meta = InvariantAttnMeta(tables.to(dev), pos_t, self.split)
         hidden = model(torch.tensor(rows.input_ids + [0] * pad, device=dev), pos_t,
                        torch.tensor(rows.slots + [-1] * pad, device=dev), meta, kv, self)
-        if not rows.sample_rows:
-            return torch.zeros(0, model.cfg.vocab_size, device=dev)
-        hidden = hidden[rows.sample_rows]
-        greedy = rows.greedy or [False] * len(rows.sample_rows)
+        return hidden[rows.sample_rows + rows.extra_rows]
+
+    @torch.inference_mode()
+    def choice_logits(self, model, hidden: torch.Tensor, greedy: list) -> torch.Tensor:
+        if not hidden.shape[0]:
+            return torch.zeros(0, model.cfg.vocab_size, device=hidden.device)
+        greedy = greedy or [False] * hidden.shape[0]
         if model.dtype == torch.float32 or not any(greedy):
             return self._full_logits(model, hidden)
         return mixed_lm_head(model, hidden, greedy, lambda h: self._full_logits(model, h))
+
+    @torch.inference_mode()
+    def full_logits(self, model, hidden: torch.Tensor) -> torch.Tensor:
+        """Full float32 logits in fixed row groups: a row's values do not depend on
+        the other rows (logprobs of VERIFIED tokens)."""
+        return self._full_logits(model, hidden)
+
+    def logits(self, model, kv, rows: Rows) -> torch.Tensor:
+        return self.choice_logits(model, self.hidden(model, kv, rows), rows.greedy)

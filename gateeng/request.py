@@ -6,9 +6,12 @@ import dataclasses
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from gateeng.config import validate_threshold, validate_window
+
+if TYPE_CHECKING:
+    from gateeng.detokenizer import IncrementalText
 
 
 class Mode(str, enum.Enum):
@@ -39,6 +42,9 @@ class Status(enum.Enum):
 # (1e-38 turns every score into inf) long before T reaches 0, and at T < 1e-5 the
 # sampled distribution is already the argmax.
 GREEDY_TEMPERATURE = 1e-5
+MAX_LOGPROBS = 20    # top alternatives a request may ask for per token
+# The one default for max_tokens: engine API, gRPC server, Python client and CLI.
+DEFAULT_MAX_TOKENS = 128
 
 
 @dataclass
@@ -47,12 +53,26 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0                # 0 = off
     seed: Optional[int] = None    # None with temperature > 0: the engine draws one and reports it
-    max_tokens: int = 64
+    max_tokens: int = DEFAULT_MAX_TOKENS
     stop: tuple = ()
     stop_token_ids: tuple = ()
     ignore_eos: bool = False
+    logprobs: Optional[int] = None   # None = off; else each output token's logprob and this many alternatives
+    prompt_logprobs: Optional[int] = None   # the same for prompt tokens 1.. (recomputes cached prefixes)
 
     def validate(self) -> None:
+        for name in ("top_k", "max_tokens", "seed", "logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+                raise ValueError(f"{name} must be an integer, got {v!r}")
+        if not all(isinstance(s, str) for s in self.stop):
+            raise ValueError("stop must be strings")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be integers")
+        for name in ("temperature", "top_p"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ValueError(f"{name} must be a number, got {v!r}")
         t = self.temperature
         if t is None or not math.isfinite(t) or t < 0:
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {t!r}")
@@ -66,6 +86,10 @@ class SamplingParams:
             raise ValueError(f"seed must be in [0, 2^64), got {self.seed}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not (0 <= k <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}] (alternatives per token), got {k}")
 
     @property
     def greedy(self) -> bool:
@@ -142,12 +166,27 @@ class Request:
     seed: int = 0               # effective sampling seed
     first_token_time: Optional[float] = None
     num_preemptions: int = 0
+    # The output's text, decoded incrementally (detokenizer.IncrementalText); None
+    # where no tokenizer is attached (pure bookkeeping tests).
+    text: Optional["IncrementalText"] = None
+    # With params.logprobs: a sampler.Logprobs per output token (output order).
+    logprobs: list = field(default_factory=list)
+    # With params.prompt_logprobs: one per prompt token after the first.
+    prompt_logprobs: list = field(default_factory=list)
 
     def __post_init__(self):
         if not self.tokens:
             self.tokens = list(self.prompt_ids)
         if not self.num_verified:
             self.num_verified = len(self.tokens)
+
+    def truncate(self, n: int) -> None:
+        """Drop tokens[n:] (a rollback, a stop, discarded speculation); every cut of
+        `tokens` goes through here so the output text follows."""
+        del self.tokens[n:]
+        del self.logprobs[max(0, n - self.num_prompt):]
+        if self.text is not None:
+            self.text.truncate(n - self.num_prompt)
 
     @property
     def num_prompt(self) -> int:

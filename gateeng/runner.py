@@ -29,22 +29,45 @@ class ModelRunner:
             if not seqs:
                 continue
             t0 = time.perf_counter()
-            rows, specs, owners = self._rows(seqs)
-            logits = plan.logits(self.model, self.kv, rows)
-            tokens, margins = self.sample(logits, specs)
-            per_request = {seq.request.request_id: ([], []) for seq in seqs}
-            for owner, tok, mar in zip(owners, tokens, margins):
+            rows, specs, owners, prompt = self._rows(seqs)
+            hidden = plan.hidden(self.model, self.kv, rows)
+            n = len(rows.sample_rows)
+            tokens, margins = self.sample(plan.choice_logits(self.model, hidden[:n], rows.greedy), specs)
+            entries, prompt_entries = self._logprobs(plan, hidden, specs, tokens, prompt)
+            per_request = {seq.request.request_id: ([], [], []) for seq in seqs}
+            for i, (owner, tok, mar) in enumerate(zip(owners, tokens, margins)):
                 per_request[owner][0].append(tok)
                 per_request[owner][1].append(mar)
-            for rid, (toks, mars) in per_request.items():
-                outputs[rid] = SeqOutput(tuple(toks), tuple(mars))
+                if entries[i] is not None:
+                    per_request[owner][2].append(entries[i])
+            for rid, (toks, mars, lps) in per_request.items():
+                outputs[rid] = SeqOutput(tuple(toks), tuple(mars), tuple(lps), prompt_entries.get(rid, ()))
             self.last_seconds[kind] = time.perf_counter() - t0
         return outputs
 
+    def _logprobs(self, plan, hidden, specs, tokens, prompt) -> tuple[list, dict]:
+        """A sampler.Logprobs per sample row whose request asked for them (else None),
+        and per request those of the prompt tokens its extra rows predict; all from
+        one call of the plan's full float32 lm_head over just those rows."""
+        wanted = [i for i, spec in enumerate(specs) if spec.params.logprobs is not None]
+        out, by_request = [None] * len(specs), {}
+        if not wanted and not prompt:
+            return out, by_request
+        n = len(specs)   # hidden holds the sample rows, then the extra rows
+        full = plan.full_logits(self.model, hidden[wanted + list(range(n, n + len(prompt)))])
+        for j, i in enumerate(wanted):
+            out[i] = sampler.logprobs(full[j], specs[i].params, tokens[i], specs[i].params.logprobs)
+        for j, (rid, params, token) in enumerate(prompt, start=len(wanted)):
+            by_request.setdefault(rid, []).append(sampler.logprobs(full[j], params, token, params.prompt_logprobs))
+        return out, {rid: tuple(v) for rid, v in by_request.items()}
+
     def _rows(self, seqs):
+        """The step's rows; sampler specs and owners per sample row; and per extra row
+        (a prompt position whose next prompt token's logprob is wanted) its owner,
+        params and that token."""
         bs = self.kv.block_size
         rows = Rows([], [], [], [], [])
-        specs, owners = [], []
+        specs, owners, prompt = [], [], []
         for seq in seqs:
             req = seq.request
             table = req.block_table
@@ -59,4 +82,10 @@ class ModelRunner:
                 specs.append(sampler.RowSpec(req.params, req.seed, seq.start + off + 1))
                 rows.greedy.append(req.params.greedy)
                 owners.append(req.request_id)
-        return rows, specs, owners
+            if req.params.prompt_logprobs is not None:
+                # Row p predicts prompt token p + 1; positions already recorded (before a
+                # preemption's recompute) are not asked again.
+                for p in range(max(seq.start, len(req.prompt_logprobs)), min(seq.end, req.num_prompt - 1)):
+                    rows.extra_rows.append(first + p - seq.start)
+                    prompt.append((req.request_id, req.params, req.tokens[p + 1]))
+        return rows, specs, owners, prompt

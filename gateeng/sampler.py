@@ -24,6 +24,15 @@ class RowSpec:
     position: int   # index of the token being chosen (tokens[position])
 
 
+@dataclass(frozen=True)
+class Logprobs:
+    """A token's log-probability and the top alternatives at its position, on the
+    distribution the request samples from (see `logprobs`)."""
+    token: int
+    logprob: float
+    top: tuple          # ((token id, logprob), ...), most likely first
+
+
 def filter_top_k_top_p(scores: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     if top_k and top_k < scores.shape[-1]:
         kth = torch.topk(scores, top_k).values[-1]
@@ -55,3 +64,22 @@ def sample(logits: torch.Tensor, specs: list) -> tuple[list, list]:
         tok, mar = ref.argmax_margin(scores)
         tokens[i], margins[i] = int(tok), float(mar)
     return tokens, margins
+
+
+def logprobs(full_logits: torch.Tensor, params: SamplingParams, token: int, k: int) -> Logprobs:
+    """Log-probabilities on the distribution the request samples from:
+    log_softmax(logits / T) over the tokens top-k and top-p keep (the others get
+    -inf), where T is the temperature, or 1 for a greedy request (the distribution
+    whose argmax greedy takes, left untruncated). One row at a time at shape
+    [vocab], from the plan's full float32 logits, so a VERIFIED row's values are as
+    batch-invariant as its token."""
+    if params.greedy:
+        scores = full_logits
+    else:
+        scores = filter_top_k_top_p(full_logits / params.temperature, params.top_k, params.top_p)
+    lp = torch.log_softmax(scores, dim=-1)
+    top = ()
+    if k:
+        values, ids = torch.topk(lp, k)
+        top = tuple((int(i), float(v)) for i, v in zip(ids.tolist(), values.tolist()))
+    return Logprobs(int(token), float(lp[token]), top)

@@ -79,15 +79,20 @@ class StepPlan:
 @dataclass(frozen=True)
 class SeqOutput:
     """What the runner returns for one scheduled sequence: immutable, so observers
-    may keep it."""
+    may keep it. logprobs: a sampler.Logprobs per token where the request asked
+    for them, else empty."""
     tokens: tuple
     margins: tuple
+    logprobs: tuple = ()
+    prompt_logprobs: tuple = ()   # for prompt tokens this chunk predicts, in order
 
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 route: Optional[RoutePolicy] = None, max_verify_delay: int = 0):
+                 route: Optional[RoutePolicy] = None, max_verify_delay: int = 0, prefill_chunk: int = 0):
         self.blocks = blocks
+        self.prefill_chunk = prefill_chunk   # 0 = no cap beyond the token budget
+        self._prefill_left = 0
         # A margin-triggered replay may wait this many steps for an invariant pass to
         # join (other replays, prefills, direct decodes), speculating meanwhile; window
         # and finish triggers never wait. Fewer, fuller invariant passes for a little
@@ -122,6 +127,12 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         budget = self.token_budget
+        decoding = sum(len(r.tokens) - r.num_computed <= 1 or bool(r.pending_verify) for r in self.running)
+        # While requests decode, prefill at most max(prefill_chunk, their number) positions:
+        # a step's cost grows with its rows, and each decode in it waits for them. Scaling
+        # with the decodes keeps admission going at high concurrency (a full batch admits
+        # about as many prompt positions per step as it decodes tokens).
+        self._prefill_left = max(self.prefill_chunk, decoding) if self.prefill_chunk and decoding else budget
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -132,6 +143,7 @@ class Scheduler:
             if self._reserve(req, seq.end):
                 plan.seqs.append(seq)
                 budget -= seq.num_tokens
+                self._count_prefill(seq)
                 i += 1
             else:
                 # Out of KV blocks: recompute-preempt the newest request (maybe this one).
@@ -157,6 +169,7 @@ class Scheduler:
             self.running.append(req)
             plan.seqs.append(seq)
             budget -= seq.num_tokens
+            self._count_prefill(seq)
         self._choose_routes(plan, budget)
         return plan
 
@@ -217,6 +230,10 @@ class Scheduler:
             return ScheduledSeq.plan(req, start, end, Kind.INVARIANT, replay=True)
         start = req.num_computed
         end = min(len(req.tokens), start + budget)
+        if end - start > 1:                 # a prefill chunk
+            end = min(end, start + self._prefill_left)
+            if end <= start:
+                return None                 # this step's prefill share is spent
         if req.mode is Mode.REFERENCE:
             kind = Kind.INVARIANT
         elif req.mode is Mode.VERIFIED and start < req.prefill_target:
@@ -224,6 +241,10 @@ class Scheduler:
         else:
             kind = Kind.FAST
         return ScheduledSeq.plan(req, start, end, kind)
+
+    def _count_prefill(self, seq: ScheduledSeq) -> None:
+        if not seq.replay and seq.num_tokens > 1:
+            self._prefill_left -= seq.num_tokens
 
     def _reserve(self, req: Request, end: int) -> bool:
         need = self.blocks.blocks_needed(end) - len(req.block_table)
@@ -236,7 +257,8 @@ class Scheduler:
     def _match_prefix(self, req: Request) -> None:
         bs = self.blocks.block_size
         # Leave at least one position to compute: its logits give the next token.
-        max_blocks = (len(req.tokens) - 1) // bs
+        # Prompt logprobs need every prompt position computed: no prefix reuse.
+        max_blocks = (len(req.tokens) - 1) // bs if req.params.prompt_logprobs is None else 0
         matched = self.blocks.match_prefix(req.tokens, max_blocks, canonical_only=req.mode is not Mode.OFF)
         req.block_table = matched
         req.num_computed = len(matched) * bs

@@ -1,22 +1,23 @@
 """Finish conditions, checked on one token at a time in output order."""
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 from gateeng.request import FinishReason, Request
 
 
 class StopChecker:
-    def __init__(self, eos_token_ids, max_model_len: int, decode: Optional[Callable] = None):
+    def __init__(self, eos_token_ids, max_model_len: int):
         self.eos = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
-        self.decode = decode   # token ids -> text; needed only for stop strings
 
     def check(self, req: Request, index: int) -> tuple[Optional[FinishReason], Optional[int]]:
         """Would the request finish at token `index` (an index into req.tokens)?
 
         Returns (reason, text_cut) where text_cut is where a stop string starts in
-        the output text.
+        the output text. Stop strings are matched on the request's incremental
+        text (req.text): only text that token `index` added is searched, so the
+        cost per token does not grow with the output.
         """
         p = req.params
         token = req.tokens[index]
@@ -25,15 +26,23 @@ class StopChecker:
             return FinishReason.EOS, None
         if token in p.stop_token_ids:
             return FinishReason.STOP, None
-        if p.stop and self.decode is not None:
-            text = self.decode(req.tokens[req.num_prompt:index + 1])
-            # Only a match that ends in the newest token's text is new.
-            window = max(len(s) for s in p.stop) + 16
-            start = max(0, len(text) - window)
-            for s in p.stop:
-                pos = text.find(s, start)
-                if pos >= 0:
-                    return FinishReason.STOP, pos
+        if p.stop and req.text is not None:
+            cut = self._stop_string(req, num_out)
+            if cut is not None:
+                return FinishReason.STOP, cut
         if num_out >= p.max_tokens or index + 1 >= self.max_model_len:
             return FinishReason.LENGTH, None
         return None, None
+
+    @staticmethod
+    def _stop_string(req: Request, num_out: int) -> Optional[int]:
+        """Start of the earliest stop string that ends in the text token num_out - 1
+        added, or None."""
+        text = req.text
+        text.sync(req.tokens, num_out, offset=req.num_prompt)
+        old, new = text.text_len(num_out - 1), text.text_len(num_out)
+        if new == old:
+            return None
+        hits = [pos for s in req.params.stop
+                if (pos := text.text.find(s, max(0, old - len(s) + 1), new)) >= 0]
+        return min(hits) if hits else None

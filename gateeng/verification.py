@@ -39,7 +39,7 @@ class Outcome:
 
 def discard_speculation(req: Request) -> None:
     """Drop the unverified tokens (a preempted request re-derives them)."""
-    del req.tokens[req.num_verified:]
+    req.truncate(req.num_verified)
     req.spec_margins.clear()
     req.pending_verify = None
     req.replay_due = False
@@ -69,15 +69,19 @@ class VerificationStage:
             if req.finished:
                 continue
             out = outputs.get(req.request_id)
+            if out is not None and out.prompt_logprobs:
+                req.prompt_logprobs.extend(out.prompt_logprobs)
             if seq.replay:
                 outcomes.append(self._replay(req, seq, out))
             elif not seq.sample_rows:
                 outcomes.append(Outcome(req, seq.end, False, None))   # a prefill chunk
             elif req.mode is Mode.VERIFIED and seq.route == SPECULATIVE:
                 self._speculate(req, out.tokens[-1], out.margins[-1])
+                req.logprobs.extend(out.logprobs[-1:])    # provisional: a replay replaces it
                 outcomes.append(Outcome(req, seq.end, False, None))
             else:
                 req.tokens.append(out.tokens[-1])
+                req.logprobs.extend(out.logprobs[-1:])
                 outcomes.append(Outcome(req, seq.end, False, self._commit_upto(req, len(req.tokens))))
         return outcomes
 
@@ -122,8 +126,12 @@ class VerificationStage:
             st.rolled_back_tokens += outcome.rolled_back(len(speculated))
             self.mismatches.append((reason, req.spec_margins[outcome.accepted]))
         req.spec_margins.clear()
-        del req.tokens[first + outcome.accepted:]
+        req.truncate(first + outcome.accepted)
         req.tokens.append(outcome.next_token)
+        if out.logprobs:
+            # Every kept token's logprobs come from the invariant plan's row that predicted it.
+            del req.logprobs[first - req.num_prompt:]
+            req.logprobs.extend(out.logprobs[:outcome.accepted + 1])
         req.eager_len = min(req.eager_len, first + outcome.accepted - req.num_prompt)
         req.pending_verify = None
         req.replay_due = False
@@ -137,7 +145,7 @@ class VerificationStage:
             req.num_verified = i + 1
             reason, cut = self.stop.check(req, i)
             if reason is not None:
-                del req.tokens[i + 1:]
+                req.truncate(i + 1)
                 req.stop_text_len = cut
                 return reason
         return None

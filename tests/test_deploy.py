@@ -2,6 +2,8 @@
 promtool, and every metric they (and the dashboard and README) use really exported."""
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from prometheus_client import generate_latest
@@ -67,3 +69,101 @@ def test_every_metric_used_in_rules_dashboard_and_readme_is_exported():
             assert name in exported, f"{where} uses {name}, which /metrics does not export"
         for name in recorded_names(expr):
             assert name in recorded, f"{where} uses {name}, which no recording rule defines"
+
+
+# ---- Dockerfile, compose and Kubernetes: schema validators from PyPI, offline ----------------
+# Docker and a cluster are not available where the tests run: these check the files
+# against the published schemas and linters, and against the server's real flags.
+
+def venv_tool(name: str) -> str:
+    path = Path(sys.executable).parent / name
+    assert path.exists(), f"{name} is missing: it comes with `pip install -e '.[test]'`"
+    return str(path)
+
+
+def k8s_docs() -> list:
+    import yaml
+    return [d for d in yaml.safe_load_all((DEPLOY / "k8s" / "gateeng.yaml").read_text()) if d]
+
+
+def serve_args_accepted(args: list) -> None:
+    from gateeng.cli import build_parser
+    parsed = build_parser().parse_args(["serve", *args])
+    assert parsed.func.__name__ == "cmd_serve"
+
+
+def test_kubernetes_manifests_match_the_api_schema():
+    import kubernetes_validate
+    docs = k8s_docs()
+    kinds = {d["kind"] for d in docs}
+    assert {"Deployment", "Service", "PodDisruptionBudget", "ServiceMonitor"} <= kinds
+    for doc in docs:
+        if doc["kind"] == "ServiceMonitor":
+            continue      # a CRD: no schema in kubernetes-validate; its wiring is checked below
+        kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
+
+
+def test_kubernetes_deployment_has_what_operators_need():
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in k8s_docs()}
+    pod = docs[("Deployment", "gateeng")]["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert {"startupProbe", "readinessProbe", "livenessProbe"} <= set(c)
+    assert c["resources"]["requests"]["cpu"] and c["resources"]["limits"]["memory"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert mounts["model-cache"] == "/cache" and {"name": "GATEENG_CACHE", "value": "/cache"} in c["env"]
+    secret = volumes["admin-token"]["secret"]["secretName"]
+    token_file = c["args"][c["args"].index("--admin-token-file") + 1]
+    assert token_file.startswith(mounts["admin-token"])
+    serve_args_accepted(c["args"])
+    readme = (DEPLOY / "README.md").read_text()
+    assert f"kubectl create secret generic {secret}" in readme       # how the Secret is made
+    assert "headless" in readme and "ClusterIP" in readme
+    # The ServiceMonitor scrapes a Service that selects these pods and names a metrics port.
+    sm = docs[("ServiceMonitor", "gateeng")]["spec"]
+    labels = docs[("Deployment", "gateeng")]["spec"]["template"]["metadata"]["labels"]
+    services = [d for (kind, _), d in docs.items() if kind == "Service"
+                and sm["selector"]["matchLabels"].items() <= d["metadata"]["labels"].items()]
+    assert services and all(s["spec"]["selector"].items() <= labels.items() for s in services)
+    assert all(any(p["name"] == sm["endpoints"][0]["port"] for p in s["spec"]["ports"]) for s in services)
+    pdb = docs[("PodDisruptionBudget", "gateeng")]["spec"]
+    assert pdb["selector"]["matchLabels"].items() <= labels.items()
+    assert pdb["minAvailable"] < docs[("Deployment", "gateeng")]["spec"]["replicas"]   # drains can proceed
+
+
+def test_compose_file_matches_the_compose_spec_and_keeps_admin_off_by_default():
+    import yaml
+    res = subprocess.run([venv_tool("check-jsonschema"), "--builtin-schema", "vendor.compose-spec",
+                          str(DEPLOY / "docker-compose.yml")], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
+    for name, svc in compose["services"].items():
+        for port in svc.get("ports", []):
+            assert port.startswith("127.0.0.1:"), f"{name} publishes {port} beyond loopback"
+    engine = compose["services"]["gateeng"]
+    assert "change-me" not in (DEPLOY / "docker-compose.yml").read_text()
+    assert engine["environment"] == ["GATEENG_ADMIN_TOKEN"]          # no default value
+    serve_args_accepted(engine.get("command", []))
+
+
+def test_dockerfile_passes_hadolint_and_installs_torch_before_the_source():
+    res = subprocess.run([venv_tool("hadolint"), "--failure-threshold", "warning", "--no-color",
+                          str(DEPLOY / "Dockerfile")], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    lines = [ln.strip() for ln in (DEPLOY / "Dockerfile").read_text().splitlines()]
+    first = {key: next(i for i, ln in enumerate(lines) if key in ln)
+             for key in ("pip install torch", "--requirement", "COPY gateeng", "USER ", "HEALTHCHECK")}
+    assert first["pip install torch"] < first["--requirement"] < first["COPY gateeng"]
+    assert lines[first["USER "]].split()[1] not in ("root", "0")
+    assert "gateeng health" in " ".join(lines[first["HEALTHCHECK"]:first["HEALTHCHECK"] + 3]).replace('", "', " ")
+    entry = next(ln for ln in lines if ln.startswith("ENTRYPOINT"))
+    serve_args_accepted(yaml_list(entry)[2:])
+    ignore = (DEPLOY / "Dockerfile.dockerignore").read_text().splitlines()
+    assert ignore[1] == "**" or "**" in ignore                      # everything out ...
+    assert not any(".venv" in ln and ln.startswith("!") for ln in ignore)   # ... .venv stays out
+
+
+def yaml_list(instruction: str) -> list:
+    import json
+    return json.loads(instruction.split(None, 1)[1])

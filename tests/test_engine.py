@@ -13,7 +13,7 @@ from tiny import tiny_loaded
 
 @pytest.fixture(scope="module")
 def engine():
-    e = Engine(EngineConfig(dtype="float32", num_kv_blocks=24, max_model_len=128, block_size=4,
+    e = Engine(EngineConfig(dtype="float32", num_kv_blocks=24, max_model_len=96, block_size=4,
                             attention_split=8, invariant_rows=8, max_num_batched_tokens=64),
                loaded=tiny_loaded("float32"))
     yield e
@@ -30,7 +30,7 @@ VERIFIED = DeterminismParams(Mode.VERIFIED)
     ([], GOOD, None, "prompt is empty"),
     ([1, 2, 300], GOOD, None, "outside the vocabulary"),
     ([-1], GOOD, None, "outside the vocabulary"),
-    (list(range(1, 129)), GOOD, None, "context holds 128"),
+    (list(range(1, 97)), GOOD, None, "context holds 96"),
     ([1, 2], SamplingParams(temperature=-0.5), None, "temperature"),
     ([1, 2], SamplingParams(temperature=math.nan), None, "temperature"),
     ([1, 2], SamplingParams(top_p=0.0), None, "top_p"),
@@ -38,7 +38,6 @@ VERIFIED = DeterminismParams(Mode.VERIFIED)
     ([1, 2], SamplingParams(max_tokens=0), None, "max_tokens"),
     ([1, 2], GOOD, DeterminismParams(Mode.VERIFIED, margin_threshold=math.nan), "margin_threshold"),
     ([1, 2], GOOD, DeterminismParams(Mode.VERIFIED, max_window=0), "max_window"),
-    ([1, 2], SamplingParams(max_tokens=4000), None, "KV blocks"),
 ])
 def test_bad_input_is_rejected_and_others_keep_running(engine, prompt, params, det, match):
     ok = engine.submit([5, 6, 7], GOOD)
@@ -177,3 +176,30 @@ def test_every_completion_carries_the_engine_reproducibility_record(engine):
     r = engine.reproducibility
     assert (r.device_name, r.isa) == cpu_model_and_isa()
     assert r.model_fingerprint == engine.loaded.fingerprint and r.kernel_plan.endswith("invariant-v2(rows=8,split=8)")
+
+
+@pytest.mark.parametrize("max_model_len, kv_blocks, want", [
+    (0, 24, 96),              # the model allows 512; the KV cache holds 96
+    (0, 1024, 512),           # the model's limit
+    (200, 1024, 200),
+    (600, 1024, "above the model's limit 512"),
+    (128, 24, "does not fit the KV cache"),
+])
+def test_max_model_len_is_checked_against_the_model_and_the_kv_cache(max_model_len, kv_blocks, want):
+    from gateeng.engine import resolve_max_model_len
+    cfg = EngineConfig(max_model_len=max_model_len, num_kv_blocks=kv_blocks, block_size=4)
+    mc = tiny_loaded("float32").config
+    if isinstance(want, int):
+        assert resolve_max_model_len(cfg, mc) == want
+    else:
+        with pytest.raises(ValueError, match=want):
+            resolve_max_model_len(cfg, mc)
+
+
+def test_a_sliding_window_caps_the_context_so_full_attention_stays_exact():
+    import dataclasses
+    from gateeng.engine import resolve_max_model_len
+    mc = dataclasses.replace(tiny_loaded("float32").config, sliding_window=64)
+    assert resolve_max_model_len(EngineConfig(num_kv_blocks=1024, block_size=4), mc) == 64
+    with pytest.raises(ValueError, match="sliding window"):
+        resolve_max_model_len(EngineConfig(max_model_len=65, num_kv_blocks=1024, block_size=4), mc)

@@ -133,3 +133,15 @@ def test_killed_real_conversion_then_load(tmp_path, monkeypatch):
     target = root / entries(root)[0]
     assert entries(root) == [target.name] and ".tmp-" not in target.name
     assert model_cache.check(target) == (None, loaded.fingerprint)
+
+
+@pytest.mark.model
+def test_model_dir_prints_the_converted_directory_with_its_tokenizer(capsys):
+    from pathlib import Path
+
+    from gateeng.cli import main
+    assert main(["model-dir"]) == 0
+    out = Path(capsys.readouterr().out.strip())
+    assert (out / "tokenizer.json").is_file() and (out / "config.json").is_file()
+    assert main(["model-dir", "--model", "/nonexistent/model.gguf"]) == 2
+    assert "does not exist" in capsys.readouterr().err

@@ -336,3 +336,28 @@ def test_mismatch_is_attributed_to_the_trigger_that_caught_it(script, tau, windo
     assert st.mismatches == 1 and getattr(st, f"mismatches_{reason}") == 1
     assert st.mismatches_margin + st.mismatches_window + st.mismatches_finish == st.mismatches
     assert sched.stage.mismatches == [(reason, margin)]
+
+
+@pytest.mark.parametrize("chunk", [4, 0])
+def test_long_prompts_are_chunked_while_others_decode(chunk):
+    """A decoding request gets a token every step while a long prompt prefills in
+    chunks of at most max(chunk, decoding requests); with no cap (0) the prompt
+    takes the whole budget. Alone, a prompt always gets the whole budget."""
+    bm = BlockManager(128, 4)
+    sched = Scheduler(bm, 8, 32, RoutePolicy("speculative"), 0, prefill_chunk=chunk)
+    sched.stage = VerificationStage(StopChecker({EOS}, max_model_len=1000))
+    runner = FakeRunner()
+    sched.add(make_request("talk", PROMPT, max_tokens=40, mode=Mode.OFF))
+    plan = sched.schedule()
+    assert plan.seqs[0].num_tokens == len(PROMPT)          # alone: the whole prompt
+    update(sched, plan, runner.run(plan))
+    sched.add(make_request("long", list(range(1, 101)), max_tokens=2, mode=Mode.OFF))
+    prefilled = []
+    while sched.waiting or any(r.request_id == "long" and r.num_computed < 100 for r in sched.running):
+        plan = sched.schedule()
+        rows = {s.request.request_id: s.num_tokens for s in plan.seqs}
+        assert rows["talk"] == 1                               # the decode runs every step
+        prefilled.append(rows.get("long", 0))
+        update(sched, plan, runner.run(plan))
+    assert sum(prefilled) == 100
+    assert max(prefilled) == (4 if chunk else 31)

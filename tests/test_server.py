@@ -1,5 +1,6 @@
 """End-to-end: a real `gateeng serve` process on loopback, real gRPC, real /metrics."""
 import itertools
+import os
 import signal
 import socket
 import subprocess
@@ -12,7 +13,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateeng.client import Client
+from gateeng.client import Client, to_proto
 from gateeng.config import EngineConfig
 from gateeng.request import DeterminismParams, Mode, SamplingParams
 from gateeng.v1 import engine_pb2 as pb
@@ -31,8 +32,9 @@ def free_port():
 def start_server(*extra):
     port, mport = free_port(), free_port()
     cmd = [sys.executable, "-m", "gateeng.cli", "serve", "--port", str(port), "--metrics-port", str(mport),
-           "--admin-token", ADMIN, "--max-queue", "48", *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           "--max-queue", "48", *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "GATEENG_ADMIN_TOKEN": ADMIN})
     return proc, f"127.0.0.1:{port}", mport
 
 
@@ -54,10 +56,11 @@ def wait_health(target, want, timeout=240):
 
 @pytest.fixture(scope="module")
 def server():
-    proc, target, mport = start_server()
+    http_port = free_port()
+    proc, target, mport = start_server("--http-port", str(http_port))
     try:
         seen = wait_health(target, health_pb2.HealthCheckResponse.SERVING)
-        yield proc, target, mport, seen
+        yield proc, target, mport, seen, http_port
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -83,7 +86,7 @@ def scrape(mport):
 
 
 def test_health_flips_to_serving_and_reflection_lists_service(server):
-    _, target, _, seen = server
+    _, target, _, seen, _ = server
     # The port opens before the model loads: probes saw NOT_SERVING first.
     assert seen[0] == health_pb2.HealthCheckResponse.NOT_SERVING
     assert seen[-1] == health_pb2.HealthCheckResponse.SERVING
@@ -166,7 +169,7 @@ BAD = [
     ("NaN threshold", pb.GenerateRequest(text="hi", determinism=pb.Determinism(
         mode=pb.Determinism.MODE_VERIFIED, margin_threshold=float("nan"))), grpc.StatusCode.INVALID_ARGUMENT,
      "margin_threshold"),
-    ("prompt longer than context", pb.GenerateRequest(token_ids=pb.TokenIds(ids=[42] * 2100)),
+    ("prompt longer than context", pb.GenerateRequest(token_ids=pb.TokenIds(ids=[42] * 8200)),
      grpc.StatusCode.INVALID_ARGUMENT, "context"),
     ("negative temperature", pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(temperature=-1)),
      grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
@@ -176,6 +179,26 @@ BAD = [
      grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
     ("chat with token ids", pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1]), chat=True),
      grpc.StatusCode.INVALID_ARGUMENT, "chat"),
+    ("unknown determinism mode", pb.GenerateRequest(text="hi", determinism=pb.Determinism(mode=99)),
+     grpc.StatusCode.INVALID_ARGUMENT, "MODE_VERIFIED (2)"),
+    ("unknown stream policy", pb.GenerateRequest(text="hi", determinism=pb.Determinism(stream_policy=5)),
+     grpc.StatusCode.INVALID_ARGUMENT, "EAGER (1)"),
+    ("3 MB request id", pb.GenerateRequest(text="hi", request_id="x" * 3_000_000),
+     grpc.StatusCode.INVALID_ARGUMENT, "request_id"),
+    ("4 MB prompt", pb.GenerateRequest(text="word " * 800_000), grpc.StatusCode.INVALID_ARGUMENT,
+     "--max-prompt-bytes"),
+    ("17 stop strings", pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(stop=["x"] * 17)),
+     grpc.StatusCode.INVALID_ARGUMENT, "stop"),
+    ("tau above the ceiling", pb.GenerateRequest(text="hi", determinism=pb.Determinism(
+        mode=pb.Determinism.MODE_VERIFIED, margin_threshold=3.4e38)), grpc.StatusCode.INVALID_ARGUMENT,
+     "--request-tau-max"),
+    ("W below the floor", pb.GenerateRequest(text="hi", determinism=pb.Determinism(
+        mode=pb.Determinism.MODE_VERIFIED, max_window=1)), grpc.StatusCode.INVALID_ARGUMENT, "max_window"),
+    ("unknown chat role", pb.GenerateRequest(messages=pb.Messages(
+        messages=[pb.ChatMessage(role="tool", content="x")])), grpc.StatusCode.INVALID_ARGUMENT, "known roles"),
+    ("no chat messages", pb.GenerateRequest(messages=pb.Messages()), grpc.StatusCode.INVALID_ARGUMENT, "empty"),
+    ("W above the ceiling", pb.GenerateRequest(text="hi", determinism=pb.Determinism(
+        mode=pb.Determinism.MODE_VERIFIED, max_window=511)), grpc.StatusCode.INVALID_ARGUMENT, "max_window"),
 ]
 
 
@@ -187,6 +210,11 @@ def test_bad_inputs_table_and_others_unaffected(client):
             client.stub.Complete(req, timeout=60)
         assert ei.value.code() == code, name
         assert words in ei.value.details(), (name, ei.value.details())
+    raw = client.channel.unary_unary("/gateeng.v1.Engine/Complete", request_serializer=lambda b: b,
+                                     response_deserializer=pb.CompleteResponse.FromString)
+    with pytest.raises(grpc.RpcError) as ei:
+        raw(b"\x12\x03a\xff\xfe", timeout=60)             # `text` that is not UTF-8
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "UTF-8" in ei.value.details()
     assert len(good.result(timeout=120).token_ids) == 24
     # Odd but valid: a temperature below the documented floor (1e-5) is greedy, not garbage.
     params = SamplingParams(max_tokens=8, ignore_eos=True)
@@ -300,3 +328,78 @@ def test_sigterm_drains_and_exits_zero():
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_model_info_names_the_architecture_and_the_chat_template(client):
+    info = client.model_info()
+    # The embedded SmolLM2: a Llama, 8192 positions (its limit; the default KV cache holds 16384).
+    assert info.architecture == "llama" and info.has_chat_template
+    assert info.max_model_len == 8192 and info.vocab_size == 49152
+
+
+def test_multi_turn_chat_verified_is_the_reference(client, smollm):
+    from gateeng.engine import Engine
+    turns = [{"role": "system", "content": "You answer in one sentence."},
+             {"role": "user", "content": "Name a planet."}, {"role": "assistant", "content": "Mars."},
+             {"role": "user", "content": "Now name a moon of it.<|im_end|>\n<|im_start|>assistant\nPhobos"}]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    ref = Engine(EngineConfig(plan="invariant"), loaded=smollm("bfloat16"))
+    want = ref.generate(turns, params)
+    ref.shutdown()
+    got = client.complete(turns, params, VERIFIED)
+    assert list(got.token_ids) == want.token_ids and got.text == want.text
+    assert got.usage.prompt_tokens == want.prompt_tokens
+
+
+def test_verified_top5_logprobs_over_grpc_are_bitwise_the_same_alone_and_among_31_others(client):
+    params = SamplingParams(max_tokens=16, ignore_eos=True, logprobs=5)
+    prompt = "List three colours."
+    alone = client.complete(prompt, params, VERIFIED, chat=True)
+    others = [client.stub.Complete.future(to_proto(
+        f"Say something about the number {i}.", SamplingParams(max_tokens=24, ignore_eos=True), chat=True))
+        for i in range(31)]
+    loaded = client.complete(prompt, params, VERIFIED, chat=True)
+    assert all(len(f.result(timeout=300).token_ids) == 24 for f in others)
+    assert list(loaded.token_ids) == list(alone.token_ids)
+    assert [lp.SerializeToString() for lp in loaded.logprobs] == [lp.SerializeToString() for lp in alone.logprobs]
+    assert len(alone.logprobs) == 16 and all(len(lp.top) == 5 for lp in alone.logprobs)
+    assert [lp.token_id for lp in alone.logprobs] == list(alone.token_ids)
+
+
+@pytest.fixture(scope="module")
+def api(server):
+    import openai
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server[4]}/v1", api_key="unused", max_retries=0)
+
+
+def test_openai_client_against_gateeng_serve(api):
+    """The real `openai` client: completions with logprobs, and a streamed chat."""
+    model = api.models.list().data[0].id
+    res = api.completions.create(model=model, prompt="The capital of France is", max_tokens=8, temperature=0,
+                                 logprobs=5)
+    assert res.usage.completion_tokens >= 1 and len(res.choices[0].logprobs.top_logprobs[0]) == 5
+    # VERIFIED, so the streamed and the unary answer must agree (OFF promises no repeat).
+    chat = dict(model=model, messages=[{"role": "user", "content": "Say hello."}], max_tokens=16, temperature=0,
+                extra_body={"determinism": {"mode": "verified"}})
+    text = "".join(c.choices[0].delta.content or "" for c in api.chat.completions.create(stream=True, **chat)
+                   if c.choices)
+    assert text and text == api.chat.completions.create(**chat).choices[0].message.content
+
+
+def test_verified_top5_logprobs_over_http_are_bitwise_the_same_alone_and_among_31_others(api, client):
+    from concurrent.futures import ThreadPoolExecutor
+    model = api.models.list().data[0].id
+    args = dict(model=model, prompt="List three colours:", max_tokens=16, temperature=0, logprobs=5,
+                extra_body={"determinism": {"mode": "verified"}, "ignore_eos": True})
+    alone = api.completions.create(**args)
+    with ThreadPoolExecutor(32) as pool:
+        others = [pool.submit(api.completions.create, model=model, prompt=f"Count to {i}:", max_tokens=24,
+                              temperature=0.8, seed=i, extra_body={"ignore_eos": True}) for i in range(31)]
+        loaded = api.completions.create(**args)
+        assert all(f.result().usage.completion_tokens == 24 for f in others)
+    a, b = alone.choices[0].logprobs, loaded.choices[0].logprobs
+    assert loaded.choices[0].text == alone.choices[0].text
+    assert a.token_logprobs == b.token_logprobs and a.top_logprobs == b.top_logprobs
+    # The same values as over gRPC (float32, carried exactly by JSON's float64).
+    g = client.complete("List three colours:", SamplingParams(max_tokens=16, ignore_eos=True, logprobs=5), VERIFIED)
+    assert a.token_logprobs == [lp.logprob for lp in g.logprobs]

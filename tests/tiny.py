@@ -12,15 +12,17 @@ from gateeng.model import LlamaModel
 class ByteTokenizer:
     """Bytes as token ids: enough to exercise text paths without a tokenizer file."""
     eos_token_id = 255
+    chat_template = "<role>content ... <assistant>"
 
-    def encode(self, text, add_special_tokens=False):
+    def encode(self, text, add_special_tokens=False, split_special_tokens=False):
         return list(text.encode())
 
     def decode(self, ids, skip_special_tokens=True):
         return bytes(i for i in ids if i < 255).decode(errors="replace")
 
     def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True, return_dict=False):
-        return self.encode("<user>" + messages[-1]["content"] + "<assistant>")
+        text = "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+        return self.encode(text) if tokenize else text
 
 
 def hf_tiny(seed=0, rope_scaling=None, tie=True) -> LlamaForCausalLM:
@@ -45,3 +47,61 @@ def tiny_loaded(dtype="float32", hf=None) -> LoadedModel:
     model = LlamaModel(cfg, DTYPES[dtype])
     model.load_hf_state_dict(hf.state_dict())
     return LoadedModel(model, ByteTokenizer(), cfg, "tiny-random", "tiny")
+
+
+# Tiny random models of each supported family, built from their transformers configs.
+FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3")
+
+
+def hf_family(family: str, seed: int = 0):
+    """A random-weight model of `family`, small enough for fast parity tests. Norm
+    weights and biases are random too, so every family-specific term matters."""
+    import transformers as tf
+    torch.manual_seed(seed)
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=255)
+    if family == "llama":
+        cfg, cls = tf.LlamaConfig(**common), tf.LlamaForCausalLM
+    elif family == "llama3":      # Llama 3.x: llama3 RoPE scaling, rope_theta 500000
+        cfg, cls = tf.LlamaConfig(**common), tf.LlamaForCausalLM
+        cfg.rope_parameters = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+                               "rope_theta": 500000.0}
+    elif family == "mistral":     # a sliding window the tiny context never reaches
+        cfg, cls = tf.MistralConfig(**common, sliding_window=4096), tf.MistralForCausalLM
+    elif family == "qwen2":       # q, k, v biases
+        cfg, cls = tf.Qwen2Config(**common, use_sliding_window=False), tf.Qwen2ForCausalLM
+    elif family == "qwen3":       # per-head q/k RMSNorm, head_dim != hidden / heads
+        cfg, cls = tf.Qwen3Config(**dict(common, head_dim=32), use_sliding_window=False), tf.Qwen3ForCausalLM
+    else:
+        raise ValueError(family)
+    m = cls(cfg).eval()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.1)
+            elif name.endswith("bias"):
+                p.normal_(0, 0.5)
+            else:                   # norm weights
+                p.uniform_(0.5, 1.5)
+    return m
+
+
+def save_family(family: str, path) -> None:
+    """A tiny `family` model saved as a Hugging Face directory (safetensors, config,
+    and a byte-level tokenizer with a ChatML template), as `--model` takes it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    hf = hf_family(family)
+    hf.save_pretrained(path, safe_serialization=True)
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(alphabet[:254])}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>")
+    fast.add_special_tokens({"additional_special_tokens": []})
+    fast.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    fast.save_pretrained(path)
