@@ -47,7 +47,7 @@ def main():
         o, n = [], []
         for _ in range(args.repeats):
             o.append(decode_step_ms(loaded, b, fast_plan=old()))
-            n.append(decode_step_ms(loaded, b, fast_plan=FastPlan()))
+            n.append(decode_step_ms(loaded, b, fast_plan=FastPlan(packed=loaded.model.packed)))
         print(f"| {b} | {min(o):.1f} | {min(n):.1f} | {min(n) / min(o):.2f}x |", flush=True)
 
 

@@ -55,6 +55,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "requests) prompt positions: long prompts are chunked and interleaved with the decodes, "
                         "which bounds inter-token latency (0 = no limit beyond --max-num-batched-tokens)")
     p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse the KV of shared prompt prefixes")
+    p.add_argument("--no-packed-weights", action="store_true",
+                   help="CPU: the fast plan multiplies the plain weights instead of a second copy packed in "
+                        "oneDNN's layout (saves that copy's memory; decode steps get slower)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's choice, usually the core count)")
 
@@ -84,6 +87,7 @@ def _engine_config(args):
                         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         prefill_chunk=args.prefill_chunk, enable_prefix_caching=not args.no_prefix_caching,
+                        pack_fast_weights=not args.no_packed_weights,
                         num_threads=args.threads, max_queue=getattr(args, "max_queue", DEFAULTS.max_queue))
 
 

@@ -91,6 +91,10 @@ class EngineConfig:
     # inter-token latency. 16: bench/serve.py's prefill phase (bench/RESULTS.md).
     prefill_chunk: int = 16
     enable_prefix_caching: bool = True
+    # CPU: the fast plan multiplies a second copy of the weights packed in oneDNN's
+    # layout (LlamaModel.pack_weights): decode steps about a third faster where bf16
+    # is native, for one more copy of the projection and lm_head weights in memory.
+    pack_fast_weights: bool = True
     # Invariant plan shape: every matmul runs on row groups of exactly `invariant_rows`
     # rows (0 = chosen for the CPU, see plan.default_invariant_rows) and attention
     # splits keys at multiples of `attention_split` (a multiple of block_size).

@@ -109,7 +109,9 @@ class Engine:
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.stop = StopChecker(eos, self.max_model_len)
-        fast, self.invariant_plan, sample = self._plans(cfg, mc)
+        if cfg.pack_fast_weights and cfg.device == "cpu":
+            self.model.pack_weights()
+        fast, self.invariant_plan, sample = self._plans(cfg, mc, self.model.packed if cfg.pack_fast_weights else {})
         self.route = RoutePolicy(cfg.verified_route, group_rows=self.invariant_plan.rows or 1,
                                  replay_delay=cfg.max_verify_delay)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.route,
@@ -147,12 +149,12 @@ class Engine:
         return [layer.qkv, layer.o, layer.gate_up, layer.down, self.model.lm_head_f32]
 
     @staticmethod
-    def _plans(cfg: EngineConfig, mc):
+    def _plans(cfg: EngineConfig, mc, packed: dict):
         """(fast plan, invariant plan, sampler) for the device: torch on CPU;
         flashinfer + Triton kernels on CUDA."""
         if cfg.device != "cuda":
             rows = cfg.invariant_rows or default_invariant_rows(reproducibility.cpu_model_and_isa()[1])
-            return FastPlan(cfg.fast_logit_noise), InvariantPlan(rows, cfg.attention_split), sample_rows
+            return FastPlan(cfg.fast_logit_noise, packed), InvariantPlan(rows, cfg.attention_split), sample_rows
         from gateeng.gpu import FlashInferFastPlan, TritonInvariantPlan, gpu_sample
         try:
             fast = FlashInferFastPlan(mc.num_heads, mc.num_kv_heads, mc.head_dim, DTYPES[cfg.dtype], cfg.device,

@@ -19,6 +19,7 @@ from gateeng.plan import FastPlan, InvariantAttnMeta, InvariantPlan, Rows, row_b
 
 class TritonInvariantPlan(InvariantPlan):
     name = "invariant-triton"
+    sparse_greedy = False   # full logits on the GPU, sampled by the Triton kernel
 
     def __init__(self, split: int = 64):
         super().__init__(rows=0, split=split)
@@ -62,6 +63,7 @@ class TritonInvariantPlan(InvariantPlan):
 
 class FlashInferFastPlan(FastPlan):
     name = "fast-flashinfer"
+    sparse_greedy = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype, device, logit_noise: float = 0.0):
         super().__init__(logit_noise)

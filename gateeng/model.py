@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from gateeng import cpu_linear
 from gateeng.config import ModelConfig
 
 
@@ -44,13 +45,21 @@ class KVCache:
         self.block_size = block_size
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        # Padding rows carry slot -1 and write nothing.
-        keep = slots >= 0
-        if not bool(keep.all()):
-            k, v, slots = k[keep], v[keep], slots[keep]
+        """Store rows' K and V at their slots; `slots` holds only real rows (see
+        real_rows)."""
         nb, bs = self.k.shape[1], self.k.shape[2]
         self.k[layer].view(nb * bs, *self.k.shape[3:]).index_copy_(0, slots, k)
         self.v[layer].view(nb * bs, *self.v.shape[3:]).index_copy_(0, slots, v)
+
+    @staticmethod
+    def real_rows(slots: torch.Tensor):
+        """(indices of the rows that write KV, their slots), or (None, slots) when all
+        do. Padding rows carry slot -1 and write nothing. Decided once per forward."""
+        keep = slots >= 0
+        if bool(keep.all()):
+            return None, slots
+        rows = keep.nonzero().view(-1)
+        return rows, slots.index_select(0, rows)
 
 
 class LlamaModel(torch.nn.Module):
@@ -97,12 +106,27 @@ class LlamaModel(torch.nn.Module):
         top-1/top-2 ties are common and the margin would say little."""
         self.lm_head_f32 = self.lm_head.detach().float()
         self.lm_head_max_norm = float(self.lm_head_f32.norm(dim=-1).max())   # bounds the bf16 lm_head's error
+        self.packed = {}   # id(weight) -> x @ weight.T in oneDNN's packed layout (pack_weights)
+        lm_head = self.lm_head
+        self.lm_head_bf16 = lambda x: torch.nn.functional.linear(x, lm_head)   # greedy candidate search
+
+    def pack_weights(self) -> None:
+        """Keep every projection and the bf16 lm_head also in oneDNN's packed layout
+        (cpu_linear), for the fast plan and the greedy candidate search: one more copy
+        of those weights in memory, for decode steps about a third faster on CPUs
+        with native bf16. The invariant plan keeps multiplying the plain weights."""
+        if self.packed:
+            return
+        for layer in self.layers:
+            for w in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                self.packed[id(w)] = cpu_linear.pack(w)
+        self.lm_head_bf16 = cpu_linear.pack(self.lm_head)
 
     def logits(self, hidden: torch.Tensor, plan) -> torch.Tensor:
         return plan.linear(hidden.float(), self.lm_head_f32)
 
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
@@ -112,6 +136,8 @@ class LlamaModel(torch.nn.Module):
         cfg = self.cfg
         nq, nkv, d = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
         h = self.embed[input_ids]
+        cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]   # gathered once per forward
+        writers, slots = kv.real_rows(slots)
         for i, layer in enumerate(self.layers):
             x = plan.rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
             qkv = plan.linear(x, layer.qkv)
@@ -122,8 +148,11 @@ class LlamaModel(torch.nn.Module):
             if layer.q_norm is not None:       # one reduction per (row, head)
                 q = plan.rms_norm(q.reshape(-1, d), layer.q_norm, cfg.rms_norm_eps).view_as(q)
                 k = plan.rms_norm(k.reshape(-1, d), layer.k_norm, cfg.rms_norm_eps).view_as(k)
-            q, k = self._rope(q, positions), self._rope(k, positions)
-            kv.write(i, k, v.reshape(-1, cfg.num_kv_heads, d), slots)
+            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+            v = v.reshape(-1, cfg.num_kv_heads, d)
+            if writers is not None:
+                k, v = k.index_select(0, writers), v.index_select(0, writers)
+            kv.write(i, k, v, slots)
             attn = plan.attention(q, kv.k[i], kv.v[i], attn_meta, 1.0 / math.sqrt(d))
             o = plan.linear(attn.reshape(-1, nq), layer.o)
             h = h + (o + layer.o_bias if layer.o_bias is not None else o)

@@ -52,6 +52,14 @@ def row_block_tables(tables: list, width: int) -> torch.Tensor:
     return out
 
 
+def _greedy_bound(model, hidden: torch.Tensor, largest: torch.Tensor) -> torch.Tensor:
+    """[rows] bound on |bf16 logit - float32 logit| for every id (see greedy_logits),
+    given each row's largest |bf16 logit|."""
+    k = hidden.shape[-1]
+    accumulation = hidden.float().norm(dim=-1) * (model.lm_head_max_norm * k * 2.0 ** -23)
+    return largest * 2.0 ** -7 + accumulation + 1e-3
+
+
 def greedy_logits(model, hidden: torch.Tensor) -> torch.Tensor:
     """bf16 logits, with the exact float32 value written over every candidate for the
     top-2. A greedy row only needs its top-1 and top-2 (token and margin).
@@ -66,14 +74,67 @@ def greedy_logits(model, hidden: torch.Tensor) -> torch.Tensor:
     `(h * w).sum(-1)`: its bits depend on that row and id only (the start-up
     self-check proves it), so the result does not depend on the batch either.
     (Logprobs over the whole row need the full float32 lm_head.)"""
-    logits = F.linear(hidden, model.lm_head).float()
-    k = hidden.shape[-1]
-    accumulation = hidden.float().norm(dim=-1, keepdim=True) * (model.lm_head_max_norm * k * 2.0 ** -23)
-    bound = logits.abs().amax(dim=-1, keepdim=True) * 2.0 ** -7 + accumulation + 1e-3
+    logits = model.lm_head_bf16(hidden).float()
+    bound = _greedy_bound(model, hidden, logits.abs().amax(dim=-1))[:, None]
     second = torch.topk(logits, 2, dim=-1).values[:, 1:]
     r, v = torch.nonzero(logits >= second - 2 * bound, as_tuple=True)
     logits.index_put_((r, v), exact_logits(hidden, model.lm_head_f32, r, v))
     return logits
+
+
+# Vocabulary ids per chunk in greedy_top2's candidate search.
+TOP2_CHUNK = 128
+
+
+def greedy_top2(model, hidden: torch.Tensor) -> tuple[list, list]:
+    """The argmax and the margin the sampler would take from greedy_logits (the
+    float32 top-1 id, lowest among ties, and top-1 minus top-2), without building
+    or scanning a dense logit row more than the bf16 lm_head's output needs: on CPU,
+    a full-vocabulary topk, compare or nonzero over 32 rows costs 1-3 ms each.
+
+    The bf16 logits are cut into chunks of TOP2_CHUNK ids. A row's two largest
+    values lie in the two chunks with the largest maxima, so the bf16 second-best
+    comes from those 256 values; the candidates (greedy_logits' set) are then
+    searched only in chunks whose maximum reaches the threshold. Only candidates
+    get exact logits, and every other id is below the exact top-2, so the result
+    equals greedy_logits' followed by the sampler's, bit for bit. Returns Python
+    lists (tokens, margins)."""
+    bf = model.lm_head_bf16(hidden)
+    rows, vocab = bf.shape
+    chunk = TOP2_CHUNK if vocab >= 2 * TOP2_CHUNK else -(-vocab // 2)
+    nchunks = -(-vocab // chunk)
+    logits = torch.empty(rows, nchunks * chunk, dtype=torch.float32, device=bf.device)
+    logits[:, :vocab] = bf
+    logits[:, vocab:] = float("-inf")
+    chunks = logits.view(rows, nchunks, chunk)
+    cmax = chunks.amax(dim=-1)
+    largest = torch.maximum(cmax.amax(dim=-1), -logits[:, :vocab].amin(dim=-1))   # max |logit|, no abs() pass
+    threshold = _second_largest(chunks, cmax) - 2 * _greedy_bound(model, hidden, largest)
+    rr, cc = torch.nonzero(cmax >= threshold[:, None], as_tuple=True)
+    j, off = torch.nonzero(chunks[rr, cc] >= threshold[rr, None], as_tuple=True)
+    r, ids = rr[j], cc[j] * chunk + off
+    exact = exact_logits(hidden, model.lm_head_f32, r, ids)
+    neg = torch.full((rows,), float("-inf"), device=bf.device)
+    top = neg.scatter_reduce(0, r, exact, "amax")
+    is_top = exact == top[r]
+    token = torch.full((rows,), vocab, dtype=torch.int64, device=bf.device).scatter_reduce(
+        0, r[is_top], ids[is_top], "amin")
+    rest = ids != token[r]
+    margin = top - neg.scatter_reduce(0, r[rest], exact[rest], "amax")
+    if bool((torch.bincount(r, minlength=rows) < 2).any()) or not bool(torch.isfinite(margin).all()):
+        # Non-finite logits: the dense path decides as it always has.
+        tok, mar = ref.argmax_margin(greedy_logits(model, hidden))
+        return tok.tolist(), mar.tolist()
+    return token.tolist(), margin.tolist()
+
+
+def _second_largest(chunks: torch.Tensor, cmax: torch.Tensor) -> torch.Tensor:
+    """[rows] second-largest value of each row of chunks [rows, n, c] (n >= 2), given
+    the chunk maxima cmax [rows, n]: it lies in the chunk holding the row's maximum
+    or is the next chunk's maximum."""
+    best2 = cmax.topk(2, dim=-1).indices
+    pair = chunks.gather(1, best2[..., None].expand(-1, -1, chunks.shape[-1]))
+    return pair.flatten(1).topk(2, dim=-1).values[:, 1]
 
 
 def exact_logits(hidden: torch.Tensor, weight_f32: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -94,6 +155,29 @@ def mixed_lm_head(model, hidden: torch.Tensor, greedy: list, full) -> torch.Tens
     return logits
 
 
+def choose(plan, model, hidden: torch.Tensor, specs: list, sample) -> tuple[list, list]:
+    """(tokens, margins) for the sample rows `hidden`, one sampler.RowSpec each.
+    Greedy rows of a bf16 model take greedy_top2 where the plan allows it
+    (`plan.sparse_greedy`; a plan without it takes the dense path); every other row goes through the plan's dense
+    choice_logits and `sample`. Both give the tokens and margins `sample` would take
+    from choice_logits."""
+    greedy = [i for i, s in enumerate(specs) if s.params.greedy]
+    if not greedy or not getattr(plan, "sparse_greedy", False) or model.dtype == torch.float32:
+        return sample(plan.choice_logits(model, hidden, [s.params.greedy for s in specs]), specs)
+    n = len(specs)
+    tokens, margins = [0] * n, [0.0] * n
+    tok, mar = greedy_top2(model, hidden if len(greedy) == n else hidden[greedy])
+    for j, i in enumerate(greedy):
+        tokens[i], margins[i] = tok[j], mar[j]
+    sampled = [i for i in range(n) if not specs[i].params.greedy]
+    if sampled:
+        tok, mar = sample(plan.choice_logits(model, hidden[sampled], [False] * len(sampled)),
+                          [specs[i] for i in sampled])
+        for j, i in enumerate(sampled):
+            tokens[i], margins[i] = tok[j], mar[j]
+    return tokens, margins
+
+
 @dataclass
 class FastAttnMeta:
     prefill: list               # (row_start, row_end, key slots [ctx], mask [q, ctx])
@@ -105,11 +189,20 @@ class FastAttnMeta:
 class FastPlan:
     name = "fast"
 
-    def __init__(self, logit_noise: float = 0.0):
+    def __init__(self, logit_noise: float = 0.0, packed: dict | None = None):
         self.logit_noise = logit_noise   # test-only perturbation (provokes rollbacks)
         self._noise_gen = torch.Generator().manual_seed(1234)
+        self.packed = packed if packed is not None else {}   # LlamaModel.packed
 
-    linear = staticmethod(F.linear)
+    def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        fn = self.packed.get(id(w))
+        return fn(x) if fn is not None else F.linear(x, w)
+
+    @property
+    def sparse_greedy(self) -> bool:
+        """Greedy rows may skip dense logits (choose); not when noise perturbs them."""
+        return not self.logit_noise
+
     rms_norm = staticmethod(ref.rms_norm)
     silu_mul = staticmethod(ref.silu_mul)
 
@@ -138,6 +231,8 @@ class FastPlan:
     def attention(self, q, k_cache, v_cache, meta: FastAttnMeta, scale: float):
         nb, bs, hkv, d = k_cache.shape
         kflat, vflat = k_cache.view(nb * bs, hkv, d), v_cache.view(nb * bs, hkv, d)
+        if not meta.prefill:   # a pure decode step: row i is sequence i's one query
+            return self._decode_attention(q, kflat, vflat, meta, scale)
         out = torch.empty_like(q)
         # index_select, not advanced indexing: the same gather, an order of magnitude
         # cheaper on CPU.
@@ -154,25 +249,25 @@ class FastPlan:
 
     @staticmethod
     def _decode_attention(q, kflat, vflat, meta: FastAttnMeta, scale: float):
-        """One query row per sequence: two float32 batched matmuls over the padded
-        context (cheaper than SDPA at q_len 1 on CPU). Query heads h*g..h*g+g-1 share
-        KV head h (grouped-query attention)."""
+        """One query row per sequence, over the padded context gathered in one copy.
+        SDPA reads K and V through strided [B, Hkv, L, D] views of that copy: on CPU a
+        layout or dtype conversion of the gathered context cost 10x the attention
+        itself (15 ms against 1.2 ms per layer at batch 32 and 300 keys)."""
         b, lmax = meta.decode_slots.shape
-        hq, hkv, d = q.shape[1], kflat.shape[1], kflat.shape[2]
+        hkv, d = kflat.shape[1], kflat.shape[2]
         flat = meta.decode_slots.view(-1)
-        k = kflat.index_select(0, flat).view(b, lmax, hkv, d).permute(0, 2, 3, 1).float()   # [B, Hkv, D, L]
-        v = vflat.index_select(0, flat).view(b, lmax, hkv, d).transpose(1, 2).float()       # [B, Hkv, L, D]
-        scores = torch.matmul(q.view(b, hkv, hq // hkv, d).float(), k) * scale               # [B, Hkv, g, L]
-        scores = scores.masked_fill(~meta.decode_mask[:, None, None, :], float("-inf"))
-        return torch.matmul(torch.softmax(scores, dim=-1), v).view(b, hq, d).to(q.dtype)
+        k = kflat.index_select(0, flat).view(b, lmax, hkv, d).transpose(1, 2)
+        v = vflat.index_select(0, flat).view(b, lmax, hkv, d).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=meta.decode_mask[:, None, None, :],
+                                           scale=scale, enable_gqa=True)
+        return o[:, :, 0, :]
 
-    @staticmethod
-    def _lm_head(model, hidden: torch.Tensor, greedy: list) -> torch.Tensor:
+    def _lm_head(self, model, hidden: torch.Tensor, greedy: list) -> torch.Tensor:
         """float32 logits whose top-2 are exact for greedy rows, at a bf16 matmul's
         cost (greedy_logits); sampled rows get the full float32 lm_head."""
         if model.dtype == torch.float32 or not any(greedy):
-            return model.logits(hidden, FastPlan)
-        return mixed_lm_head(model, hidden, greedy, lambda h: model.logits(h, FastPlan))
+            return model.logits(hidden, self)
+        return mixed_lm_head(model, hidden, greedy, lambda h: model.logits(h, self))
 
     @torch.inference_mode()
     def hidden(self, model, kv, rows: Rows) -> torch.Tensor:
@@ -194,7 +289,7 @@ class FastPlan:
     @torch.inference_mode()
     def full_logits(self, model, hidden: torch.Tensor) -> torch.Tensor:
         """Full float32 logits (logprobs need the whole distribution)."""
-        return model.logits(hidden, FastPlan)
+        return model.logits(hidden, self)
 
     def logits(self, model, kv, rows: Rows) -> torch.Tensor:
         return self.choice_logits(model, self.hidden(model, kv, rows), rows.greedy)
@@ -232,6 +327,7 @@ class InvariantPlan:
     these on the machine."""
     name = "invariant"
     version = 2   # bumped whenever the canonical bits change
+    sparse_greedy = True   # choose() gives the same tokens and margins as the dense path
 
     def __init__(self, rows: int = 8, split: int = 64):
         self.rows = rows

@@ -8,7 +8,7 @@ import time
 
 from gateeng import sampler
 from gateeng.model import KVCache, LlamaModel
-from gateeng.plan import FastPlan, InvariantPlan, Rows
+from gateeng.plan import FastPlan, InvariantPlan, Rows, choose
 from gateeng.scheduler import Kind, SeqOutput, StepPlan
 
 
@@ -32,7 +32,7 @@ class ModelRunner:
             rows, specs, owners, prompt = self._rows(seqs)
             hidden = plan.hidden(self.model, self.kv, rows)
             n = len(rows.sample_rows)
-            tokens, margins = self.sample(plan.choice_logits(self.model, hidden[:n], rows.greedy), specs)
+            tokens, margins = choose(plan, self.model, hidden[:n], specs, self.sample)
             entries, prompt_entries = self._logprobs(plan, hidden, specs, tokens, prompt)
             per_request = {seq.request.request_id: ([], [], []) for seq in seqs}
             for i, (owner, tok, mar) in enumerate(zip(owners, tokens, margins)):

@@ -82,11 +82,61 @@ def test_fast_lm_head_gives_float32_top2_for_greedy_rows_and_float32_rows_for_sa
     w = model.lm_head.float()
     hidden[:20] = ((w[torch.arange(20)] + w[torch.arange(20) + 50]) * 4).to(torch.bfloat16)
     greedy = [i % 7 != 3 for i in range(300)]
-    full = model.logits(hidden, FastPlan)
-    got = FastPlan._lm_head(model, hidden, greedy)
+    full = model.logits(hidden, FastPlan())
+    got = FastPlan()._lm_head(model, hidden, greedy)
     g = torch.tensor(greedy)
     tok_full, mar_full = argmax_margin(full[g])
     tok, mar = argmax_margin(got[g])
     assert torch.equal(tok, tok_full)
     assert (mar - mar_full).abs().max().item() < 1e-4
     assert torch.equal(got[~g], full[~g])   # sampled rows: the float32 lm_head itself
+
+
+def _head(vocab: int, hidden_size: int = 64, packed: bool = False, seed: int = 0):
+    """A stand-in model with only an lm_head (what greedy_top2 reads)."""
+    from types import SimpleNamespace
+
+    from gateeng import cpu_linear
+    gen = torch.Generator().manual_seed(seed)
+    w = (torch.randn(vocab, hidden_size, generator=gen) * 0.2).to(torch.bfloat16)
+    f32 = w.float()
+    return SimpleNamespace(lm_head=w, lm_head_f32=f32, lm_head_max_norm=float(f32.norm(dim=-1).max()),
+                           lm_head_bf16=cpu_linear.pack(w) if packed else (lambda x: torch.nn.functional.linear(x, w)))
+
+
+@pytest.mark.parametrize("vocab,packed", [(256, False), (300, False), (5, False), (49152, True), (1000, True)])
+def test_greedy_top2_equals_the_dense_greedy_path(vocab, packed):
+    """The chunked candidate search gives exactly the token and margin the sampler
+    takes from greedy_logits, near-ties and exact ties included, and the float32
+    argmax."""
+    from gateeng.kernels.reference import argmax_margin
+    from gateeng.plan import greedy_logits, greedy_top2
+    model = _head(vocab, packed=packed)
+    gen = torch.Generator().manual_seed(1)
+    hidden = (torch.randn(40, 64, generator=gen) * 4).to(torch.bfloat16)
+    w = model.lm_head.float()
+    a, b = torch.arange(10) % vocab, (torch.arange(10) * 7 + 3) % vocab
+    hidden[:10] = ((w[a] + w[b]) * 8).to(torch.bfloat16)     # near-ties between two ids
+    hidden[10:12] = 0                                           # every logit 0: an exact tie over the vocab
+    tok, mar = greedy_top2(model, hidden)
+    want_tok, want_mar = argmax_margin(greedy_logits(model, hidden))
+    assert tok == want_tok.tolist() and mar == want_mar.tolist()
+    assert tok[10] == 0 and mar[10] == 0.0
+    exact = torch.nn.functional.linear(hidden.float(), model.lm_head_f32)
+    chosen = exact.gather(1, torch.tensor(tok)[:, None])[:, 0]
+    assert (exact.max(-1).values - chosen).max() < 1e-4   # the float32 argmax, up to float32 rounding
+
+
+def test_choose_mixes_greedy_and_sampled_rows_as_the_dense_sampler_does():
+    from gateeng import sampler
+    from gateeng.plan import choose
+    from gateeng.request import SamplingParams
+    model = tiny_loaded("bfloat16").model
+    gen = torch.Generator().manual_seed(2)
+    hidden = (torch.randn(12, model.cfg.hidden_size, generator=gen) * 3).to(torch.bfloat16)
+    specs = [sampler.RowSpec(SamplingParams() if i % 3 else SamplingParams(temperature=0.8), 7 + i, 5)
+             for i in range(12)]
+    for plan in (FastPlan(), InvariantPlan(rows=8)):
+        assert plan.sparse_greedy
+        dense = sampler.sample(plan.choice_logits(model, hidden, [s.params.greedy for s in specs]), specs)
+        assert choose(plan, model, hidden, specs, sampler.sample) == dense
