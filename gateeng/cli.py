@@ -58,6 +58,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-packed-weights", action="store_true",
                    help="CPU: the fast plan multiplies the plain weights instead of a second copy packed in "
                         "oneDNN's layout (saves that copy's memory; decode steps get slower)")
+    p.add_argument("--no-cpu-kernels", action="store_true",
+                   help="CPU: the fast plan uses torch ops instead of its fused C++ kernels (RMSNorm, paged "
+                        "decode attention), which are otherwise built on first use (needs a C++ compiler; "
+                        "about a minute, cached in $GATEENG_CACHE)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's choice, usually the core count)")
 
@@ -87,7 +91,7 @@ def _engine_config(args):
                         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         prefill_chunk=args.prefill_chunk, enable_prefix_caching=not args.no_prefix_caching,
-                        pack_fast_weights=not args.no_packed_weights,
+                        pack_fast_weights=not args.no_packed_weights, cpu_kernels=not args.no_cpu_kernels,
                         num_threads=args.threads, max_queue=getattr(args, "max_queue", DEFAULTS.max_queue))
 
 

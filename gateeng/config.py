@@ -95,6 +95,10 @@ class EngineConfig:
     # layout (LlamaModel.pack_weights): decode steps about a third faster where bf16
     # is native, for one more copy of the projection and lm_head weights in memory.
     pack_fast_weights: bool = True
+    # CPU: the fast plan's fused C++ kernels (gateeng/cpu_ops.py: RMSNorm, decode
+    # attention over the paged cache in place), built on first use; torch ops where
+    # they cannot be built.
+    cpu_kernels: bool = True
     # Invariant plan shape: every matmul runs on row groups of exactly `invariant_rows`
     # rows (0 = chosen for the CPU, see plan.default_invariant_rows) and attention
     # splits keys at multiples of `attention_split` (a multiple of block_size).

@@ -125,12 +125,6 @@ class LlamaModel(torch.nn.Module):
     def logits(self, hidden: torch.Tensor, plan) -> torch.Tensor:
         return plan.linear(hidden.float(), self.lm_head_f32)
 
-    @staticmethod
-    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
-
     def forward(self, input_ids, positions, slots, attn_meta, kv: KVCache, plan) -> torch.Tensor:
         """Hidden states after the final norm, [rows, hidden]."""
         cfg = self.cfg
@@ -148,7 +142,7 @@ class LlamaModel(torch.nn.Module):
             if layer.q_norm is not None:       # one reduction per (row, head)
                 q = plan.rms_norm(q.reshape(-1, d), layer.q_norm, cfg.rms_norm_eps).view_as(q)
                 k = plan.rms_norm(k.reshape(-1, d), layer.k_norm, cfg.rms_norm_eps).view_as(k)
-            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+            q, k = plan.rope(q, k, cos, sin)
             v = v.reshape(-1, cfg.num_kv_heads, d)
             if writers is not None:
                 k, v = k.index_select(0, writers), v.index_select(0, writers)

@@ -182,17 +182,31 @@ def choose(plan, model, hidden: torch.Tensor, specs: list, sample) -> tuple[list
 class FastAttnMeta:
     prefill: list               # (row_start, row_end, key slots [ctx], mask [q, ctx])
     decode_rows: torch.Tensor   # [B] rows that are single-token decodes
-    decode_slots: torch.Tensor  # [B, Lmax]
-    decode_mask: torch.Tensor   # [B, Lmax]
+    decode_slots: torch.Tensor  # [B, Lmax] (torch attention) or [B, W] block tables (CPU kernel)
+    decode_mask: torch.Tensor   # [B, Lmax] (torch attention) or [B] key counts (CPU kernel)
 
 
 class FastPlan:
     name = "fast"
 
-    def __init__(self, logit_noise: float = 0.0, packed: dict | None = None):
+    def __init__(self, logit_noise: float = 0.0, packed: dict | None = None, kernels=None):
         self.logit_noise = logit_noise   # test-only perturbation (provokes rollbacks)
         self._noise_gen = torch.Generator().manual_seed(1234)
         self.packed = packed if packed is not None else {}   # LlamaModel.packed
+        self.kernels = kernels   # gateeng.cpu_ops' module, or None for torch ops
+
+    def _kernel(self, x: torch.Tensor):
+        """The CPU kernels where they apply to x, else None."""
+        if self.kernels is not None and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
+            return self.kernels
+        return None
+
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        k = self._kernel(x)
+        return k.rms_norm(x, w, eps) if k is not None else ref.rms_norm(x, w, eps)
+
+    rope = staticmethod(ref.rope_qk)
+    silu_mul = staticmethod(ref.silu_mul)
 
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         fn = self.packed.get(id(w))
@@ -202,9 +216,6 @@ class FastPlan:
     def sparse_greedy(self) -> bool:
         """Greedy rows may skip dense logits (choose); not when noise perturbs them."""
         return not self.logit_noise
-
-    rms_norm = staticmethod(ref.rms_norm)
-    silu_mul = staticmethod(ref.silu_mul)
 
     def _meta(self, rows: Rows, block_size: int, dev) -> FastAttnMeta:
         prefill, dec_rows, dec_tables, dec_ctx = [], [], [], []
@@ -219,20 +230,22 @@ class FastPlan:
                 qpos = torch.tensor(rows.positions[start:end], device=dev)
                 mask = torch.arange(ctx, device=dev)[None, :] <= qpos[:, None]
                 prefill.append((start, end, slots, mask))
-        # Decode rows: one padded [B, Lmax] slot matrix built in a few tensor ops.
         lmax = max(dec_ctx, default=0)
         width = -(-lmax // block_size)
         tables = row_block_tables(dec_tables, width)
+        rows_t = torch.tensor(dec_rows, dtype=torch.int64, device=dev)
+        if self.kernels is not None and dev.type == "cpu":   # the kernel reads blocks by table
+            return FastAttnMeta(prefill, rows_t, tables, torch.tensor(dec_ctx, dtype=torch.int64))
+        # Decode rows: one padded [B, Lmax] slot matrix built in a few tensor ops.
         slots = (tables[:, :, None] * block_size + torch.arange(block_size)).view(len(dec_rows), width * block_size)[:, :lmax]
         mask = torch.arange(lmax)[None, :] < torch.tensor(dec_ctx, dtype=torch.int64)[:, None]
-        return FastAttnMeta(prefill, torch.tensor(dec_rows, dtype=torch.int64, device=dev),
-                            slots.contiguous().to(dev), mask.to(dev))
+        return FastAttnMeta(prefill, rows_t, slots.contiguous().to(dev), mask.to(dev))
 
     def attention(self, q, k_cache, v_cache, meta: FastAttnMeta, scale: float):
         nb, bs, hkv, d = k_cache.shape
         kflat, vflat = k_cache.view(nb * bs, hkv, d), v_cache.view(nb * bs, hkv, d)
         if not meta.prefill:   # a pure decode step: row i is sequence i's one query
-            return self._decode_attention(q, kflat, vflat, meta, scale)
+            return self._decode_attention(q, k_cache, v_cache, meta, scale)
         out = torch.empty_like(q)
         # index_select, not advanced indexing: the same gather, an order of magnitude
         # cheaper on CPU.
@@ -244,22 +257,26 @@ class FastPlan:
             out[start:end] = o[0].transpose(0, 1)
         if len(meta.decode_rows):
             out.index_copy_(0, meta.decode_rows, self._decode_attention(q.index_select(0, meta.decode_rows),
-                                                                        kflat, vflat, meta, scale))
+                                                                        k_cache, v_cache, meta, scale))
         return out
 
-    @staticmethod
-    def _decode_attention(q, kflat, vflat, meta: FastAttnMeta, scale: float):
-        """One query row per sequence, over the padded context gathered in one copy.
-        SDPA reads K and V through strided [B, Hkv, L, D] views of that copy: on CPU a
-        layout or dtype conversion of the gathered context cost 10x the attention
-        itself (15 ms against 1.2 ms per layer at batch 32 and 300 keys)."""
+    def _decode_attention(self, q, k_cache, v_cache, meta: FastAttnMeta, scale: float):
+        """One query row per sequence. The CPU kernel reads the KV blocks in place.
+        Otherwise the padded context is gathered in one copy and SDPA reads K and V
+        through strided [B, Hkv, L, D] views of it: on CPU a layout or dtype
+        conversion of the gathered context cost 10x the attention itself (15 ms
+        against 1.2 ms per layer at batch 32 and 300 keys)."""
+        k = self._kernel(q)
+        if k is not None:
+            return k.decode_attention(q, k_cache, v_cache, meta.decode_slots, meta.decode_mask, scale)
+        nb, bs, hkv, d = k_cache.shape
         b, lmax = meta.decode_slots.shape
-        hkv, d = kflat.shape[1], kflat.shape[2]
         flat = meta.decode_slots.view(-1)
-        k = kflat.index_select(0, flat).view(b, lmax, hkv, d).transpose(1, 2)
-        v = vflat.index_select(0, flat).view(b, lmax, hkv, d).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=meta.decode_mask[:, None, None, :],
-                                           scale=scale, enable_gqa=True)
+        keys = k_cache.view(nb * bs, hkv, d).index_select(0, flat).view(b, lmax, hkv, d).transpose(1, 2)
+        values = v_cache.view(nb * bs, hkv, d).index_select(0, flat).view(b, lmax, hkv, d).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q[:, :, None, :], keys, values,
+                                           attn_mask=meta.decode_mask[:, None, None, :], scale=scale,
+                                           enable_gqa=True)
         return o[:, :, 0, :]
 
     def _lm_head(self, model, hidden: torch.Tensor, greedy: list) -> torch.Tensor:
@@ -334,6 +351,7 @@ class InvariantPlan:
         self.split = split
 
     rms_norm = staticmethod(ref.rms_norm)
+    rope = staticmethod(ref.rope_qk)
 
     def describe(self, dtype: str = "bfloat16") -> str:
         """What the canonical bits depend on, besides weights, dtype and device kind."""

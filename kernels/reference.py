@@ -30,6 +30,19 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, rotate-half convention (transformers' Llama): x [R, H, D],
+    cos and sin [R, 1, D] for the rows' positions."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """rope on queries and keys (elementwise: the same bits in any batch)."""
+    return rope(q, cos, sin), rope(k, cos, sin)
+
+
 # Keys gathered at once per row (bounds the float32 copies of K and V: about
 # 1.5 KB per key for Hkv * D = 192).
 SPLIT_BATCH_KEYS = 1 << 15

@@ -18,3 +18,11 @@ def smollm():
             cache[dtype] = loader.load(None, dtype)
         return cache[dtype]
     return get
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cpu_kernels():
+    """Build the fast plan's CPU kernels once, before any test starts a server
+    subprocess whose start-up timeout would otherwise include the build."""
+    from gateeng import cpu_ops
+    return cpu_ops.load()

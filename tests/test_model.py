@@ -140,3 +140,22 @@ def test_choose_mixes_greedy_and_sampled_rows_as_the_dense_sampler_does():
         assert plan.sparse_greedy
         dense = sampler.sample(plan.choice_logits(model, hidden, [s.params.greedy for s in specs]), specs)
         assert choose(plan, model, hidden, specs, sampler.sample) == dense
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_fast_plan_with_cpu_kernels_matches_transformers(chunk):
+    """RMSNorm and decode attention from gateeng.cpu_ops: float32 logits as close to
+    transformers as the torch ops give, in pure decode steps (chunk 1) and in steps
+    that mix decode rows with prefill chunks (chunk 3)."""
+    from gateeng import cpu_ops
+    kernels = cpu_ops.load()
+    if kernels is None:
+        pytest.skip("the CPU kernels could not be built here (a C++ compiler is needed; see the log)")
+    hf = hf_tiny()
+    loaded = tiny_loaded("float32", hf)
+    seqs = [list(range(5, 22)), list(range(40, 47)), [3, 9, 27, 81, 100, 7, 1, 2, 250, 4, 6]]
+    got = prefill_logits(loaded, FastPlan(kernels=kernels), seqs, chunk=chunk)
+    for s, g in zip(seqs, got):
+        with torch.no_grad():
+            want = hf(torch.tensor([s])).logits[0].float()
+        assert (g - want).abs().max().item() < 1e-3

@@ -1,0 +1,88 @@
+"""Where a fast-plan decode step's time goes, at 1, 8, 32 and 64 running requests.
+
+Each of the fast plan's parts is wrapped in a wall-clock timer (projections,
+attention, norms, RoPE, the SiLU gate, the lm_head with the token choice), a
+steady decode step is run several times, and the rest of the step (embedding,
+residual adds, KV writes, step metadata, scheduling, Python) is reported as
+"other". Timers add about a microsecond per call. Prints the CPU and its ISA.
+Usage: python bench/step_profile.py [--batches 1,8,32,64] [--steps 8]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import machine, prompt_set  # noqa: E402
+
+from gateeng import plan as plan_module  # noqa: E402
+from gateeng.config import EngineConfig  # noqa: E402
+from gateeng.engine import Engine  # noqa: E402
+from gateeng.loader import load  # noqa: E402
+from gateeng.request import DeterminismParams, SamplingParams  # noqa: E402
+from gateeng.scheduler import Kind  # noqa: E402
+
+PARTS = {"linear": "projections (q/k/v, o, gate/up, down)", "attention": "attention",
+         "rms_norm": "RMSNorm", "rope": "RoPE", "silu_mul": "SiLU gate"}
+
+
+def timed(fn, totals, key):
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            totals[key] += time.perf_counter() - t0
+    return wrapper
+
+
+def profile(loaded, batch: int, steps: int, rounds: int = 3) -> dict:
+    engine = Engine(EngineConfig(dtype="bfloat16"), loaded=loaded)
+    fast = engine.runner.plans[Kind.FAST]
+    totals = defaultdict(float)
+    for name in PARTS:
+        setattr(fast, name, timed(getattr(fast, name), totals, name))
+    import gateeng.runner as runner_module
+    runner_module.choose = timed(plan_module.choose, totals, "lm_head")
+    for p in prompt_set(batch, False):
+        engine.scheduler.add(engine._make_request(p, SamplingParams(max_tokens=rounds * steps + 8, ignore_eos=True),
+                                                  DeterminismParams(), None, True))
+    for _ in range(3):
+        engine.step()
+    best = None
+    for _ in range(rounds):
+        totals.clear()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        wall = (time.perf_counter() - t0) / steps * 1000
+        if best is None or wall < best["step"]:
+            best = {"step": wall, **{k: v / steps * 1000 for k, v in totals.items()}}
+    runner_module.choose = plan_module.choose
+    return best
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--steps", type=int, default=8)
+    args = ap.parse_args()
+    loaded = load(None, "bfloat16")
+    rows = {b: profile(loaded, b, args.steps) for b in (int(x) for x in args.batches.split(","))}
+    print(f"machine: {machine()}\n")
+    parts = list(PARTS) + ["lm_head"]
+    labels = [PARTS.get(p, "lm_head + token choice") for p in parts] + ["other", "step"]
+    print("| running requests | " + " | ".join(labels) + " |")
+    print("| --- " * (len(labels) + 1) + "|")
+    for b, r in rows.items():
+        other = r["step"] - sum(r.get(p, 0.0) for p in parts)
+        cells = [f"{r.get(p, 0.0):.1f}" for p in parts] + [f"{other:.1f}", f"**{r['step']:.1f}**"]
+        print(f"| {b} | " + " | ".join(cells) + " |")
+    print("\nms per decode step (best of 3 rounds).")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""The fast plan's fused CPU kernels (kernels/cpu_ops.cpp): RMSNorm in one pass,
+and decode attention that reads the paged KV cache in place.
+
+Built on first use with torch's C++ extension builder (a C++ compiler is needed;
+about a minute on 2 cores) into $GATEENG_CACHE, keyed by the source, the torch
+version and the CPU's flags, since the code is compiled for this CPU
+(-march=native) and the machine under a cache can change. One process builds
+while others wait on the builder's lock. Where the build fails, `load()`
+returns None, the fast plan keeps its torch ops, and the log says why
+(EngineConfig.cpu_kernels / --no-cpu-kernels skips them altogether). The
+invariant plan never uses these.
+"""
+from __future__ import annotations
+
+import hashlib
+import threading
+from pathlib import Path
+
+import torch
+
+from gateeng import kernels
+from gateeng.logs import log
+
+SOURCE = Path(kernels.__file__).resolve().parent / "cpu_ops.cpp"
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def _build_dir() -> Path:
+    from gateeng.model_cache import cache_root
+    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + _cpu_flags().encode()).hexdigest()[:16]
+    return cache_root() / "cpu_ops" / key
+
+
+def load():
+    """The compiled module, or None where it cannot be had (see the module doc)."""
+    with _lock:
+        if "module" not in _state:
+            _state["module"] = _build()
+        return _state["module"]
+
+
+def _build():
+    try:
+        from torch.utils.cpp_extension import load as build
+        out = _build_dir()
+        out.mkdir(parents=True, exist_ok=True)
+        if not any(out.glob("*.so")):
+            log(f"building the fast plan's CPU kernels into {out} (once per CPU kind and torch version; "
+                f"about a minute)")
+        return build("gateeng_cpu_ops", [str(SOURCE)], build_directory=str(out),
+                     extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp-simd"], verbose=False)
+    except Exception as exc:   # no compiler, no headers, a failed build: the torch ops serve
+        log(f"the fast plan's CPU kernels are unavailable ({type(exc).__name__}: "
+            f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}); using torch ops")
+        return None
