@@ -6,7 +6,8 @@
 Both run in this process on the same prompts, alternating, each case --repeats
 times (best kept); the table reports tokens/s and the ratio ours/HF. It also
 reports the steady decode step time at 1, 8, 32 and 64 running requests against
-the time to read every weight once (the roofline), measured in the same run. Usage: python bench/throughput.py [--quick]
+the time to read every weight once (the roofline), measured in the same run.
+Usage: python bench/throughput.py [--quick] [--repeats 3]
 """
 from __future__ import annotations
 
