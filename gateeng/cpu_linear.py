@@ -40,3 +40,18 @@ def pack(w: torch.Tensor, rows_hint: int = 32):
     def fast(x):
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, None, "none", [], "")
     return fast
+
+
+def same_bits(fn, w: torch.Tensor, rows: int) -> bool:
+    """Whether fn(x) equals torch.mm(x, w.T) bit for bit at `rows` rows, on probes.
+    Which kernel a matmul runs, and so its summation order, depends on the shapes,
+    not the values, so equal bits on probes at a shape mean the packed weight can
+    stand in for the plain one wherever a bit promise rests on that shape."""
+    gen = torch.Generator().manual_seed(1)
+    for scale in (1.0, 30.0):
+        x = (torch.randn(rows, w.shape[1], generator=gen) * scale).to(w.dtype)
+        want = torch.empty(rows, w.shape[0], dtype=w.dtype)
+        torch.mm(x, w.t(), out=want)
+        if not torch.equal(fn(x), want):
+            return False
+    return True

@@ -112,7 +112,11 @@ class Engine:
         if cfg.pack_fast_weights and cfg.device == "cpu":
             self.model.pack_weights()
         fast, self.invariant_plan, sample = self._plans(cfg, mc, self.model.packed if cfg.pack_fast_weights else {})
+        if cfg.pack_fast_weights and cfg.device == "cpu" and self.invariant_plan.rows:
+            self.invariant_plan.use_packed(self.model)
         if cfg.device == "cpu":
+            log(f"invariant plan: {len(self.invariant_plan.packed)} of {4 * len(self.model.layers)} projections "
+                f"on packed weights (those that give the plain weights' bits)")
             log(f"fast plan: {'packed oneDNN' if cfg.pack_fast_weights else 'plain'} weights, "
                 f"{'fused C++ kernels' if getattr(fast, 'kernels', None) is not None else 'torch ops'} "
                 f"for RMSNorm and decode attention")

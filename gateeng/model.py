@@ -137,12 +137,14 @@ class LlamaModel(torch.nn.Module):
             qkv = plan.linear(x, layer.qkv)
             if layer.qkv_bias is not None:     # elementwise: the same bits in any batch
                 qkv = qkv + layer.qkv_bias
-            q, k, v = qkv.split([nq, nkv, nkv], dim=-1)
-            q, k = q.reshape(-1, cfg.num_heads, d), k.reshape(-1, cfg.num_kv_heads, d)
+            qk, v = qkv.split([nq + nkv, nkv], dim=-1)
             if layer.q_norm is not None:       # one reduction per (row, head)
-                q = plan.rms_norm(q.reshape(-1, d), layer.q_norm, cfg.rms_norm_eps).view_as(q)
-                k = plan.rms_norm(k.reshape(-1, d), layer.k_norm, cfg.rms_norm_eps).view_as(k)
-            q, k = plan.rope(q, k, cos, sin)
+                q, k = qk.split([nq, nkv], dim=-1)
+                qk = torch.cat([plan.rms_norm(q.reshape(-1, d), layer.q_norm, cfg.rms_norm_eps).view(-1, nq),
+                                plan.rms_norm(k.reshape(-1, d), layer.k_norm, cfg.rms_norm_eps).view(-1, nkv)], -1)
+            # RoPE is elementwise, so queries and keys rotate in one call (the same bits).
+            qk = plan.rope(qk.reshape(-1, cfg.num_heads + cfg.num_kv_heads, d), cos, sin)
+            q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
             v = v.reshape(-1, cfg.num_kv_heads, d)
             if writers is not None:
                 k, v = k.index_select(0, writers), v.index_select(0, writers)

@@ -205,7 +205,7 @@ class FastPlan:
         k = self._kernel(x)
         return k.rms_norm(x, w, eps) if k is not None else ref.rms_norm(x, w, eps)
 
-    rope = staticmethod(ref.rope_qk)
+    rope = staticmethod(ref.rope)
     silu_mul = staticmethod(ref.silu_mul)
 
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -349,9 +349,21 @@ class InvariantPlan:
     def __init__(self, rows: int = 8, split: int = 64):
         self.rows = rows
         self.split = split
+        self.packed = {}   # id(weight) -> packed matmul giving torch.mm's bits at `rows` rows
+
+    def use_packed(self, model) -> None:
+        """Multiply the model's packed weights (LlamaModel.pack_weights) wherever
+        they give the plain weights' bits at this plan's group shape (checked on
+        probes, per weight): the same canonical bits, faster."""
+        from gateeng import cpu_linear
+        for layer in model.layers:
+            for w in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                fn = model.packed.get(id(w))
+                if fn is not None and cpu_linear.same_bits(fn, w, self.rows):
+                    self.packed[id(w)] = fn
 
     rms_norm = staticmethod(ref.rms_norm)
-    rope = staticmethod(ref.rope_qk)
+    rope = staticmethod(ref.rope)
 
     def describe(self, dtype: str = "bfloat16") -> str:
         """What the canonical bits depend on, besides weights, dtype and device kind."""
@@ -371,6 +383,9 @@ class InvariantPlan:
         n, c = x.shape[0], self.rows
         if n % c:
             raise ValueError(f"the invariant plan needs a multiple of {c} rows, got {n}")
+        fn = self.packed.get(id(w))
+        if fn is not None:
+            return torch.cat([fn(x[g:g + c]) for g in range(0, n, c)]) if n > c else fn(x)
         out = torch.empty(n, w.shape[0], dtype=x.dtype, device=x.device)
         wt = w.t()
         for g in range(0, n, c):

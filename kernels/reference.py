@@ -38,11 +38,6 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return x * cos + rotated * sin
 
 
-def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """rope on queries and keys (elementwise: the same bits in any batch)."""
-    return rope(q, cos, sin), rope(k, cos, sin)
-
-
 # Keys gathered at once per row (bounds the float32 copies of K and V: about
 # 1.5 KB per key for Hkv * D = 192).
 SPLIT_BATCH_KEYS = 1 << 15
