@@ -2,10 +2,9 @@
 
 A plain bf16 weight is re-laid out for the matrix unit on every call; packing it
 at load time makes the SmolLM2 lm_head at 32 rows 2-3x faster on AVX-512 BF16 and
-AMX CPUs. Used only where no bit promise depends on the kernel: the fast plan, and
-the greedy lm_head's candidate search, whose error bound holds for any float32
-accumulation order. Anything else (CUDA, float32, a torch without oneDNN bf16)
-gets F.linear on the plain weight.
+AMX CPUs. Used only by the fast plan, where no bit promise depends on the kernel;
+the invariant plan multiplies the plain weights. Anything else (CUDA, float32, a
+torch without oneDNN bf16) gets F.linear on the plain weight.
 """
 from __future__ import annotations
 
@@ -41,17 +40,3 @@ def pack(w: torch.Tensor, rows_hint: int = 32):
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, None, "none", [], "")
     return fast
 
-
-def same_bits(fn, w: torch.Tensor, rows: int) -> bool:
-    """Whether fn(x) equals torch.mm(x, w.T) bit for bit at `rows` rows, on probes.
-    Which kernel a matmul runs, and so its summation order, depends on the shapes,
-    not the values, so equal bits on probes at a shape mean the packed weight can
-    stand in for the plain one wherever a bit promise rests on that shape."""
-    gen = torch.Generator().manual_seed(1)
-    for scale in (1.0, 30.0):
-        x = (torch.randn(rows, w.shape[1], generator=gen) * scale).to(w.dtype)
-        want = torch.empty(rows, w.shape[0], dtype=w.dtype)
-        torch.mm(x, w.t(), out=want)
-        if not torch.equal(fn(x), want):
-            return False
-    return True

@@ -35,9 +35,22 @@ from gateeng.selfcheck import run_selfcheck
 from gateeng.stopping import StopChecker
 
 
+# One tokenization at a time: a fast tokenizer's encode with split_special_tokens
+# switches a flag on the shared Rust tokenizer for the call, so encodes running in
+# parallel threads (the servers submit from a thread pool) turned other prompts'
+# control tokens into text, about one prompt in eight under concurrency 8.
+_ENCODE_LOCK = threading.Lock()
+
+
 def encode_prompt(tokenizer, prompt, chat: bool = False) -> list:
     """Token ids for a text (through the chat template as one user message when
-    `chat`), a list of chat messages ({"role", "content"} dicts), or an id list."""
+    `chat`), a list of chat messages ({"role", "content"} dicts), or an id list.
+    Safe to call from several threads."""
+    with _ENCODE_LOCK:
+        return _encode(tokenizer, prompt, chat)
+
+
+def _encode(tokenizer, prompt, chat: bool) -> list:
     if isinstance(prompt, str):
         if not prompt:
             return []
@@ -112,11 +125,7 @@ class Engine:
         if cfg.pack_fast_weights and cfg.device == "cpu":
             self.model.pack_weights()
         fast, self.invariant_plan, sample = self._plans(cfg, mc, self.model.packed if cfg.pack_fast_weights else {})
-        if cfg.pack_fast_weights and cfg.device == "cpu" and self.invariant_plan.rows:
-            self.invariant_plan.use_packed(self.model)
         if cfg.device == "cpu":
-            log(f"invariant plan: {len(self.invariant_plan.packed)} of {4 * len(self.model.layers)} projections "
-                f"on packed weights (those that give the plain weights' bits)")
             log(f"fast plan: {'packed oneDNN' if cfg.pack_fast_weights else 'plain'} weights, "
                 f"{'fused C++ kernels' if getattr(fast, 'kernels', None) is not None else 'torch ops'} "
                 f"for RMSNorm and decode attention")

@@ -60,7 +60,7 @@ def _greedy_bound(model, hidden: torch.Tensor, largest: torch.Tensor) -> torch.T
     return largest * 2.0 ** -7 + accumulation + 1e-3
 
 
-def greedy_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+def greedy_logits(model, hidden: torch.Tensor, head=None) -> torch.Tensor:
     """bf16 logits, with the exact float32 value written over every candidate for the
     top-2. A greedy row only needs its top-1 and top-2 (token and margin).
 
@@ -73,8 +73,10 @@ def greedy_logits(model, hidden: torch.Tensor) -> torch.Tensor:
     are the float32 ones. An exact logit is one float32 dot product per (row, id),
     `(h * w).sum(-1)`: its bits depend on that row and id only (the start-up
     self-check proves it), so the result does not depend on the batch either.
-    (Logprobs over the whole row need the full float32 lm_head.)"""
-    logits = model.lm_head_bf16(hidden).float()
+    (Logprobs over the whole row need the full float32 lm_head.) `head` computes
+    the bf16 logits: the plain weight by default (the invariant plan, which
+    multiplies only plain weights); the fast plan passes its packed copy."""
+    logits = _bf16_logits(model, hidden, head).float()
     bound = _greedy_bound(model, hidden, logits.abs().amax(dim=-1))[:, None]
     second = torch.topk(logits, 2, dim=-1).values[:, 1:]
     r, v = torch.nonzero(logits >= second - 2 * bound, as_tuple=True)
@@ -82,11 +84,15 @@ def greedy_logits(model, hidden: torch.Tensor) -> torch.Tensor:
     return logits
 
 
+def _bf16_logits(model, hidden: torch.Tensor, head) -> torch.Tensor:
+    return head(hidden) if head is not None else F.linear(hidden, model.lm_head)
+
+
 # Vocabulary ids per chunk in greedy_top2's candidate search.
 TOP2_CHUNK = 128
 
 
-def greedy_top2(model, hidden: torch.Tensor) -> tuple[list, list]:
+def greedy_top2(model, hidden: torch.Tensor, head=None) -> tuple[list, list]:
     """The argmax and the margin the sampler would take from greedy_logits (the
     float32 top-1 id, lowest among ties, and top-1 minus top-2), without building
     or scanning a dense logit row more than the bf16 lm_head's output needs: on CPU,
@@ -98,8 +104,8 @@ def greedy_top2(model, hidden: torch.Tensor) -> tuple[list, list]:
     searched only in chunks whose maximum reaches the threshold. Only candidates
     get exact logits, and every other id is below the exact top-2, so the result
     equals greedy_logits' followed by the sampler's, bit for bit. Returns Python
-    lists (tokens, margins)."""
-    bf = model.lm_head_bf16(hidden)
+    lists (tokens, margins). `head` as in greedy_logits."""
+    bf = _bf16_logits(model, hidden, head)
     rows, vocab = bf.shape
     chunk = TOP2_CHUNK if vocab >= 2 * TOP2_CHUNK else -(-vocab // 2)
     nchunks = -(-vocab // chunk)
@@ -123,7 +129,7 @@ def greedy_top2(model, hidden: torch.Tensor) -> tuple[list, list]:
     margin = top - neg.scatter_reduce(0, r[rest], exact[rest], "amax")
     if bool((torch.bincount(r, minlength=rows) < 2).any()) or not bool(torch.isfinite(margin).all()):
         # Non-finite logits: the dense path decides as it always has.
-        tok, mar = ref.argmax_margin(greedy_logits(model, hidden))
+        tok, mar = ref.argmax_margin(greedy_logits(model, hidden, head))
         return tok.tolist(), mar.tolist()
     return token.tolist(), margin.tolist()
 
@@ -142,31 +148,31 @@ def exact_logits(hidden: torch.Tensor, weight_f32: torch.Tensor, rows: torch.Ten
     return (hidden.index_select(0, rows).float() * weight_f32.index_select(0, ids)).sum(-1)
 
 
-def mixed_lm_head(model, hidden: torch.Tensor, greedy: list, full) -> torch.Tensor:
+def mixed_lm_head(model, hidden: torch.Tensor, greedy: list, full, head=None) -> torch.Tensor:
     """greedy_logits for greedy rows, `full` (float32 logits) for the others."""
     sampled = [i for i, g in enumerate(greedy) if not g]
     if not sampled:
-        return greedy_logits(model, hidden)
+        return greedy_logits(model, hidden, head)
     logits = torch.empty(hidden.shape[0], model.lm_head.shape[0], dtype=torch.float32, device=hidden.device)
     logits[sampled] = full(hidden[sampled])
     rows = [i for i, g in enumerate(greedy) if g]
     if rows:
-        logits[rows] = greedy_logits(model, hidden[rows])
+        logits[rows] = greedy_logits(model, hidden[rows], head)
     return logits
 
 
 def choose(plan, model, hidden: torch.Tensor, specs: list, sample) -> tuple[list, list]:
     """(tokens, margins) for the sample rows `hidden`, one sampler.RowSpec each.
     Greedy rows of a bf16 model take greedy_top2 where the plan allows it
-    (`plan.sparse_greedy`; a plan without it takes the dense path); every other row goes through the plan's dense
-    choice_logits and `sample`. Both give the tokens and margins `sample` would take
-    from choice_logits."""
+    (`plan.sparse_greedy`; a plan without it takes the dense path); every other
+    row goes through the plan's dense choice_logits and `sample`. Both give the
+    tokens and margins `sample` would take from choice_logits."""
     greedy = [i for i, s in enumerate(specs) if s.params.greedy]
     if not greedy or not getattr(plan, "sparse_greedy", False) or model.dtype == torch.float32:
         return sample(plan.choice_logits(model, hidden, [s.params.greedy for s in specs]), specs)
     n = len(specs)
     tokens, margins = [0] * n, [0.0] * n
-    tok, mar = greedy_top2(model, hidden if len(greedy) == n else hidden[greedy])
+    tok, mar = greedy_top2(model, hidden if len(greedy) == n else hidden[greedy], plan.candidate_head(model))
     for j, i in enumerate(greedy):
         tokens[i], margins[i] = tok[j], mar[j]
     sampled = [i for i in range(n) if not specs[i].params.greedy]
@@ -216,6 +222,11 @@ class FastPlan:
     def sparse_greedy(self) -> bool:
         """Greedy rows may skip dense logits (choose); not when noise perturbs them."""
         return not self.logit_noise
+
+    @staticmethod
+    def candidate_head(model):
+        """The bf16 lm_head for the greedy candidate search: the packed copy."""
+        return model.lm_head_bf16
 
     def _meta(self, rows: Rows, block_size: int, dev) -> FastAttnMeta:
         prefill, dec_rows, dec_tables, dec_ctx = [], [], [], []
@@ -284,7 +295,7 @@ class FastPlan:
         cost (greedy_logits); sampled rows get the full float32 lm_head."""
         if model.dtype == torch.float32 or not any(greedy):
             return model.logits(hidden, self)
-        return mixed_lm_head(model, hidden, greedy, lambda h: model.logits(h, self))
+        return mixed_lm_head(model, hidden, greedy, lambda h: model.logits(h, self), self.candidate_head(model))
 
     @torch.inference_mode()
     def hidden(self, model, kv, rows: Rows) -> torch.Tensor:
@@ -349,18 +360,11 @@ class InvariantPlan:
     def __init__(self, rows: int = 8, split: int = 64):
         self.rows = rows
         self.split = split
-        self.packed = {}   # id(weight) -> packed matmul giving torch.mm's bits at `rows` rows
 
-    def use_packed(self, model) -> None:
-        """Multiply the model's packed weights (LlamaModel.pack_weights) wherever
-        they give the plain weights' bits at this plan's group shape (checked on
-        probes, per weight): the same canonical bits, faster."""
-        from gateeng import cpu_linear
-        for layer in model.layers:
-            for w in (layer.qkv, layer.o, layer.gate_up, layer.down):
-                fn = model.packed.get(id(w))
-                if fn is not None and cpu_linear.same_bits(fn, w, self.rows):
-                    self.packed[id(w)] = fn
+    @staticmethod
+    def candidate_head(model):
+        """None: the plain bf16 lm_head (see greedy_logits)."""
+        return None
 
     rms_norm = staticmethod(ref.rms_norm)
     rope = staticmethod(ref.rope)
@@ -383,9 +387,6 @@ class InvariantPlan:
         n, c = x.shape[0], self.rows
         if n % c:
             raise ValueError(f"the invariant plan needs a multiple of {c} rows, got {n}")
-        fn = self.packed.get(id(w))
-        if fn is not None:
-            return torch.cat([fn(x[g:g + c]) for g in range(0, n, c)]) if n > c else fn(x)
         out = torch.empty(n, w.shape[0], dtype=x.dtype, device=x.device)
         wt = w.t()
         for g in range(0, n, c):

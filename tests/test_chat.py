@@ -44,3 +44,19 @@ def test_control_token_strings_in_content_are_text_not_turns(tok):
 def test_bad_messages(tok, messages, words):
     with pytest.raises(ValueError, match=words):
         chat.render(tok, messages)
+
+
+def test_prompts_encoded_from_many_threads_equal_those_encoded_one_at_a_time(tok):
+    """The servers submit requests from a thread pool. Encoding a message's content
+    with split_special_tokens flips a flag on the shared tokenizer for the call, and
+    unserialized parallel encodes turned other prompts' control tokens into text
+    (12% of prompts at 8 threads), so served prompts, VERIFIED ones included, came
+    out different from the same prompt sent alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from gateeng.engine import encode_prompt
+    texts = [f"Question {i}: what is {i} times {i + 3}? Answer in one sentence." for i in range(16)]
+    want = [encode_prompt(tok, t, chat=True) for t in texts]
+    with ThreadPoolExecutor(8) as pool:
+        for _ in range(20):
+            assert list(pool.map(lambda t: encode_prompt(tok, t, chat=True), texts)) == want

@@ -93,15 +93,16 @@ def test_fast_lm_head_gives_float32_top2_for_greedy_rows_and_float32_rows_for_sa
 
 
 def _head(vocab: int, hidden_size: int = 64, packed: bool = False, seed: int = 0):
-    """A stand-in model with only an lm_head (what greedy_top2 reads)."""
+    """A stand-in model with only an lm_head (what greedy_top2 reads), and the
+    packed bf16 head the fast plan would pass (None: the plain weight)."""
     from types import SimpleNamespace
 
     from gateeng import cpu_linear
     gen = torch.Generator().manual_seed(seed)
     w = (torch.randn(vocab, hidden_size, generator=gen) * 0.2).to(torch.bfloat16)
     f32 = w.float()
-    return SimpleNamespace(lm_head=w, lm_head_f32=f32, lm_head_max_norm=float(f32.norm(dim=-1).max()),
-                           lm_head_bf16=cpu_linear.pack(w) if packed else (lambda x: torch.nn.functional.linear(x, w)))
+    model = SimpleNamespace(lm_head=w, lm_head_f32=f32, lm_head_max_norm=float(f32.norm(dim=-1).max()))
+    return model, (cpu_linear.pack(w) if packed else None)
 
 
 @pytest.mark.parametrize("vocab,packed", [(256, False), (300, False), (5, False), (49152, True), (1000, True)])
@@ -111,15 +112,15 @@ def test_greedy_top2_equals_the_dense_greedy_path(vocab, packed):
     argmax."""
     from gateeng.kernels.reference import argmax_margin
     from gateeng.plan import greedy_logits, greedy_top2
-    model = _head(vocab, packed=packed)
+    model, head = _head(vocab, packed=packed)
     gen = torch.Generator().manual_seed(1)
     hidden = (torch.randn(40, 64, generator=gen) * 4).to(torch.bfloat16)
     w = model.lm_head.float()
     a, b = torch.arange(10) % vocab, (torch.arange(10) * 7 + 3) % vocab
     hidden[:10] = ((w[a] + w[b]) * 8).to(torch.bfloat16)     # near-ties between two ids
     hidden[10:12] = 0                                           # every logit 0: an exact tie over the vocab
-    tok, mar = greedy_top2(model, hidden)
-    want_tok, want_mar = argmax_margin(greedy_logits(model, hidden))
+    tok, mar = greedy_top2(model, hidden, head)
+    want_tok, want_mar = argmax_margin(greedy_logits(model, hidden, head))
     assert tok == want_tok.tolist() and mar == want_mar.tolist()
     assert tok[10] == 0 and mar[10] == 0.0
     exact = torch.nn.functional.linear(hidden.float(), model.lm_head_f32)
