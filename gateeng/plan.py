@@ -13,6 +13,7 @@ sequence's KV, which is what makes the canonical reference well defined.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -188,8 +189,10 @@ def choose(plan, model, hidden: torch.Tensor, specs: list, sample) -> tuple[list
 class FastAttnMeta:
     prefill: list               # (row_start, row_end, key slots [ctx], mask [q, ctx])
     decode_rows: torch.Tensor   # [B] rows that are single-token decodes
-    decode_slots: torch.Tensor  # [B, Lmax] (torch attention) or [B, W] block tables (CPU kernel)
-    decode_mask: torch.Tensor   # [B, Lmax] (torch attention) or [B] key counts (CPU kernel)
+    decode_tables: torch.Tensor  # [B, W] block ids (the CPU kernel reads the cache by these)
+    decode_lens: torch.Tensor    # [B] keys each decode row attends
+    decode_slots: Optional[torch.Tensor] = None  # [B, Lmax] key slots (torch attention only)
+    decode_mask: Optional[torch.Tensor] = None   # [B, Lmax] (torch attention only)
 
 
 class FastPlan:
@@ -244,19 +247,20 @@ class FastPlan:
         lmax = max(dec_ctx, default=0)
         width = -(-lmax // block_size)
         tables = row_block_tables(dec_tables, width)
-        rows_t = torch.tensor(dec_rows, dtype=torch.int64, device=dev)
-        if self.kernels is not None and dev.type == "cpu":   # the kernel reads blocks by table
-            return FastAttnMeta(prefill, rows_t, tables, torch.tensor(dec_ctx, dtype=torch.int64))
-        # Decode rows: one padded [B, Lmax] slot matrix built in a few tensor ops.
-        slots = (tables[:, :, None] * block_size + torch.arange(block_size)).view(len(dec_rows), width * block_size)[:, :lmax]
-        mask = torch.arange(lmax)[None, :] < torch.tensor(dec_ctx, dtype=torch.int64)[:, None]
-        return FastAttnMeta(prefill, rows_t, slots.contiguous().to(dev), mask.to(dev))
+        meta = FastAttnMeta(prefill, torch.tensor(dec_rows, dtype=torch.int64, device=dev), tables,
+                            torch.tensor(dec_ctx, dtype=torch.int64))
+        if self.kernels is None or dev.type != "cpu":
+            # Torch attention: one padded [B, Lmax] slot matrix built in a few tensor ops.
+            slots = tables[:, :, None] * block_size + torch.arange(block_size)
+            meta.decode_slots = slots.view(len(dec_rows), width * block_size)[:, :lmax].contiguous().to(dev)
+            meta.decode_mask = (torch.arange(lmax)[None, :] < meta.decode_lens[:, None]).to(dev)
+        return meta
 
     def attention(self, q, k_cache, v_cache, meta: FastAttnMeta, scale: float):
-        nb, bs, hkv, d = k_cache.shape
-        kflat, vflat = k_cache.view(nb * bs, hkv, d), v_cache.view(nb * bs, hkv, d)
         if not meta.prefill:   # a pure decode step: row i is sequence i's one query
             return self._decode_attention(q, k_cache, v_cache, meta, scale)
+        nb, bs, hkv, d = k_cache.shape
+        kflat, vflat = k_cache.view(nb * bs, hkv, d), v_cache.view(nb * bs, hkv, d)
         out = torch.empty_like(q)
         # index_select, not advanced indexing: the same gather, an order of magnitude
         # cheaper on CPU.
@@ -279,7 +283,7 @@ class FastPlan:
         against 1.2 ms per layer at batch 32 and 300 keys)."""
         k = self._kernel(q)
         if k is not None:
-            return k.decode_attention(q, k_cache, v_cache, meta.decode_slots, meta.decode_mask, scale)
+            return k.decode_attention(q, k_cache, v_cache, meta.decode_tables, meta.decode_lens, scale)
         nb, bs, hkv, d = k_cache.shape
         b, lmax = meta.decode_slots.shape
         flat = meta.decode_slots.view(-1)
