@@ -56,12 +56,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "which bounds inter-token latency (0 = no limit beyond --max-num-batched-tokens)")
     p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse the KV of shared prompt prefixes")
     p.add_argument("--no-packed-weights", action="store_true",
-                   help="CPU: the fast plan multiplies the plain weights instead of a second copy packed in "
-                        "oneDNN's layout (saves that copy's memory; decode steps get slower)")
+                   help="CPU: both plans multiply the plain weights instead of a second copy packed in "
+                        "oneDNN's layout (saves that copy's memory; steps get slower, and the invariant plan's "
+                        "bits change: kernel_plan says matmul=torch_mm)")
     p.add_argument("--no-cpu-kernels", action="store_true",
-                   help="CPU: the fast plan uses torch ops instead of its fused C++ kernels (RMSNorm, paged "
-                        "decode attention), which are otherwise built on first use (needs a C++ compiler; "
-                        "about a minute, cached in $GATEENG_CACHE)")
+                   help="CPU: both plans use torch ops instead of the C++ kernels (RMSNorm, attention over "
+                        "the paged cache), which are otherwise built on first use (needs a C++ compiler; about "
+                        "a minute, cached in $GATEENG_CACHE); the invariant plan's bits change, and kernel_plan "
+                        "says attention=split")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's choice, usually the core count)")
 

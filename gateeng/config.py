@@ -91,13 +91,14 @@ class EngineConfig:
     # inter-token latency. 16: bench/serve.py's prefill phase (bench/RESULTS.md).
     prefill_chunk: int = 16
     enable_prefix_caching: bool = True
-    # CPU: the fast plan multiplies a second copy of the weights packed in oneDNN's
-    # layout (LlamaModel.pack_weights): decode steps about a third faster where bf16
-    # is native, for one more copy of the projection and lm_head weights in memory.
+    # CPU: both plans multiply a second copy of the weights packed in oneDNN's layout
+    # (LlamaModel.pack_weights): steps about a third faster where bf16 is native, for
+    # one more copy of the projection and lm_head weights in memory. The invariant
+    # plan's bits depend on it (kernel_plan: matmul=onednn_packed or torch_mm).
     pack_fast_weights: bool = True
-    # CPU: the fast plan's fused C++ kernels (gateeng/cpu_ops.py: RMSNorm, decode
-    # attention over the paged cache in place), built on first use; torch ops where
-    # they cannot be built.
+    # CPU: the C++ kernels (gateeng/cpu_ops.py: RMSNorm, attention over the paged
+    # cache in place) for both plans, built on first use; torch ops where they cannot
+    # be built. The invariant plan's bits depend on it (kernel_plan names which).
     cpu_kernels: bool = True
     # Invariant plan shape: every matmul runs on row groups of exactly `invariant_rows`
     # rows (0 = chosen for the CPU, see plan.default_invariant_rows) and attention

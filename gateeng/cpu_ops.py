@@ -1,14 +1,14 @@
-"""The fast plan's fused CPU kernels (kernels/cpu_ops.cpp): RMSNorm in one pass,
-and decode attention that reads the paged KV cache in place.
+"""The CPU kernels both plans use (kernels/cpu_ops.cpp): RMSNorm in one pass, and
+attention that reads the paged KV cache in place, one query row per call row.
 
 Built on first use with torch's C++ extension builder (a C++ compiler is needed;
 about a minute on 2 cores) into $GATEENG_CACHE, keyed by the source, the torch
 version and the CPU's flags, since the code is compiled for this CPU
 (-march=native) and the machine under a cache can change. One process builds
 while others wait on the builder's lock. Where the build fails, `load()`
-returns None, the fast plan keeps its torch ops, and the log says why
-(EngineConfig.cpu_kernels / --no-cpu-kernels skips them altogether). The
-invariant plan never uses these.
+returns None, both plans keep their torch ops (the invariant plan's bits and
+kernel_plan change with it), and the log says why (EngineConfig.cpu_kernels /
+--no-cpu-kernels skips them altogether).
 """
 from __future__ import annotations
 
@@ -56,11 +56,11 @@ def _build():
         out = _build_dir()
         out.mkdir(parents=True, exist_ok=True)
         if not any(out.glob("*.so")):
-            log(f"building the fast plan's CPU kernels into {out} (once per CPU kind and torch version; "
+            log(f"building the CPU kernels into {out} (once per CPU kind and torch version; "
                 f"about a minute)")
         return build("gateeng_cpu_ops", [str(SOURCE)], build_directory=str(out),
                      extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp-simd"], verbose=False)
     except Exception as exc:   # no compiler, no headers, a failed build: the torch ops serve
-        log(f"the fast plan's CPU kernels are unavailable ({type(exc).__name__}: "
+        log(f"the CPU kernels are unavailable ({type(exc).__name__}: "
             f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}); using torch ops")
         return None

@@ -126,9 +126,9 @@ class Engine:
             self.model.pack_weights()
         fast, self.invariant_plan, sample = self._plans(cfg, mc, self.model.packed if cfg.pack_fast_weights else {})
         if cfg.device == "cpu":
-            log(f"fast plan: {'packed oneDNN' if cfg.pack_fast_weights else 'plain'} weights, "
+            log(f"both plans: {'packed oneDNN' if cfg.pack_fast_weights else 'plain'} weights, "
                 f"{'fused C++ kernels' if getattr(fast, 'kernels', None) is not None else 'torch ops'} "
-                f"for RMSNorm and decode attention")
+                f"for RMSNorm and attention; invariant plan {self.invariant_plan.describe(cfg.dtype)}")
         self.route = RoutePolicy(cfg.verified_route, group_rows=self.invariant_plan.rows or 1,
                                  replay_delay=cfg.max_verify_delay)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.route,
@@ -172,8 +172,8 @@ class Engine:
         if cfg.device != "cuda":
             rows = cfg.invariant_rows or default_invariant_rows(reproducibility.cpu_model_and_isa()[1])
             kernels = cpu_ops.load() if cfg.cpu_kernels else None
-            return (FastPlan(cfg.fast_logit_noise, packed, kernels), InvariantPlan(rows, cfg.attention_split),
-                    sample_rows)
+            return (FastPlan(cfg.fast_logit_noise, packed, kernels),
+                    InvariantPlan(rows, cfg.attention_split, packed, kernels, cfg.block_size), sample_rows)
         from gateeng.gpu import FlashInferFastPlan, TritonInvariantPlan, gpu_sample
         try:
             fast = FlashInferFastPlan(mc.num_heads, mc.num_kv_heads, mc.head_dim, DTYPES[cfg.dtype], cfg.device,

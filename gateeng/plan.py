@@ -1,13 +1,13 @@
 """Kernel plans: how the model's reductions are computed for one forward.
 
-FastPlan: ordinary torch ops at whatever shape the batch has (the batch can change
-the bits: that is the phenomenon VERIFIED requests are protected from).
+FastPlan: matmuls at whatever row count the batch has (the batch can change the
+bits: that is the phenomenon VERIFIED requests are protected from).
 
 InvariantPlan: no row's reductions depend on the batch. Matmuls run on row groups
 of exactly `rows` (padded), so each call has the same M; norms and attention are
-per-row computations whose shapes per row are fixed (attention splits keys at
-fixed absolute positions); a greedy row's top-2 logits are exact float32 dot
-products. A row's result then depends only on its token, its position and its
+per-row computations (the C++ kernels: one thread per row, by construction; the
+torch fallback: fixed shapes, attention split at fixed absolute positions); a
+greedy row's top-2 logits are exact float32 dot products. A row's result then depends only on its token, its position and its
 sequence's KV, which is what makes the canonical reference well defined.
 """
 from __future__ import annotations
@@ -332,6 +332,7 @@ class InvariantAttnMeta:
     block_tables: torch.Tensor   # [R, W] per row
     positions: torch.Tensor      # [R]
     split: int
+    real: Optional[int] = None   # rows 0..real-1 are real, the rest padding (None: all)
 
 
 def default_invariant_rows(isa: str) -> int:
@@ -348,49 +349,89 @@ def default_invariant_rows(isa: str) -> int:
 
 
 class InvariantPlan:
-    """One forward over all rows, padded to a multiple of `rows`. Matmuls,
-    attention and the SiLU gate run on row groups of exactly `rows` (one call per
-    group, so every call has the same shape: a vectorized transcendental such as
-    exp differs in its last bit from the scalar code that handles a tensor's tail,
-    so which elements fall in the tail must not depend on the batch). RMSNorm
-    (exact square root and division, one reduction per row) runs on all rows at
-    once. Greedy rows take the lm_head through greedy_logits, sampled rows the
-    float32 lm_head in groups of `rows`. The start-up self-check proves each of
-    these on the machine."""
+    """One forward over all rows, padded to a multiple of `rows`.
+
+    Matmuls run on row groups of exactly `rows` rows, one call per group, so every
+    call has the same M and the library picks the same kernel and blocking: a row's
+    dot products then never depend on the other rows. With `packed` weights
+    (LlamaModel.packed) the group multiplies oneDNN's packed copy, otherwise
+    torch.mm on the plain weight; the two give different bits, so the description
+    names which. The SiLU gate also runs per group (a vectorized exp differs in its
+    last bit from the scalar code for a tensor's tail, so which elements fall in
+    the tail must not depend on the batch).
+
+    With `kernels` (gateeng.cpu_ops), RMSNorm and attention are C++ loops that
+    compute each row (attention: each row and KV head) start to finish in one
+    thread, from that row's data only: invariant by construction, so they run on
+    the real rows alone, at any count. Attention visits the row's keys block by
+    block with an online softmax, so its bits also depend on the KV block size.
+    Without them, RMSNorm is torch's (exact square root and division, one
+    reduction per row, on all rows at once) and attention is
+    reference.split_attention per group, splitting keys at multiples of `split`.
+
+    Greedy rows take the lm_head through greedy_top2 / greedy_logits (exact float32
+    top-2, whatever the candidate search's kernel); sampled rows the float32
+    lm_head in groups of `rows`. The start-up self-check proves each piece on the
+    machine."""
     name = "invariant"
-    version = 2   # bumped whenever the canonical bits change
+    version = 3   # bumped whenever the canonical bits' description changes
     sparse_greedy = True   # choose() gives the same tokens and margins as the dense path
 
-    def __init__(self, rows: int = 8, split: int = 64):
+    def __init__(self, rows: int = 8, split: int = 64, packed: dict | None = None, kernels=None,
+                 block_size: int = 16):
         self.rows = rows
         self.split = split
+        self.packed = packed if packed is not None else {}   # LlamaModel.packed
+        self.kernels = kernels   # gateeng.cpu_ops' module, or None for torch ops
+        self.block_size = block_size   # the KV cache's (the kernel attention's bits depend on it)
 
     @staticmethod
     def candidate_head(model):
-        """None: the plain bf16 lm_head (see greedy_logits)."""
-        return None
+        """The bf16 lm_head for the greedy candidate search (packed where the model
+        has it). Only which ids become candidates depends on it, never the result."""
+        return model.lm_head_bf16
 
-    rms_norm = staticmethod(ref.rms_norm)
     rope = staticmethod(ref.rope)
+
+    def _kernel(self, x: torch.Tensor):
+        if self.kernels is not None and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
+            return self.kernels
+        return None
 
     def describe(self, dtype: str = "bfloat16") -> str:
         """What the canonical bits depend on, besides weights, dtype and device kind."""
-        lm_head = ",greedy_lm_head=bf16+exact_top2" if dtype != "float32" else ""
-        return f"{self.name}-v{self.version}(rows={self.rows},split={self.split}{lm_head})"
+        parts = [f"rows={self.rows}"]
+        parts.append("matmul=onednn_packed" if self.packed and dtype == "bfloat16" else "matmul=torch_mm")
+        if self.kernels is not None:
+            parts += [f"attention=cpu_paged(block={self.block_size})", "rmsnorm=cpu"]
+        else:
+            parts += [f"attention=split({self.split})", "rmsnorm=torch"]
+        if dtype != "float32":
+            parts.append("greedy_lm_head=bf16+exact_top2")
+        return f"{self.name}-v{self.version}({','.join(parts)})"
+
+    def _check_rows(self, n: int) -> None:
+        if n % self.rows:
+            raise ValueError(f"the invariant plan needs a multiple of {self.rows} rows, got {n}")
 
     def _grouped(self, fn, x: torch.Tensor, *args) -> torch.Tensor:
         """fn over row groups of exactly `rows` rows; x has a multiple of `rows` rows."""
         n, c = x.shape[0], self.rows
-        if n % c:
-            raise ValueError(f"the invariant plan needs a multiple of {c} rows, got {n}")
+        self._check_rows(n)
         if n == c:
             return fn(x, *args)
         return torch.cat([fn(x[g:g + c], *args) for g in range(0, n, c)])
 
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        k = self._kernel(x)
+        return k.rms_norm(x, w, eps) if k is not None else ref.rms_norm(x, w, eps)
+
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        fn = self.packed.get(id(w))
+        if fn is not None:
+            return self._grouped(fn, x)
         n, c = x.shape[0], self.rows
-        if n % c:
-            raise ValueError(f"the invariant plan needs a multiple of {c} rows, got {n}")
+        self._check_rows(n)
         out = torch.empty(n, w.shape[0], dtype=x.dtype, device=x.device)
         wt = w.t()
         for g in range(0, n, c):
@@ -401,7 +442,14 @@ class InvariantPlan:
         return self._grouped(ref.silu_mul, gate_up)
 
     def attention(self, q, k_cache, v_cache, meta: InvariantAttnMeta, scale: float):
-        """Per group of `rows` rows."""
+        k = self._kernel(q)
+        if k is not None:   # per row: padding rows are skipped (their output is zeros)
+            n = q.shape[0] if meta.real is None else meta.real
+            lens = meta.positions[:n] + 1
+            out = k.decode_attention(q[:n], k_cache, v_cache, meta.block_tables[:n], lens, scale)
+            if n == q.shape[0]:
+                return out
+            return torch.cat([out, out.new_zeros((q.shape[0] - n,) + tuple(q.shape[1:]))])
         c = self.rows
         out = torch.empty_like(q)
         for g in range(0, q.shape[0], c):
@@ -434,7 +482,7 @@ class InvariantPlan:
         pos = rows.positions + [0] * pad
         tables = row_block_tables(row_table, max(pos) // kv.block_size + 1)
         pos_t = torch.tensor(pos, device=dev)
-        meta = InvariantAttnMeta(tables.to(dev), pos_t, self.split)
+        meta = InvariantAttnMeta(tables.to(dev), pos_t, self.split, n)
         hidden = model(torch.tensor(rows.input_ids + [0] * pad, device=dev), pos_t,
                        torch.tensor(rows.slots + [-1] * pad, device=dev), meta, kv, self)
         return hidden[rows.sample_rows + rows.extra_rows]

@@ -1,10 +1,17 @@
-// Fused CPU kernels for the fast plan (gateeng/cpu_ops.py builds and loads them).
+// CPU kernels for both plans (gateeng/cpu_ops.py builds and loads them).
 //
-// No bit promise rests on these: the invariant plan never calls them. They exist
-// because at decode shapes a torch op costs more in dispatch and in copies than in
+// At decode shapes a torch op costs more in dispatch and in copies than in
 // arithmetic: RMSNorm is seven ops, and attention over a paged cache needs each
 // sequence's whole context gathered into a new tensor per layer per step. Here
 // attention reads the KV blocks where they are.
+//
+// The invariant plan's promise rests on these. Invariant: one row's output (for
+// attention, one row and KV head) is computed start to finish by one thread, in a
+// fixed order, from that row's inputs only (its query, its block table and key
+// count, the KV cache). Nothing depends on how many rows a call has, on which
+// thread takes a row, or on the other rows' values. Keep it so: no split of one
+// row's reduction across threads, no loop bound or branch that depends on the
+// call's row count.
 //
 // Arithmetic in float32; inputs and outputs in the model dtype (float32 or bf16).
 // Built with -ffast-math (vectorized exp and reductions): every value stays finite.

@@ -7,6 +7,7 @@ import pytest
 from gateeng.config import EngineConfig
 from gateeng.engine import Engine
 from gateeng.outputs import Chunk, Completion
+from gateeng.plan import InvariantPlan
 from gateeng.request import DeterminismParams, FinishReason, Mode, SamplingParams
 from tiny import tiny_loaded
 
@@ -154,7 +155,6 @@ def test_verified_refused_when_self_check_failed(engine):
 
 def test_selfcheck_detects_a_batch_dependent_plan():
     """The start-up check must fail for a plan whose matmul depends on the batch."""
-    from gateeng.plan import InvariantPlan
     from gateeng.selfcheck import run_selfcheck
 
     class Leaky(InvariantPlan):
@@ -175,7 +175,20 @@ def test_every_completion_carries_the_engine_reproducibility_record(engine):
     assert off.reproducibility is ver.reproducibility is engine.reproducibility
     r = engine.reproducibility
     assert (r.device_name, r.isa) == cpu_model_and_isa()
-    assert r.model_fingerprint == engine.loaded.fingerprint and r.kernel_plan.endswith("invariant-v2(rows=8,split=8)")
+    assert r.model_fingerprint == engine.loaded.fingerprint
+    assert r.kernel_plan == "fast; " + engine.invariant_plan.describe("float32")
+    assert r.kernel_plan.startswith("fast; invariant-v3(rows=8,matmul=torch_mm,")   # float32: no packed weights
+
+
+def test_kernel_plan_names_what_the_canonical_bits_depend_on():
+    packed = {1: None}
+    assert InvariantPlan(32, 64, packed, object(), 16).describe() == (
+        "invariant-v3(rows=32,matmul=onednn_packed,attention=cpu_paged(block=16),rmsnorm=cpu,"
+        "greedy_lm_head=bf16+exact_top2)")
+    assert InvariantPlan(8, 64).describe() == (
+        "invariant-v3(rows=8,matmul=torch_mm,attention=split(64),rmsnorm=torch,greedy_lm_head=bf16+exact_top2)")
+    assert InvariantPlan(8, 32, packed).describe("float32") == (
+        "invariant-v3(rows=8,matmul=torch_mm,attention=split(32),rmsnorm=torch)")
 
 
 @pytest.mark.parametrize("max_model_len, kv_blocks, want", [

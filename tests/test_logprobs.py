@@ -63,7 +63,8 @@ def test_verified_logprobs_survive_rollbacks_and_come_from_the_reference(tiny):
     ref = Engine(EngineConfig(dtype="bfloat16", plan="invariant", **TINY), loaded=loaded)
     want = ref.generate(PROMPT, params)
     ref.shutdown()
-    noisy = Engine(EngineConfig(dtype="bfloat16", fast_logit_noise=0.5, **TINY), loaded=loaded)
+    noisy = Engine(EngineConfig(dtype="bfloat16", fast_logit_noise=0.5, verified_route="speculative", **TINY),
+                   loaded=loaded)   # speculative: rollbacks must happen
     got = noisy.generate([PROMPT, [1, 2, 3], list(range(30, 60))], params, [VERIFIED, None, None])[0]
     noisy.shutdown()
     assert got.stats.mismatches > 0                              # the noise forced rollbacks

@@ -37,12 +37,32 @@ def prefill_logits(loaded, plan, seqs, chunk=None):
     return [torch.stack(o) for o in out]
 
 
+def cpu_kernels():
+    from gateeng import cpu_ops
+    kernels = cpu_ops.load()
+    if kernels is None:
+        pytest.skip("the CPU kernels could not be built here (a C++ compiler is needed; see the log)")
+    return kernels
+
+
+def make_plan(name, loaded):
+    """The plans as the engine builds them on CPU: torch ops only, or with the C++
+    kernels and (bf16) the packed weights."""
+    if name == "fast":
+        return FastPlan()
+    if name == "invariant":
+        return InvariantPlan(rows=8, split=8)
+    loaded.model.pack_weights()
+    return InvariantPlan(rows=8, split=8, packed=loaded.model.packed, kernels=cpu_kernels(), block_size=BS)
+
+
 @pytest.mark.parametrize("rope", [None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}])
-@pytest.mark.parametrize("plan", [FastPlan(), InvariantPlan(rows=8, split=8)], ids=["fast", "invariant"])
-def test_logits_match_transformers(plan, rope):
+@pytest.mark.parametrize("plan_name", ["fast", "invariant", "invariant-kernels"])
+def test_logits_match_transformers(plan_name, rope):
     hf = hf_tiny(rope_scaling=rope)
     loaded = tiny_loaded("float32", hf)
+    plan = make_plan(plan_name, loaded)
     seqs = [list(range(5, 40)), [7, 3, 9, 11, 200, 13], list(range(100, 117))]
     ours = prefill_logits(loaded, plan, seqs, chunk=5)
     for s, lg in zip(seqs, ours):
@@ -60,9 +80,12 @@ def test_untied_lm_head():
     assert (ours - ref).abs().max().item() < 1e-4
 
 
-def test_invariant_plan_is_batch_and_chunk_invariant_in_bf16():
+@pytest.mark.parametrize("plan_name", ["invariant", "invariant-kernels"])
+def test_invariant_plan_is_batch_and_chunk_invariant_in_bf16(plan_name):
     loaded = tiny_loaded("bfloat16")
-    plan = InvariantPlan(rows=8, split=8)
+    plan = make_plan(plan_name, loaded)
+    if plan_name == "invariant-kernels":
+        assert "matmul=onednn_packed" in plan.describe() or not loaded.model.packed
     target = list(range(30, 60))
     alone = prefill_logits(loaded, plan, [target])[0]
     gen = torch.Generator().manual_seed(0)
@@ -148,10 +171,7 @@ def test_fast_plan_with_cpu_kernels_matches_transformers(chunk):
     """RMSNorm and decode attention from gateeng.cpu_ops: float32 logits as close to
     transformers as the torch ops give, in pure decode steps (chunk 1) and in steps
     that mix decode rows with prefill chunks (chunk 3)."""
-    from gateeng import cpu_ops
-    kernels = cpu_ops.load()
-    if kernels is None:
-        pytest.skip("the CPU kernels could not be built here (a C++ compiler is needed; see the log)")
+    kernels = cpu_kernels()
     hf = hf_tiny()
     loaded = tiny_loaded("float32", hf)
     seqs = [list(range(5, 22)), list(range(40, 47)), [3, 9, 27, 81, 100, 7, 1, 2, 250, 4, 6]]

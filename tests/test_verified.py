@@ -144,10 +144,12 @@ def test_5_streaming_matches_unary_and_verified_only_never_retracts(engine, refe
 
 def test_6_rollback_with_a_known_cause(loaded, reference):
     """Noise on the fast path's logits makes it pick wrong tokens; the verifier must
-    catch every one (rollbacks > 0) and the output must still be the reference."""
+    catch every one (rollbacks > 0) and the output must still be the reference. The
+    speculative route: the adaptive one may decode every token directly on the
+    invariant plan, where nothing is rolled back."""
     n = 24   # a greedy decode's first n tokens are the reference's first n
     params = SamplingParams(max_tokens=n, ignore_eos=True)
-    e = Engine(EngineConfig(fast_logit_noise=2.0), loaded=loaded)
+    e = Engine(EngineConfig(fast_logit_noise=2.0, verified_route="speculative"), loaded=loaded)
     res = e.generate(TARGETS[:2], params, VERIFIED, chat=True)
     assert [r.token_ids for r in res] == [r[:n] for r in reference[:2]]
     assert sum(r.stats.mismatches for r in res) > 0
