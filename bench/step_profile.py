@@ -1,11 +1,13 @@
-"""Where a fast-plan decode step's time goes, at 1, 8, 32 and 64 running requests.
+"""Where a decode step's time goes, at 1, 8, 32 and 64 running requests, per plan.
 
-Each of the fast plan's parts is wrapped in a wall-clock timer (projections,
+Each of the plan's parts is wrapped in a wall-clock timer (projections,
 attention, norms, RoPE, the SiLU gate, the lm_head with the token choice), a
 steady decode step is run several times, and the rest of the step (embedding,
 residual adds, KV writes, step metadata, scheduling, Python) is reported as
 "other". Timers add about a microsecond per call. Prints the CPU and its ISA.
-Usage: python bench/step_profile.py [--batches 1,8,32,64] [--steps 8]
+With --plans fast,invariant both plans are profiled, the invariant one on an
+engine with plan=invariant (every request decodes on it).
+Usage: python bench/step_profile.py [--batches 1,8,32,64] [--steps 8] [--plans fast]
 """
 from __future__ import annotations
 
@@ -39,12 +41,12 @@ def timed(fn, totals, key):
     return wrapper
 
 
-def profile(loaded, batch: int, steps: int, rounds: int = 3) -> dict:
-    engine = Engine(EngineConfig(dtype="bfloat16"), loaded=loaded)
-    fast = engine.runner.plans[Kind.FAST]
+def profile(loaded, batch: int, steps: int, plan: str = "fast", rounds: int = 3) -> dict:
+    engine = Engine(EngineConfig(dtype="bfloat16", plan=plan), loaded=loaded)
+    timed_plan = engine.runner.plans[Kind.FAST if plan == "fast" else Kind.INVARIANT]
     totals = defaultdict(float)
     for name in PARTS:
-        setattr(fast, name, timed(getattr(fast, name), totals, name))
+        setattr(timed_plan, name, timed(getattr(timed_plan, name), totals, name))
     import gateeng.runner as runner_module
     runner_module.choose = timed(plan_module.choose, totals, "lm_head")
     for p in prompt_set(batch, False):
@@ -69,18 +71,22 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--plans", default="fast", help="fast, invariant or fast,invariant")
     args = ap.parse_args()
     loaded = load(None, "bfloat16")
-    rows = {b: profile(loaded, b, args.steps) for b in (int(x) for x in args.batches.split(","))}
+    plans = args.plans.split(",")
+    # Batch by batch, the plans in turn: both see the same state of the host.
+    rows = {(b, p): profile(loaded, b, args.steps, p) for b in (int(x) for x in args.batches.split(","))
+            for p in plans}
     print(f"machine: {machine()}\n")
     parts = list(PARTS) + ["lm_head"]
     labels = [PARTS.get(p, "lm_head + token choice") for p in parts] + ["other", "step"]
-    print("| running requests | " + " | ".join(labels) + " |")
-    print("| --- " * (len(labels) + 1) + "|")
-    for b, r in rows.items():
+    print("| running requests | plan | " + " | ".join(labels) + " |")
+    print("| --- " * (len(labels) + 2) + "|")
+    for (b, plan), r in rows.items():
         other = r["step"] - sum(r.get(p, 0.0) for p in parts)
         cells = [f"{r.get(p, 0.0):.1f}" for p in parts] + [f"{other:.1f}", f"**{r['step']:.1f}**"]
-        print(f"| {b} | " + " | ".join(cells) + " |")
+        print(f"| {b} | {plan} | " + " | ".join(cells) + " |")
     print("\nms per decode step (best of 3 rounds).")
 
 

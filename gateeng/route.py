@@ -63,22 +63,28 @@ class GroupCost:
     """seconds ~ per_group * groups, for the invariant plan: each row group re-reads
     every weight, so the cost is proportional to the groups (measured: 134 ms for
     2 groups, 317 ms for 5, on an AVX-512 BF16 CPU) and one exponential average
-    identifies it from any pass."""
+    identifies it from any pass. Until the first pass is measured, `prior()` gives
+    the cost of a group (the first measurement then replaces it)."""
 
-    def __init__(self, per_group: float, group_rows: int, weight: float = 0.2):
-        self.per_group = per_group
+    def __init__(self, per_group: Optional[float], group_rows: int, weight: float = 0.2, prior=None):
+        self.per_group = per_group   # None: not measured yet
         self.group_rows = group_rows
         self.weight = weight
+        self.prior = prior
 
     def groups(self, rows: int) -> int:
         return -(-rows // self.group_rows)
 
+    def group_cost(self) -> float:
+        return self.per_group if self.per_group is not None else self.prior()
+
     def cost(self, rows: int) -> float:
-        return self.groups(rows) * self.per_group
+        return self.groups(rows) * self.group_cost()
 
     def observe(self, rows: int, seconds: float) -> None:
         if rows > 0:
-            self.per_group += self.weight * (seconds / self.groups(rows) - self.per_group)
+            per = seconds / self.groups(rows)
+            self.per_group = per if self.per_group is None else self.per_group + self.weight * (per - self.per_group)
 
 
 class RoutePolicy:
@@ -88,10 +94,15 @@ class RoutePolicy:
             raise ValueError(f"verified route must be one of {', '.join(ROUTES)}, got {mode!r}")
         self.mode = mode
         self.group_rows = max(1, group_rows)
-        # Priors (seconds) until the first passes are measured: an invariant group costs
-        # more than a fast pass's rows, so a lone VERIFIED request starts speculative.
+        # Priors until the first passes are measured. An invariant group is assumed to
+        # cost what a fast pass of as many rows costs (on CPU both plans run the same
+        # kernels but for the matmul's fixed row count, bench/step_profile.py): a
+        # guess that sends decodes direct is corrected by the very next step's
+        # measurement, whereas one that keeps them speculative would be corrected only
+        # by the replay passes, several steps apart.
         self.fast = fast or CostModel(0.02, 0.001)
-        self.invariant = invariant or GroupCost(0.03 + 0.002 * self.group_rows, self.group_rows)
+        self.invariant = invariant or GroupCost(None, self.group_rows,
+                                                prior=lambda: self.fast.cost(self.group_rows))
         self.trigger_rate = trigger_rate
         self.replay_delay = replay_delay   # the scheduler's max_verify_delay
 
@@ -119,7 +130,7 @@ class RoutePolicy:
         if speculative:
             span = 1 + self.replay_delay
             p_pass = 1.0 - (1.0 - min(self.trigger_rate, 1.0)) ** (speculative * span)
-            group = self.invariant.per_group
+            group = self.invariant.group_cost()
             cost += speculative * group / self.group_rows + p_pass / span * group / 2
         return cost
 

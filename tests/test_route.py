@@ -126,3 +126,12 @@ def test_off_requests_riding_on_invariant_passes_still_finish_and_verified_is_th
     assert Kind.INVARIANT in kinds                        # OFF decodes did ride along
     for rid, req in done.items():
         assert req.output_ids == reference_output(req.prompt_ids, 10, rid=rid)
+
+
+def test_an_unmeasured_invariant_group_is_priced_as_a_fast_pass_of_its_rows():
+    p = RoutePolicy("adaptive", group_rows=32)
+    assert p.invariant.cost(20) == p.fast.cost(32) and p.invariant.cost(40) == 2 * p.fast.cost(32)
+    p.observe_pass("invariant", 20, 0.5)   # the first measurement replaces the guess
+    assert p.invariant.cost(20) == 0.5
+    p.observe_pass("invariant", 20, 1.0)
+    assert p.invariant.cost(20) == pytest.approx(0.6)
