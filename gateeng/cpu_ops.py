@@ -36,9 +36,27 @@ def _cpu_flags() -> str:
     return "unknown"
 
 
+def _compiler() -> str:
+    """The C++ compiler's version line (the one torch's builder calls): another
+    compiler may vectorize a reduction differently, which changes bits."""
+    import os
+    import subprocess
+    try:
+        out = subprocess.run([os.environ.get("CXX", "c++"), "--version"], capture_output=True, text=True, timeout=30)
+        return out.stdout.splitlines()[0] if out.stdout else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _digest() -> str:
+    """What the kernels' bits depend on besides the CPU: their source, the compiler
+    and torch. The invariant plan's description (kernel_plan) carries it."""
+    return hashlib.sha256(SOURCE.read_bytes() + _compiler().encode() + torch.__version__.encode()).hexdigest()[:12]
+
+
 def _build_dir() -> Path:
     from gateeng.model_cache import cache_root
-    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + _cpu_flags().encode()).hexdigest()[:16]
+    key = hashlib.sha256(_digest().encode() + _cpu_flags().encode()).hexdigest()[:16]
     return cache_root() / "cpu_ops" / key
 
 
@@ -58,8 +76,10 @@ def _build():
         if not any(out.glob("*.so")):
             log(f"building the CPU kernels into {out} (once per CPU kind and torch version; "
                 f"about a minute)")
-        return build("gateeng_cpu_ops", [str(SOURCE)], build_directory=str(out),
-                     extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp-simd"], verbose=False)
+        module = build("gateeng_cpu_ops", [str(SOURCE)], build_directory=str(out),
+                       extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp-simd"], verbose=False)
+        module.digest = _digest()
+        return module
     except Exception as exc:   # no compiler, no headers, a failed build: the torch ops serve
         log(f"the CPU kernels are unavailable ({type(exc).__name__}: "
             f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}); using torch ops")

@@ -403,7 +403,9 @@ class InvariantPlan:
         parts = [f"rows={self.rows}"]
         parts.append("matmul=onednn_packed" if self.packed and dtype == "bfloat16" else "matmul=torch_mm")
         if self.kernels is not None:
-            parts += [f"attention=cpu_paged(block={self.block_size})", "rmsnorm=cpu"]
+            # The kernels' digest: their source, compiler and torch (the CPU is in device_kind).
+            digest = getattr(self.kernels, "digest", "?")
+            parts += [f"attention=cpu_paged(block={self.block_size})", "rmsnorm=cpu", f"cpu_ops={digest}"]
         else:
             parts += [f"attention=split({self.split})", "rmsnorm=torch"]
         if dtype != "float32":

@@ -124,7 +124,8 @@ def test_verified_equals_reference_on_tiny_model(engine):
     det = DeterminismParams(Mode.VERIFIED)
     got = engine.generate([[11, 12, 13, 14, 15], [1, 2], [3, 4, 5]], params, [det, None, None])
     assert got[0].token_ids == want
-    assert got[0].stats.decode_steps > 0
+    # Every token after the prefill's is a decode step on one of the two routes.
+    assert got[0].stats.decode_steps + got[0].stats.direct_steps == 19
 
 
 def test_queue_full_is_backpressure_not_memory():
@@ -181,9 +182,10 @@ def test_every_completion_carries_the_engine_reproducibility_record(engine):
 
 
 def test_kernel_plan_names_what_the_canonical_bits_depend_on():
-    packed = {1: None}
-    assert InvariantPlan(32, 64, packed, object(), 16).describe() == (
-        "invariant-v3(rows=32,matmul=onednn_packed,attention=cpu_paged(block=16),rmsnorm=cpu,"
+    from types import SimpleNamespace
+    packed, kernels = {1: None}, SimpleNamespace(digest="0123abcd4567")
+    assert InvariantPlan(32, 64, packed, kernels, 16).describe() == (
+        "invariant-v3(rows=32,matmul=onednn_packed,attention=cpu_paged(block=16),rmsnorm=cpu,cpu_ops=0123abcd4567,"
         "greedy_lm_head=bf16+exact_top2)")
     assert InvariantPlan(8, 64).describe() == (
         "invariant-v3(rows=8,matmul=torch_mm,attention=split(64),rmsnorm=torch,greedy_lm_head=bf16+exact_top2)")
