@@ -54,9 +54,9 @@ def _digest() -> str:
     return hashlib.sha256(SOURCE.read_bytes() + _compiler().encode() + torch.__version__.encode()).hexdigest()[:12]
 
 
-def _build_dir() -> Path:
+def _build_dir(digest: str) -> Path:
     from gateeng.model_cache import cache_root
-    key = hashlib.sha256(_digest().encode() + _cpu_flags().encode()).hexdigest()[:16]
+    key = hashlib.sha256(digest.encode() + _cpu_flags().encode()).hexdigest()[:16]
     return cache_root() / "cpu_ops" / key
 
 
@@ -71,14 +71,15 @@ def load():
 def _build():
     try:
         from torch.utils.cpp_extension import load as build
-        out = _build_dir()
+        digest = _digest()   # runs the compiler once, for the build key and kernel_plan
+        out = _build_dir(digest)
         out.mkdir(parents=True, exist_ok=True)
         if not any(out.glob("*.so")):
             log(f"building the CPU kernels into {out} (once per CPU kind and torch version; "
                 f"about a minute)")
         module = build("gateeng_cpu_ops", [str(SOURCE)], build_directory=str(out),
                        extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp-simd"], verbose=False)
-        module.digest = _digest()
+        module.digest = digest
         return module
     except Exception as exc:   # no compiler, no headers, a failed build: the torch ops serve
         log(f"the CPU kernels are unavailable ({type(exc).__name__}: "

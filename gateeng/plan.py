@@ -185,24 +185,10 @@ def choose(plan, model, hidden: torch.Tensor, specs: list, sample) -> tuple[list
     return tokens, margins
 
 
-@dataclass
-class FastAttnMeta:
-    prefill: list               # (row_start, row_end, key slots [ctx], mask [q, ctx])
-    decode_rows: torch.Tensor   # [B] rows that are single-token decodes
-    decode_tables: torch.Tensor  # [B, W] block ids (the CPU kernel reads the cache by these)
-    decode_lens: torch.Tensor    # [B] keys each decode row attends
-    decode_slots: Optional[torch.Tensor] = None  # [B, Lmax] key slots (torch attention only)
-    decode_mask: Optional[torch.Tensor] = None   # [B, Lmax] (torch attention only)
-
-
-class FastPlan:
-    name = "fast"
-
-    def __init__(self, logit_noise: float = 0.0, packed: dict | None = None, kernels=None):
-        self.logit_noise = logit_noise   # test-only perturbation (provokes rollbacks)
-        self._noise_gen = torch.Generator().manual_seed(1234)
-        self.packed = packed if packed is not None else {}   # LlamaModel.packed
-        self.kernels = kernels   # gateeng.cpu_ops' module, or None for torch ops
+class CpuKernelOps:
+    """What both CPU plans take from gateeng.cpu_ops (`self.kernels`, None for torch
+    ops): the kernel where it applies to a tensor, and RMSNorm through it."""
+    kernels = None
 
     def _kernel(self, x: torch.Tensor):
         """The CPU kernels where they apply to x, else None."""
@@ -213,6 +199,26 @@ class FastPlan:
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         k = self._kernel(x)
         return k.rms_norm(x, w, eps) if k is not None else ref.rms_norm(x, w, eps)
+
+
+@dataclass
+class FastAttnMeta:
+    prefill: list               # (row_start, row_end, key slots [ctx], mask [q, ctx])
+    decode_rows: torch.Tensor   # [B] rows that are single-token decodes
+    decode_tables: torch.Tensor  # [B, W] block ids (the CPU kernel reads the cache by these)
+    decode_lens: torch.Tensor    # [B] keys each decode row attends
+    decode_slots: Optional[torch.Tensor] = None  # [B, Lmax] key slots (torch attention only)
+    decode_mask: Optional[torch.Tensor] = None   # [B, Lmax] (torch attention only)
+
+
+class FastPlan(CpuKernelOps):
+    name = "fast"
+
+    def __init__(self, logit_noise: float = 0.0, packed: dict | None = None, kernels=None):
+        self.logit_noise = logit_noise   # test-only perturbation (provokes rollbacks)
+        self._noise_gen = torch.Generator().manual_seed(1234)
+        self.packed = packed if packed is not None else {}   # LlamaModel.packed
+        self.kernels = kernels   # gateeng.cpu_ops' module, or None for torch ops
 
     rope = staticmethod(ref.rope)
     silu_mul = staticmethod(ref.silu_mul)
@@ -348,7 +354,7 @@ def default_invariant_rows(isa: str) -> int:
     return 32 if flags & {"avx512_bf16", "amx_bf16"} else 8
 
 
-class InvariantPlan:
+class InvariantPlan(CpuKernelOps):
     """One forward over all rows, padded to a multiple of `rows`.
 
     Matmuls run on row groups of exactly `rows` rows, one call per group, so every
@@ -393,11 +399,6 @@ class InvariantPlan:
 
     rope = staticmethod(ref.rope)
 
-    def _kernel(self, x: torch.Tensor):
-        if self.kernels is not None and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
-            return self.kernels
-        return None
-
     def describe(self, dtype: str = "bfloat16") -> str:
         """What the canonical bits depend on, besides weights, dtype and device kind."""
         parts = [f"rows={self.rows}"]
@@ -423,10 +424,6 @@ class InvariantPlan:
         if n == c:
             return fn(x, *args)
         return torch.cat([fn(x[g:g + c], *args) for g in range(0, n, c)])
-
-    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-        k = self._kernel(x)
-        return k.rms_norm(x, w, eps) if k is not None else ref.rms_norm(x, w, eps)
 
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         fn = self.packed.get(id(w))
