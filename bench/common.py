@@ -52,10 +52,9 @@ def decode_step_ms(loaded, batch: int, steps: int = 8, fast_plan=None, rounds: i
     if fast_plan is not None:
         engine.runner.plans[Kind.FAST] = fast_plan
     for p in prompt_set(batch, False):
-        engine.scheduler.add(engine._make_request(p, SamplingParams(max_tokens=rounds * steps + 8, ignore_eos=True),
+        engine.scheduler.add(engine._make_request(p, SamplingParams(max_tokens=160, ignore_eos=True),
                                                   DeterminismParams(), None, True))
-    for _ in range(3):   # prefill, then the first decode steps
-        engine.step()
+    steady_decode(engine)
     best = float("inf")
     for _ in range(rounds):
         t0 = time.perf_counter()
@@ -63,3 +62,14 @@ def decode_step_ms(loaded, batch: int, steps: int = 8, fast_plan=None, rounds: i
             engine.step()
         best = min(best, (time.perf_counter() - t0) / steps * 1000)
     return best
+
+
+def steady_decode(engine, extra: int = 2) -> None:
+    """Step until every request has finished its prompt (prefill is chunked and
+    interleaved with decodes, so at 32 prompts that takes tens of steps), then
+    `extra` decode steps more: what follows are pure decode steps."""
+    sched = engine.scheduler
+    while sched.waiting or any(r.num_computed < r.num_prompt for r in sched.running):
+        engine.step()
+    for _ in range(extra):
+        engine.step()

@@ -162,6 +162,11 @@ class Prober:
         self.proc.start()
         self.samples: list = []
 
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        """Block until the first sample: the spawned prober takes seconds to start,
+        longer than a short load level lasts."""
+        self.samples.append(self.queue.get(timeout=timeout))
+
     def collect(self) -> list:
         while not self.queue.empty():
             self.samples.append(self.queue.get())
@@ -288,6 +293,7 @@ def load_phase(args, server_target: str, metrics_port, texts: list) -> dict:
     prober = Prober(server_target, metrics_port)
     levels_out = []
     try:
+        prober.wait_ready()
         for c in levels:
             n = max(args.min_requests, 2 * c)
             jobs = jobs_for(texts, n, args.verified_fraction, args.max_tokens)

@@ -1,10 +1,10 @@
 """Where a decode step's time goes, at 1, 8, 32 and 64 running requests, per plan.
 
 Each of the plan's parts is wrapped in a wall-clock timer (projections,
-attention, norms, RoPE, the SiLU gate, the lm_head with the token choice), a
-steady decode step is run several times, and the rest of the step (embedding,
-residual adds, KV writes, step metadata, scheduling, Python) is reported as
-"other". Timers add about a microsecond per call. Prints the CPU and its ISA.
+attention, norms with the residual adds, RoPE with the KV store, the SiLU gate,
+the lm_head with the token choice), a steady decode step (every prompt
+prefilled) is run several times, and the rest of the step (embedding, step
+metadata, scheduling, Python) is reported as "other". Timers add about a microsecond per call. Prints the CPU and its ISA.
 With --plans fast,invariant both plans are profiled, the invariant one on an
 engine with plan=invariant (every request decodes on it).
 Usage: python bench/step_profile.py [--batches 1,8,32,64] [--steps 8] [--plans fast]
@@ -18,7 +18,7 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine, prompt_set  # noqa: E402
+from common import machine, prompt_set, steady_decode  # noqa: E402
 
 from gateeng import plan as plan_module  # noqa: E402
 from gateeng.config import EngineConfig  # noqa: E402
@@ -28,7 +28,8 @@ from gateeng.request import DeterminismParams, SamplingParams  # noqa: E402
 from gateeng.scheduler import Kind  # noqa: E402
 
 PARTS = {"linear": "projections (q/k/v, o, gate/up, down)", "attention": "attention",
-         "rms_norm": "RMSNorm", "rope": "RoPE", "silu_mul": "SiLU gate"}
+         "rms_norm": "RMSNorm", "add_rms_norm": "residual add + RMSNorm", "rope_store": "RoPE + KV store",
+         "silu_mul": "SiLU gate"}
 
 
 def timed(fn, totals, key):
@@ -50,10 +51,9 @@ def profile(loaded, batch: int, steps: int, plan: str = "fast", rounds: int = 3)
     import gateeng.runner as runner_module
     runner_module.choose = timed(plan_module.choose, totals, "lm_head")
     for p in prompt_set(batch, False):
-        engine.scheduler.add(engine._make_request(p, SamplingParams(max_tokens=rounds * steps + 8, ignore_eos=True),
+        engine.scheduler.add(engine._make_request(p, SamplingParams(max_tokens=160, ignore_eos=True),
                                                   DeterminismParams(), None, True))
-    for _ in range(3):
-        engine.step()
+    steady_decode(engine)
     best = None
     for _ in range(rounds):
         totals.clear()

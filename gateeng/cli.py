@@ -41,8 +41,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-blocks", type=int, default=DEFAULTS.num_kv_blocks,
                    help=f"KV cache size in blocks of {DEFAULTS.block_size} tokens")
     p.add_argument("--invariant-rows", type=int, default=DEFAULTS.invariant_rows,
-                   help="CPU invariant plan: rows per fixed-shape matmul group, part of the canonical "
-                        "reference; 0 = 32 where the CPU has native bf16 matmuls (avx512_bf16, amx_bf16), else 8")
+                   help="CPU invariant plan: rows per fixed-shape matmul group (oneDNN or torch.mm matmuls, "
+                        "and the sampled rows' float32 lm_head), part of the canonical reference; 0 = 32 where "
+                        "the CPU has native bf16 matmuls (avx512_bf16, amx_bf16), else 8")
     p.add_argument("--max-model-len", type=int, default=DEFAULTS.max_model_len,
                    help="positions one request may use, prompt and output (0: the model's limit, within "
                         "what --kv-blocks holds)")
@@ -56,14 +57,15 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "which bounds inter-token latency (0 = no limit beyond --max-num-batched-tokens)")
     p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse the KV of shared prompt prefixes")
     p.add_argument("--no-packed-weights", action="store_true",
-                   help="CPU: both plans multiply the plain weights instead of a second copy packed in "
-                        "oneDNN's layout (saves that copy's memory; steps get slower, and the invariant plan's "
-                        "bits change: kernel_plan says matmul=torch_mm)")
+                   help="CPU: both plans multiply the plain weights instead of a packed copy (the C++ "
+                        "VDPBF16PS kernel's layout where the CPU has AVX-512 BF16, else oneDNN's); saves that "
+                        "copy's memory; steps get slower, and the invariant plan's bits change: kernel_plan says "
+                        "matmul=torch_mm")
     p.add_argument("--no-cpu-kernels", action="store_true",
-                   help="CPU: both plans use torch ops instead of the C++ kernels (RMSNorm, attention over "
-                        "the paged cache), which are otherwise built on first use (needs a C++ compiler; about "
-                        "a minute, cached in $GATEENG_CACHE); the invariant plan's bits change, and kernel_plan "
-                        "says attention=split")
+                   help="CPU: both plans use torch ops instead of the C++ kernels (norms, RoPE, SiLU, attention "
+                        "over the paged cache, the VDPBF16PS matmul), which are otherwise built on first use "
+                        "(needs a C++ compiler; about a minute, cached in $GATEENG_CACHE); the invariant plan's "
+                        "bits change, and kernel_plan says attention=split")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's choice, usually the core count)")
 

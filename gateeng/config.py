@@ -91,18 +91,23 @@ class EngineConfig:
     # inter-token latency. 16: bench/serve.py's prefill phase (bench/RESULTS.md).
     prefill_chunk: int = 16
     enable_prefix_caching: bool = True
-    # CPU: both plans multiply a second copy of the weights packed in oneDNN's layout
-    # (LlamaModel.pack_weights): steps about a third faster where bf16 is native, for
-    # one more copy of the projection and lm_head weights in memory. The invariant
-    # plan's bits depend on it (kernel_plan: matmul=onednn_packed or torch_mm).
+    # CPU: both plans multiply a packed copy of the weights (LlamaModel.pack_weights):
+    # in the C++ VDPBF16PS kernel's layout where the CPU has AVX-512 BF16 and the C++
+    # kernels are on (row-invariant at any row count), else in oneDNN's; steps are
+    # several times faster where bf16 is native, for one or two more copies of the
+    # projection and lm_head weights in memory. The invariant plan's bits depend on it
+    # (kernel_plan: matmul=cpu_dpbf16, onednn_packed or torch_mm).
     pack_fast_weights: bool = True
-    # CPU: the C++ kernels (gateeng/cpu_ops.py: RMSNorm, attention over the paged
-    # cache in place) for both plans, built on first use; torch ops where they cannot
+    # CPU: the C++ kernels (gateeng/cpu_ops.py: RMSNorm with the residual add, RoPE with
+    # the KV store, the SiLU gate, attention over the paged cache in place, the
+    # VDPBF16PS matmul) for both plans, built on first use; torch ops where they cannot
     # be built. The invariant plan's bits depend on it (kernel_plan names which).
     cpu_kernels: bool = True
-    # Invariant plan shape: every matmul runs on row groups of exactly `invariant_rows`
-    # rows (0 = chosen for the CPU, see plan.default_invariant_rows) and attention
-    # splits keys at multiples of `attention_split` (a multiple of block_size).
+    # Invariant plan shape: matmuls that are not row-invariant by construction (oneDNN,
+    # torch.mm) and the sampled rows' float32 lm_head run on row groups of exactly
+    # `invariant_rows` rows (0 = chosen for the CPU, see plan.default_invariant_rows);
+    # torch attention splits keys at multiples of `attention_split` (a multiple of
+    # block_size).
     invariant_rows: int = 0
     attention_split: int = 64
     # Margin gate defaults (per-request overrides allowed).

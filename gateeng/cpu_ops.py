@@ -1,5 +1,8 @@
-"""The CPU kernels both plans use (kernels/cpu_ops.cpp): RMSNorm in one pass, and
-attention that reads the paged KV cache in place, one query row per call row.
+"""The CPU kernels both plans use (kernels/cpu_ops.cpp): RMSNorm (alone and after
+the residual add), RoPE with the K/V store, the SiLU gate, attention that reads
+the paged KV cache in place, one query row per call row, and where the CPU has
+AVX-512 BF16 a matmul on VDPBF16PS-packed weights. Each computes a row start to
+finish in one thread, so all are row-invariant at any row count.
 
 Built on first use with torch's C++ extension builder (a C++ compiler is needed;
 about a minute on 2 cores) into $GATEENG_CACHE, keyed by the source, the torch
@@ -48,10 +51,18 @@ def _compiler() -> str:
         return "unknown"
 
 
+# -fopenmp: at::parallel_for in the kernels runs on torch's OpenMP threads (without
+# it the pragma is ignored and every kernel runs on one thread). The extension then
+# links libgomp.so.1, the soname torch has already loaded, so both share one pool.
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
+
+
 def _digest() -> str:
-    """What the kernels' bits depend on besides the CPU: their source, the compiler
-    and torch. The invariant plan's description (kernel_plan) carries it."""
-    return hashlib.sha256(SOURCE.read_bytes() + _compiler().encode() + torch.__version__.encode()).hexdigest()[:12]
+    """What the kernels' bits depend on besides the CPU: their source, the compiler,
+    its flags and torch. The invariant plan's description (kernel_plan) carries it."""
+    key = SOURCE.read_bytes() + _compiler().encode() + " ".join(CFLAGS).encode() + torch.__version__.encode()
+    return hashlib.sha256(key).hexdigest()[:12]
 
 
 def _build_dir(digest: str) -> Path:
@@ -78,7 +89,7 @@ def _build():
             log(f"building the CPU kernels into {out} (once per CPU kind and torch version; "
                 f"about a minute)")
         module = build("gateeng_cpu_ops", [str(SOURCE)], build_directory=str(out),
-                       extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp-simd"], verbose=False)
+                       extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, verbose=False)
         module.digest = digest
         return module
     except Exception as exc:   # no compiler, no headers, a failed build: the torch ops serve

@@ -122,14 +122,14 @@ class Engine:
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.stop = StopChecker(eos, self.max_model_len)
+        kernels = cpu_ops.load() if cfg.cpu_kernels and cfg.device == "cpu" else None
         if cfg.pack_fast_weights and cfg.device == "cpu":
-            self.model.pack_weights()
-        fast, self.invariant_plan, sample = self._plans(cfg, mc, self.model.packed if cfg.pack_fast_weights else {})
+            self.model.pack_weights(kernels)
+        fast, self.invariant_plan, sample = self._plans(cfg, mc, kernels)
         if cfg.device == "cpu":
-            log(f"both plans: {'packed oneDNN' if cfg.pack_fast_weights else 'plain'} weights, "
-                f"{'fused C++ kernels' if getattr(fast, 'kernels', None) is not None else 'torch ops'} "
-                f"for RMSNorm and attention; invariant plan {self.invariant_plan.describe(cfg.dtype)}")
-        self.route = RoutePolicy(cfg.verified_route, group_rows=self.invariant_plan.rows or 1,
+            log(f"fast plan: {self._fast_matmul()}, {'C++ kernels' if kernels is not None else 'torch ops'} "
+                f"for norms, RoPE, SiLU and attention; invariant plan {self.invariant_plan.describe(cfg.dtype)}")
+        self.route = RoutePolicy(cfg.verified_route, group_rows=self.invariant_plan.group_rows,
                                  replay_delay=cfg.max_verify_delay)
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.route,
                                    cfg.max_verify_delay, cfg.prefill_chunk)
@@ -165,15 +165,28 @@ class Engine:
         layer = self.model.layers[0]
         return [layer.qkv, layer.o, layer.gate_up, layer.down, self.model.lm_head_f32]
 
-    @staticmethod
-    def _plans(cfg: EngineConfig, mc, packed: dict):
-        """(fast plan, invariant plan, sampler) for the device: torch on CPU;
-        flashinfer + Triton kernels on CUDA."""
+    def _fast_matmul(self) -> str:
+        m = self.model
+        if not m.packed:
+            return "plain weights"
+        if m.invariant_matmul != "cpu_dpbf16":
+            return "oneDNN packed weights"
+        if m.fast_dpbf16_max_rows is None:
+            return "VDPBF16PS packed weights (faster than oneDNN at every probed row count)"
+        return f"VDPBF16PS packed weights up to {m.fast_dpbf16_max_rows} rows, oneDNN's above"
+
+    def _plans(self, cfg: EngineConfig, mc, kernels):
+        """(fast plan, invariant plan, sampler) for the device: torch and the C++
+        kernels on CPU; flashinfer + Triton kernels on CUDA."""
         if cfg.device != "cuda":
             rows = cfg.invariant_rows or default_invariant_rows(reproducibility.cpu_model_and_isa()[1])
-            kernels = cpu_ops.load() if cfg.cpu_kernels else None
-            return (FastPlan(cfg.fast_logit_noise, packed, kernels),
-                    InvariantPlan(rows, cfg.attention_split, packed, kernels, cfg.block_size), sample_rows)
+            m = self.model
+            inv_packed, matmul = m.invariant_packed, m.invariant_matmul
+            if not cfg.pack_fast_weights or (matmul == "cpu_dpbf16" and kernels is None):
+                inv_packed, matmul = {}, "torch_mm"   # the dpbf16 matmul is one of the kernels
+            return (FastPlan(cfg.fast_logit_noise, m.packed if cfg.pack_fast_weights else {}, kernels),
+                    InvariantPlan(rows, cfg.attention_split, inv_packed, kernels, cfg.block_size, matmul),
+                    sample_rows)
         from gateeng.gpu import FlashInferFastPlan, TritonInvariantPlan, gpu_sample
         try:
             fast = FlashInferFastPlan(mc.num_heads, mc.num_kv_heads, mc.head_dim, DTYPES[cfg.dtype], cfg.device,

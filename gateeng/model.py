@@ -44,22 +44,34 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.block_size = block_size
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        """Store rows' K and V at their slots; `slots` holds only real rows (see
-        real_rows)."""
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: "KVSlots") -> None:
+        """Store the rows' K and V at their slots (padding rows store nothing)."""
         nb, bs = self.k.shape[1], self.k.shape[2]
-        self.k[layer].view(nb * bs, *self.k.shape[3:]).index_copy_(0, slots, k)
-        self.v[layer].view(nb * bs, *self.v.shape[3:]).index_copy_(0, slots, v)
+        writers, real = slots.writers()
+        if writers is not None:
+            k, v = k.index_select(0, writers), v.index_select(0, writers)
+        self.k[layer].view(nb * bs, *self.k.shape[3:]).index_copy_(0, real, k)
+        self.v[layer].view(nb * bs, *self.v.shape[3:]).index_copy_(0, real, v)
 
-    @staticmethod
-    def real_rows(slots: torch.Tensor):
-        """(indices of the rows that write KV, their slots), or (None, slots) when all
-        do. Padding rows carry slot -1 and write nothing. Decided once per forward."""
-        keep = slots >= 0
-        if bool(keep.all()):
-            return None, slots
-        rows = keep.nonzero().view(-1)
-        return rows, slots.index_select(0, rows)
+
+class KVSlots:
+    """One forward's cache slot per row; padding rows carry -1 and store nothing."""
+
+    def __init__(self, slots: torch.Tensor):
+        self.all = slots
+        self._writers = None
+
+    def writers(self):
+        """(indices of the rows that store KV, their slots), or (None, all slots) when
+        every row does; decided once per forward."""
+        if self._writers is None:
+            keep = self.all >= 0
+            if bool(keep.all()):
+                self._writers = (None, self.all)
+            else:
+                rows = keep.nonzero().view(-1)
+                self._writers = (rows, self.all.index_select(0, rows))
+        return self._writers
 
 
 class LlamaModel(torch.nn.Module):
@@ -106,57 +118,80 @@ class LlamaModel(torch.nn.Module):
         top-1/top-2 ties are common and the margin would say little."""
         self.lm_head_f32 = self.lm_head.detach().float()
         self.lm_head_max_norm = float(self.lm_head_f32.norm(dim=-1).max())   # bounds the bf16 lm_head's error
-        self.packed = {}   # id(weight) -> x @ weight.T in oneDNN's packed layout (pack_weights)
+        self.packed = {}   # id(weight) -> x @ weight.T on a packed copy, for the fast plan (pack_weights)
+        self.invariant_packed = {}   # the same for the invariant plan, whose bits depend on the kernel:
+        self.invariant_matmul = "torch_mm"   # its name in kernel_plan
+        self.fast_dpbf16_max_rows = None   # pack_weights' probe (None: the dpbf16 kernel at every row count)
         lm_head = self.lm_head
         self.lm_head_bf16 = lambda x: torch.nn.functional.linear(x, lm_head)   # the greedy candidate search
 
-    def pack_weights(self) -> None:
-        """Keep every projection and the bf16 lm_head also in oneDNN's packed layout
-        (cpu_linear), for both plans and the greedy candidate search: one more copy
-        of those weights in memory, for steps about a third faster on CPUs with
-        native bf16."""
+    def pack_weights(self, kernels=None) -> None:
+        """Keep every projection and the bf16 lm_head also packed (cpu_linear), for
+        both plans and the greedy candidate search. With the C++ kernels on a CPU
+        with AVX-512 BF16, the copy is in the VDPBF16PS kernel's layout: the
+        invariant plan multiplies it at any row count (row-invariant by
+        construction), and the fast plan wherever a start-up probe finds it faster
+        than oneDNN; a oneDNN copy is kept too only if the probe finds oneDNN faster
+        at some row count. Elsewhere the copy is oneDNN's, which the invariant plan
+        multiplies in fixed row groups. One or two more copies of those weights in
+        memory, for steps several times faster than on the plain weights."""
         if self.packed:
             return
-        for layer in self.layers:
-            for w in (layer.qkv, layer.o, layer.gate_up, layer.down):
-                fn = cpu_linear.pack(w)
-                if fn is not None:   # only weights really packed: the invariant plan's description says so
-                    self.packed[id(w)] = fn
-        self.lm_head_bf16 = cpu_linear.pack(self.lm_head) or self.lm_head_bf16
+        weights = [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        dpbf16 = {id(w): fn for w in weights if (fn := cpu_linear.pack_dpbf16(w, kernels)) is not None}
+        need_onednn = not dpbf16
+        if dpbf16:
+            probe = self.layers[0].gate_up
+            onednn = cpu_linear.pack(probe)
+            if onednn is not None:
+                self.fast_dpbf16_max_rows = cpu_linear.dpbf16_max_rows(dpbf16[id(probe)], onednn, probe.shape[1])
+                need_onednn = self.fast_dpbf16_max_rows is not None
+        onednn = {id(w): fn for w in weights if need_onednn and (fn := cpu_linear.pack(w)) is not None}
+        for w in weights:
+            fn = cpu_linear.fast_linear(dpbf16.get(id(w)), onednn.get(id(w)), self.fast_dpbf16_max_rows)
+            if fn is not None:
+                self.packed[id(w)] = fn
+        # Only weights really packed: the invariant plan's description says which kernel.
+        if dpbf16:
+            self.invariant_packed, self.invariant_matmul = dpbf16, "cpu_dpbf16"
+        elif onednn:
+            self.invariant_packed, self.invariant_matmul = onednn, "onednn_packed"
+        head = cpu_linear.fast_linear(cpu_linear.pack_dpbf16(self.lm_head, kernels),
+                                      cpu_linear.pack(self.lm_head) if need_onednn else None,
+                                      self.fast_dpbf16_max_rows)
+        self.lm_head_bf16 = head or self.lm_head_bf16
 
     def logits(self, hidden: torch.Tensor, plan) -> torch.Tensor:
         return plan.linear(hidden.float(), self.lm_head_f32)
 
     def forward(self, input_ids, positions, slots, attn_meta, kv: KVCache, plan) -> torch.Tensor:
-        """Hidden states after the final norm, [rows, hidden]."""
+        """Hidden states after the final norm, [rows, hidden]. Each residual add is
+        fused with the RMSNorm that follows it (the next layer's input norm, or the
+        final one): the same bits as the add, then the norm."""
         cfg = self.cfg
-        nq, nkv, d = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
+        nq, d = cfg.num_heads * cfg.head_dim, cfg.head_dim
         h = self.embed[input_ids]
-        cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]   # gathered once per forward
-        writers, slots = kv.real_rows(slots)
+        cos, sin = self.cos[positions], self.sin[positions]   # [rows, head_dim], gathered once per forward
+        slots = KVSlots(slots)
+        norms = [layer.input_norm for layer in self.layers[1:]] + [self.norm]
+        x = plan.rms_norm(h, self.layers[0].input_norm, cfg.rms_norm_eps)
         for i, layer in enumerate(self.layers):
-            x = plan.rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
             qkv = plan.linear(x, layer.qkv)
             if layer.qkv_bias is not None:     # elementwise: the same bits in any batch
                 qkv = qkv + layer.qkv_bias
-            qk, v = qkv.split([nq + nkv, nkv], dim=-1)
             if layer.q_norm is not None:       # one reduction per (row, head)
-                q, k = qk.split([nq, nkv], dim=-1)
-                qk = torch.cat([plan.rms_norm(q.reshape(-1, d), layer.q_norm, cfg.rms_norm_eps).view(-1, nq),
-                                plan.rms_norm(k.reshape(-1, d), layer.k_norm, cfg.rms_norm_eps).view(-1, nkv)], -1)
-            # RoPE is elementwise, so queries and keys rotate in one call (the same bits).
-            qk = plan.rope(qk.reshape(-1, cfg.num_heads + cfg.num_kv_heads, d), cos, sin)
-            q, k = qk.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
-            v = v.reshape(-1, cfg.num_kv_heads, d)
-            if writers is not None:
-                k, v = k.index_select(0, writers), v.index_select(0, writers)
-            kv.write(i, k, v, slots)
+                q, k, v = qkv.split([nq, cfg.num_kv_heads * d, cfg.num_kv_heads * d], dim=-1)
+                qkv = torch.cat([plan.rms_norm(q.reshape(-1, d), layer.q_norm, cfg.rms_norm_eps).view(q.shape),
+                                 plan.rms_norm(k.reshape(-1, d), layer.k_norm, cfg.rms_norm_eps).view(k.shape),
+                                 v], -1)
+            q = plan.rope_store(qkv, cos, sin, kv, i, slots, cfg.num_heads)
             attn = plan.attention(q, kv.k[i], kv.v[i], attn_meta, 1.0 / math.sqrt(d))
             o = plan.linear(attn.reshape(-1, nq), layer.o)
-            h = h + (o + layer.o_bias if layer.o_bias is not None else o)
-            x = plan.rms_norm(h, layer.post_norm, cfg.rms_norm_eps)
-            h = h + plan.linear(plan.silu_mul(plan.linear(x, layer.gate_up)), layer.down)
-        return plan.rms_norm(h, self.norm, cfg.rms_norm_eps)
+            h, x = plan.add_rms_norm(h, o + layer.o_bias if layer.o_bias is not None else o, layer.post_norm,
+                                     cfg.rms_norm_eps)
+            mlp = plan.linear(plan.silu_mul(plan.linear(x, layer.gate_up)), layer.down)
+            h, x = plan.add_rms_norm(h, mlp, norms[i], cfg.rms_norm_eps)
+        return x
 
     def load_hf_state_dict(self, sd: dict) -> None:
         """Weights named as in transformers' LlamaForCausalLM."""

@@ -1,14 +1,17 @@
 """Kernel plans: how the model's reductions are computed for one forward.
 
-FastPlan: matmuls at whatever row count the batch has (the batch can change the
-bits: that is the phenomenon VERIFIED requests are protected from).
+FastPlan: matmuls by whichever kernel is fastest at the step's row count (the
+batch may change the bits: that is the phenomenon VERIFIED requests are
+protected from).
 
-InvariantPlan: no row's reductions depend on the batch. Matmuls run on row groups
-of exactly `rows` (padded), so each call has the same M; norms and attention are
-per-row computations (the C++ kernels: one thread per row, by construction; the
-torch fallback: fixed shapes, attention split at fixed absolute positions); a
-greedy row's top-2 logits are exact float32 dot products. A row's result then depends only on its token, its position and its
-sequence's KV, which is what makes the canonical reference well defined.
+InvariantPlan: no row's reductions depend on the batch. The per-row C++ kernels
+(norms, RoPE, SiLU, attention; on AVX-512 BF16 CPUs the matmul too) compute each
+row start to finish in one thread, by construction; other matmuls run on row
+groups of exactly `rows` (padded), so each call has the same M; the torch
+fallback attention splits keys at fixed absolute positions; a greedy row's
+top-2 logits are exact float32 dot products. A row's result then depends only
+on its token, its position and its sequence's KV, which is what makes the
+canonical reference well defined.
 """
 from __future__ import annotations
 
@@ -186,8 +189,10 @@ def choose(plan, model, hidden: torch.Tensor, specs: list, sample) -> tuple[list
 
 
 class CpuKernelOps:
-    """What both CPU plans take from gateeng.cpu_ops (`self.kernels`, None for torch
-    ops): the kernel where it applies to a tensor, and RMSNorm through it."""
+    """The row-wise ops both plans share: gateeng.cpu_ops' kernels (`self.kernels`)
+    where they apply, else the torch ops they replace. Each kernel computes a row
+    start to finish in one thread from that row's data, so it is row-invariant by
+    construction and runs on the real rows at any count."""
     kernels = None
 
     def _kernel(self, x: torch.Tensor):
@@ -199,6 +204,36 @@ class CpuKernelOps:
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         k = self._kernel(x)
         return k.rms_norm(x, w, eps) if k is not None else ref.rms_norm(x, w, eps)
+
+    def add_rms_norm(self, h: torch.Tensor, add: torch.Tensor, w: torch.Tensor, eps: float):
+        """(h + add, RMSNorm of it): the residual add and the norm after it."""
+        k = self._kernel(h)
+        if k is not None:
+            return tuple(k.add_rms_norm(h, add, w, eps))
+        h = h + add
+        return h, self.rms_norm(h, w, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        k = self._kernel(gate_up)
+        return k.silu_mul(gate_up) if k is not None else self._torch_silu_mul(gate_up)
+
+    _torch_silu_mul = staticmethod(ref.silu_mul)
+
+    def rope_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv, layer: int, slots,
+                   num_heads: int) -> torch.Tensor:
+        """RoPE on the query and key heads of qkv [rows, (Hq + 2 Hkv) D] (cos, sin:
+        [rows, D]); keys and values stored at the rows' slots (model.KVSlots) in
+        layer `layer`; returns the queries [rows, Hq, D]."""
+        k = self._kernel(qkv)
+        if k is not None:
+            return k.rope_store(qkv, cos, sin, kv.k[layer], kv.v[layer], slots.all, num_heads)
+        hkv, d = kv.k.shape[-2], kv.k.shape[-1]
+        qk, v = qkv.split([(num_heads + hkv) * d, hkv * d], dim=-1)
+        # Elementwise, so queries and keys rotate in one call (the same bits).
+        qk = ref.rope(qk.reshape(-1, num_heads + hkv, d), cos[:, None, :], sin[:, None, :])
+        q, k_rot = qk.split([num_heads, hkv], dim=1)
+        kv.write(layer, k_rot, v.reshape(-1, hkv, d), slots)
+        return q
 
 
 @dataclass
@@ -219,9 +254,6 @@ class FastPlan(CpuKernelOps):
         self._noise_gen = torch.Generator().manual_seed(1234)
         self.packed = packed if packed is not None else {}   # LlamaModel.packed
         self.kernels = kernels   # gateeng.cpu_ops' module, or None for torch ops
-
-    rope = staticmethod(ref.rope)
-    silu_mul = staticmethod(ref.silu_mul)
 
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         fn = self.packed.get(id(w))
@@ -355,41 +387,55 @@ def default_invariant_rows(isa: str) -> int:
 
 
 class InvariantPlan(CpuKernelOps):
-    """One forward over all rows, padded to a multiple of `rows`.
+    """One forward over all of a step's invariant rows; a row's bits depend only on
+    its token, its position and its sequence's KV.
 
-    Matmuls run on row groups of exactly `rows` rows, one call per group, so every
-    call has the same M and the library picks the same kernel and blocking: a row's
-    dot products then never depend on the other rows. With `packed` weights
-    (LlamaModel.packed) the group multiplies oneDNN's packed copy, otherwise
-    torch.mm on the plain weight; the two give different bits, so the description
-    names which. The SiLU gate also runs per group (a vectorized exp differs in its
-    last bit from the scalar code for a tensor's tail, so which elements fall in
-    the tail must not depend on the batch).
+    Matmuls, by `matmul` (the weights `packed` were packed for it):
+      cpu_dpbf16: the VDPBF16PS kernel (kernels/cpu_ops.cpp), whose every output
+        is one fixed chain of dot products over K: row-invariant at any row count,
+        so it runs on the real rows, unpadded;
+      onednn_packed / torch_mm: oneDNN's packed copy, or torch.mm on the plain
+        weight, on row groups of exactly `rows` rows (the forward is padded to a
+        multiple of them), so every call has the same M and the library picks the
+        same kernel and blocking.
+    The kernels give different bits, so the description names which.
 
-    With `kernels` (gateeng.cpu_ops), RMSNorm and attention are C++ loops that
-    compute each row (attention: each row and KV head) start to finish in one
-    thread, from that row's data only: invariant by construction, so they run on
-    the real rows alone, at any count. Attention visits the row's keys block by
-    block with an online softmax, so its bits also depend on the KV block size.
-    Without them, RMSNorm is torch's (exact square root and division, one
-    reduction per row, on all rows at once) and attention is
-    reference.split_attention per group, splitting keys at multiples of `split`.
+    With `kernels` (gateeng.cpu_ops), RMSNorm (with the residual add before it),
+    RoPE with the KV store, the SiLU gate and attention are C++ loops that compute
+    each row (attention: each row and KV head) start to finish in one thread,
+    from that row's data only: invariant by construction, at any row count.
+    Attention visits the row's keys block by block with an online softmax, so its
+    bits also depend on the KV block size. Without them, RMSNorm is torch's (one
+    reduction per row), the SiLU gate runs per row group (a vectorized exp differs
+    in its last bit for a tensor's tail, so which elements fall in the tail must
+    not depend on the batch), and attention is reference.split_attention per
+    group, splitting keys at multiples of `split`; the forward is then padded to
+    row groups whatever the matmul.
 
     Greedy rows take the lm_head through greedy_top2 / greedy_logits (exact float32
     top-2, whatever the candidate search's kernel); sampled rows the float32
     lm_head in groups of `rows`. The start-up self-check proves each piece on the
     machine."""
     name = "invariant"
-    version = 3   # bumped whenever the canonical bits' description changes
+    version = 4   # bumped whenever the canonical bits' description changes
     sparse_greedy = True   # choose() gives the same tokens and margins as the dense path
 
     def __init__(self, rows: int = 8, split: int = 64, packed: dict | None = None, kernels=None,
-                 block_size: int = 16):
+                 block_size: int = 16, matmul: Optional[str] = None):
         self.rows = rows
         self.split = split
-        self.packed = packed if packed is not None else {}   # LlamaModel.packed
+        self.packed = packed if packed is not None else {}   # LlamaModel.invariant_packed
+        self.matmul = matmul or ("onednn_packed" if self.packed else "torch_mm")
         self.kernels = kernels   # gateeng.cpu_ops' module, or None for torch ops
         self.block_size = block_size   # the KV cache's (the kernel attention's bits depend on it)
+        # Every per-row op row-invariant at any row count: no padding rows.
+        self.grouped = not (self.matmul == "cpu_dpbf16" and kernels is not None)
+
+    @property
+    def group_rows(self) -> int:
+        """Rows per padded group of a forward (the route policy prices passes by
+        them), or 0 when a forward runs on its real rows only."""
+        return self.rows if self.grouped else 0
 
     @staticmethod
     def candidate_head(model):
@@ -397,18 +443,16 @@ class InvariantPlan(CpuKernelOps):
         has it). Only which ids become candidates depends on it, never the result."""
         return model.lm_head_bf16
 
-    rope = staticmethod(ref.rope)
-
     def describe(self, dtype: str = "bfloat16") -> str:
         """What the canonical bits depend on, besides weights, dtype and device kind."""
         parts = [f"rows={self.rows}"]
-        parts.append("matmul=onednn_packed" if self.packed and dtype == "bfloat16" else "matmul=torch_mm")
+        parts.append(f"matmul={self.matmul if self.packed and dtype == 'bfloat16' else 'torch_mm'}")
         if self.kernels is not None:
             # The kernels' digest: their source, compiler and torch (the CPU is in device_kind).
             digest = getattr(self.kernels, "digest", "?")
-            parts += [f"attention=cpu_paged(block={self.block_size})", "rmsnorm=cpu", f"cpu_ops={digest}"]
+            parts += [f"attention=cpu_paged(block={self.block_size})", "norm_rope_silu=cpu", f"cpu_ops={digest}"]
         else:
-            parts += [f"attention=split({self.split})", "rmsnorm=torch"]
+            parts += [f"attention=split({self.split})", "norm_rope_silu=torch"]
         if dtype != "float32":
             parts.append("greedy_lm_head=bf16+exact_top2")
         return f"{self.name}-v{self.version}({','.join(parts)})"
@@ -428,7 +472,7 @@ class InvariantPlan(CpuKernelOps):
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         fn = self.packed.get(id(w))
         if fn is not None:
-            return self._grouped(fn, x)
+            return fn(x) if self.matmul == "cpu_dpbf16" else self._grouped(fn, x)
         n, c = x.shape[0], self.rows
         self._check_rows(n)
         out = torch.empty(n, w.shape[0], dtype=x.dtype, device=x.device)
@@ -437,7 +481,7 @@ class InvariantPlan(CpuKernelOps):
             torch.mm(x[g:g + c], wt, out=out[g:g + c])   # the product F.linear computes, in place
         return out
 
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def _torch_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self._grouped(ref.silu_mul, gate_up)
 
     def attention(self, q, k_cache, v_cache, meta: InvariantAttnMeta, scale: float):
@@ -474,7 +518,7 @@ class InvariantPlan(CpuKernelOps):
         n, dev = len(rows), model.embed.device
         if not n:
             return torch.zeros(0, model.cfg.hidden_size, dtype=model.dtype, device=dev)
-        pad = self._pad(n) - n
+        pad = self._pad(n) - n if self.grouped else 0
         row_table = [None] * (n + pad)
         for start, end, table in rows.seqs:
             row_table[start:end] = [table] * (end - start)

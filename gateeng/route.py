@@ -7,9 +7,10 @@ Both routes give the reference bits, because the invariant plan is row-invariant
     plan now (no fast row, and no later replay).
 The adaptive policy compares the step's cost under a few assignments, from
 measured per-plan pass costs (fast: seconds as a linear function of rows;
-invariant: seconds per row group) and the measured trigger rate, and picks the
-cheapest. Every VERIFIED token costs one invariant row on either route (a
-speculated token is replayed), so the routes differ in padding and in fast rows:
+invariant: seconds per row group where the plan pads to groups, else linear in
+rows like the fast plan) and the measured trigger rate, and picks the cheapest.
+Every VERIFIED token costs one invariant row on either route (a speculated token
+is replayed), so the routes differ in padding, pass overhead and fast rows:
 direct wins when an invariant pass runs this step anyway and has room (its
 padding rows are paid for), or when most of the batch is VERIFIED (the fast pass
 disappears); speculative wins for a VERIFIED minority, whose tokens are then
@@ -81,28 +82,62 @@ class GroupCost:
     def cost(self, rows: int) -> float:
         return self.groups(rows) * self.group_cost()
 
+    def row_cost(self) -> float:
+        """What one more row costs, averaged over a group."""
+        return self.group_cost() / self.group_rows
+
+    def opening_cost(self) -> float:
+        """What a pass opened for a few rows costs beyond them: half a group of padding."""
+        return self.group_cost() / 2
+
+    def room(self, rows: int) -> int:
+        """Padding rows a pass of `rows` rows has free."""
+        return self.groups(rows) * self.group_rows - rows
+
     def observe(self, rows: int, seconds: float) -> None:
         if rows > 0:
             per = seconds / self.groups(rows)
             self.per_group = per if self.per_group is None else self.per_group + self.weight * (per - self.per_group)
 
 
+class PassCost(CostModel):
+    """seconds ~ base + per_row * rows for an invariant plan without row groups (its
+    kernels are row-invariant at any row count): priced like the fast plan, whose
+    prior it starts from. No padding, so no room."""
+
+    def row_cost(self) -> float:
+        return max(0.0, self.theta[1])
+
+    def opening_cost(self) -> float:
+        return max(0.0, self.theta[0])
+
+    @staticmethod
+    def room(rows: int) -> int:
+        return 0
+
+
 class RoutePolicy:
     def __init__(self, mode: str = "adaptive", group_rows: int = 1, fast: Optional[CostModel] = None,
-                 invariant: Optional[GroupCost] = None, trigger_rate: float = 0.15, replay_delay: int = 0):
+                 invariant=None, trigger_rate: float = 0.15, replay_delay: int = 0):
+        """group_rows: the invariant plan's padded row group, or 0 when it runs on
+        its real rows only (then its passes are priced as base + per row)."""
         if mode not in ROUTES:
             raise ValueError(f"verified route must be one of {', '.join(ROUTES)}, got {mode!r}")
         self.mode = mode
-        self.group_rows = max(1, group_rows)
-        # Priors until the first passes are measured. An invariant group is assumed to
+        self.group_rows = max(0, group_rows)
+        # Priors until the first passes are measured. An invariant pass is assumed to
         # cost what a fast pass of as many rows costs (on CPU both plans run the same
-        # kernels but for the matmul's fixed row count, bench/step_profile.py): a
-        # guess that sends decodes direct is corrected by the very next step's
-        # measurement, whereas one that keeps them speculative would be corrected only
-        # by the replay passes, several steps apart.
+        # kernels but for the matmul, bench/step_profile.py): a guess that sends
+        # decodes direct is corrected by the very next step's measurement, whereas one
+        # that keeps them speculative would be corrected only by the replay passes,
+        # several steps apart.
         self.fast = fast or CostModel(0.02, 0.001)
-        self.invariant = invariant or GroupCost(None, self.group_rows,
-                                                prior=lambda: self.fast.cost(self.group_rows))
+        if invariant is not None:
+            self.invariant = invariant
+        elif self.group_rows:
+            self.invariant = GroupCost(None, self.group_rows, prior=lambda: self.fast.cost(self.group_rows))
+        else:
+            self.invariant = PassCost(*self.fast.theta)
         self.trigger_rate = trigger_rate
         self.replay_delay = replay_delay   # the scheduler's max_verify_delay
 
@@ -130,8 +165,7 @@ class RoutePolicy:
         if speculative:
             span = 1 + self.replay_delay
             p_pass = 1.0 - (1.0 - min(self.trigger_rate, 1.0)) ** (speculative * span)
-            group = self.invariant.group_cost()
-            cost += speculative * group / self.group_rows + p_pass / span * group / 2
+            cost += speculative * self.invariant.row_cost() + p_pass / span * self.invariant.opening_cost()
         return cost
 
     def off_to_move(self, fast_rows: int, inv_rows: int, off_decodes: int) -> int:
@@ -142,7 +176,7 @@ class RoutePolicy:
         the padding, all."""
         if self.mode != "adaptive" or not inv_rows or not off_decodes:
             return 0
-        room = self.invariant.groups(inv_rows) * self.group_rows - inv_rows
+        room = self.invariant.room(inv_rows)
         options = sorted({0, min(room, off_decodes), off_decodes})
         return min(options, key=lambda k: (self.fast.cost(fast_rows - k) + self.invariant.cost(inv_rows + k), k))
 

@@ -1,17 +1,17 @@
 // CPU kernels for both plans (gateeng/cpu_ops.py builds and loads them).
 //
 // At decode shapes a torch op costs more in dispatch and in copies than in
-// arithmetic: RMSNorm is seven ops, and attention over a paged cache needs each
-// sequence's whole context gathered into a new tensor per layer per step. Here
-// attention reads the KV blocks where they are.
+// arithmetic: RMSNorm is seven ops, RoPE and the KV store a dozen, and attention
+// over a paged cache needs each sequence's whole context gathered into a new
+// tensor per layer per step. Here attention reads the KV blocks where they are.
 //
 // The invariant plan's promise rests on these. Invariant: one row's output (for
-// attention, one row and KV head) is computed start to finish by one thread, in a
-// fixed order, from that row's inputs only (its query, its block table and key
-// count, the KV cache). Nothing depends on how many rows a call has, on which
-// thread takes a row, or on the other rows' values. Keep it so: no split of one
-// row's reduction across threads, no loop bound or branch that depends on the
-// call's row count.
+// attention, one row and KV head; for the matmul, one row and output column) is
+// computed start to finish by one thread, in a fixed order, from that row's inputs
+// only (its query, its block table and key count, the KV cache; the weights).
+// Nothing depends on how many rows a call has, on which thread takes a row, or on
+// the other rows' values. Keep it so: no split of one row's reduction across
+// threads, no loop bound or branch that depends on the call's row count.
 //
 // Arithmetic in float32; inputs and outputs in the model dtype (float32 or bf16).
 // Built with -ffast-math (vectorized exp and reductions): every value stays finite.
@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -53,24 +54,107 @@ inline at::BFloat16 to<at::BFloat16>(float v) {   // round to nearest even, as t
 // out[r] = w * bf(x[r] / rms(x[r])): the Llama/HF RMSNorm, with the normalized row
 // rounded to the model dtype before the weight multiplies it (as transformers does).
 template <typename T>
+inline void rms_norm_row(const T* xr, const T* w, T* yr, int64_t h, float eps) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < h; ++i) {
+    float v = f32(xr[i]);
+    ss += v * v;
+  }
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
+  for (int64_t i = 0; i < h; ++i) {
+    T normed = to<T>(f32(xr[i]) * inv);
+    yr[i] = to<T>(f32(w[i]) * f32(normed));
+  }
+}
+
+template <typename T>
 void rms_norm_rows(const T* x, const T* w, T* out, int64_t rows, int64_t h, float eps) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) rms_norm_row(x + r * h, w, out + r * h, h, eps);
+  });
+}
+
+// h_out[r] = dt(h[r] + add[r]) and x_out[r] = rms_norm(h_out[r]): the residual add and
+// the next RMSNorm in one pass (dt: rounded to the model dtype, as the torch add is).
+template <typename T>
+void add_rms_norm_rows(const T* h, const T* add, const T* w, T* h_out, T* x_out, int64_t rows, int64_t n,
+                       float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const T* xr = x + r * h;
-      T* yr = out + r * h;
-      float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t i = 0; i < h; ++i) {
-        float v = f32(xr[i]);
-        ss += v * v;
-      }
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
-      for (int64_t i = 0; i < h; ++i) {
-        T normed = to<T>(f32(xr[i]) * inv);
-        yr[i] = to<T>(f32(w[i]) * f32(normed));
+      const T* hr = h + r * n;
+      const T* ar = add + r * n;
+      T* ho = h_out + r * n;
+      for (int64_t i = 0; i < n; ++i) ho[i] = to<T>(f32(hr[i]) + f32(ar[i]));
+      rms_norm_row(ho, w, x_out + r * n, n, eps);
+    }
+  });
+}
+
+// out[r] = dt(dt(silu(gate[r])) * up[r]), gate_up[r] = [gate | up] (each n wide): the
+// two torch ops (silu, then the product, each rounded to the model dtype) in one pass.
+// A row is one loop over its n elements, so which elements take the vector body and
+// which the tail depends on n alone, never on the call's row count.
+template <typename T>
+void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t n) {
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = gate_up + r * 2 * n;
+      const T* u = g + n;
+      T* o = out + r * n;
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) {
+        const float x = f32(g[i]);
+        const float e = std::exp(std::min(-x, 80.f));   // finite (see the header)
+        o[i] = to<T>(f32(to<T>(x / (1.f + e))) * f32(u[i]));
       }
     }
   });
+}
+
+// Rotary embedding (rotate-half) of a row's query and key heads, its key and value
+// stored at its cache slot: qkv[r] = [q heads | k heads | v heads], each head d wide;
+// cos, sin: [rows, d] for the rows' positions. A rotated value is
+// dt(dt(x * cos) + dt(rot(x) * sin)), the torch ops' roundings. Slot -1 (a padding
+// row) stores nothing.
+template <typename T>
+void rope_store_rows(const T* qkv, const T* cos, const T* sin, const int64_t* slots, T* q_out, T* k_cache,
+                     T* v_cache, int64_t rows, int64_t hq, int64_t hkv, int64_t d) {
+  const int64_t half = d / 2, width = (hq + 2 * hkv) * d;
+  auto rotate = [&](const T* x, const T* c, const T* s, T* y) {
+    for (int64_t i = 0; i < d; ++i) {
+      const float rot = i < half ? -f32(x[i + half]) : f32(x[i - half]);
+      y[i] = to<T>(f32(to<T>(f32(x[i]) * f32(c[i]))) + f32(to<T>(rot * f32(s[i]))));
+    }
+  };
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* row = qkv + r * width;
+      const T* c = cos + r * d;
+      const T* s = sin + r * d;
+      for (int64_t h = 0; h < hq; ++h) rotate(row + h * d, c, s, q_out + (r * hq + h) * d);
+      if (slots[r] < 0) continue;
+      T* kd = k_cache + slots[r] * hkv * d;
+      for (int64_t h = 0; h < hkv; ++h) rotate(row + (hq + h) * d, c, s, kd + h * d);
+      std::memcpy(v_cache + slots[r] * hkv * d, row + (hq + hkv) * d, hkv * d * sizeof(T));
+    }
+  });
+}
+
+// One block of an online softmax: s[0..n) (scores) become exp(s - max), the running
+// max m and sum l take them in; returns the factor the accumulated values scale by
+// (0 on the first block, where m = lowest).
+inline float softmax_block(float* s, int64_t n, float& m, float& l) {
+  float mx = m;
+  for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
+  const float rescale = std::exp(m - mx);
+#pragma omp simd
+  for (int64_t t = 0; t < n; ++t) s[t] = std::exp(s[t] - mx);
+  float sum = 0.f;
+  for (int64_t t = 0; t < n; ++t) sum += s[t];
+  m = mx;
+  l = l * rescale + sum;
+  return rescale;
 }
 
 // One query row per sequence (a decode step). q: [B, Hq, D]; k, v: [blocks,
@@ -121,13 +205,7 @@ void decode_attention_rows(const T* q, const T* k, const T* v, const int64_t* ta
             for (int64_t i = 0; i < d; ++i) dot += qj[i] * kt[i];
             sj[t] = dot;
           }
-          float mx = m[j];
-          for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sj[t]);
-          const float rescale = std::exp(m[j] - mx);   // 0 on the first block (m = lowest)
-#pragma omp simd
-          for (int64_t t = 0; t < n; ++t) sj[t] = std::exp(sj[t] - mx);
-          float sum = 0.f;
-          for (int64_t t = 0; t < n; ++t) sum += sj[t];
+          const float rescale = softmax_block(sj, n, m[j], l[j]);
           float* aj = acc.data() + j * d;
 #pragma omp simd
           for (int64_t i = 0; i < d; ++i) aj[i] *= rescale;
@@ -137,8 +215,6 @@ void decode_attention_rows(const T* q, const T* k, const T* v, const int64_t* ta
 #pragma omp simd
             for (int64_t i = 0; i < d; ++i) aj[i] += p * vt[i];
           }
-          m[j] = mx;
-          l[j] = l[j] * rescale + sum;
         }
       }
       for (int64_t j = 0; j < g; ++j) {
@@ -150,10 +226,205 @@ void decode_attention_rows(const T* q, const T* k, const T* v, const int64_t* ta
   });
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define GATEENG_AVX512_BF16 1
+#include <immintrin.h>
+
+// 16 bf16 values as 16 floats (exact: a bf16 is the top half of a float).
+inline __m512 load_bf16x16(const at::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+inline __m512bh load_bf16x32(const at::BFloat16* p) {
+  return (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(p));
+}
+
+// decode_attention_rows for bf16 where the CPU has AVX-512 BF16 dot products (D a
+// multiple of 32). A score is one query row and one key row multiplied pairwise by
+// VDPBF16PS (exact products, float32 sums in lanes) into 16 lanes, then the lanes
+// summed in the fixed order of _mm512_reduce_add_ps, then scaled. V rows are
+// converted to float once per key and shared by the G query heads. The order of
+// every reduction is fixed by D and the key's position in its block, never by the
+// call's row count: the same invariant as the generic loop.
+template <int64_t D>
+void decode_attention_bf16(const at::BFloat16* q, const at::BFloat16* k, const at::BFloat16* v,
+                           const int64_t* tables, const int64_t* lens, at::BFloat16* out, int64_t batch,
+                           int64_t hq, int64_t hkv, int64_t block_size, int64_t width, float scale) {
+  static_assert(D % 32 == 0, "D must be a multiple of 32");
+  constexpr int64_t NP = D / 32;   // 32-value bf16 vectors per head row
+  constexpr int64_t NF = D / 16;   // 16-value float vectors per head row
+  const int64_t g = hq / hkv;
+  const int64_t tok_stride = hkv * D;
+  const int64_t block_stride = block_size * tok_stride;
+  at::parallel_for(0, batch * hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<__m512bh> qv(g * NP);
+    std::vector<__m512> acc(g * NF);
+    std::vector<float> s(g * block_size), m(g), l(g);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / hkv, h = item % hkv;
+      const int64_t len = lens[b];
+      for (int64_t j = 0; j < g; ++j) {
+        for (int64_t c = 0; c < NP; ++c) qv[j * NP + c] = load_bf16x32(q + (b * hq + h * g + j) * D + c * 32);
+        for (int64_t c = 0; c < NF; ++c) acc[j * NF + c] = _mm512_setzero_ps();
+        m[j] = std::numeric_limits<float>::lowest();
+        l[j] = 0.f;
+      }
+      for (int64_t start = 0; start < len; start += block_size) {
+        const int64_t n = std::min(block_size, len - start);
+        const int64_t block = tables[b * width + start / block_size];
+        const at::BFloat16* kb = k + block * block_stride + h * D;
+        const at::BFloat16* vb = v + block * block_stride + h * D;
+        for (int64_t t = 0; t < n; ++t) {
+          __m512bh kt[NP];
+          for (int64_t c = 0; c < NP; ++c) kt[c] = load_bf16x32(kb + t * tok_stride + c * 32);
+          for (int64_t j = 0; j < g; ++j) {
+            __m512 dot = _mm512_setzero_ps();
+            for (int64_t c = 0; c < NP; ++c) dot = _mm512_dpbf16_ps(dot, qv[j * NP + c], kt[c]);
+            s[j * block_size + t] = _mm512_reduce_add_ps(dot) * scale;
+          }
+        }
+        for (int64_t j = 0; j < g; ++j) {
+          const __m512 r = _mm512_set1_ps(softmax_block(s.data() + j * block_size, n, m[j], l[j]));
+          for (int64_t c = 0; c < NF; ++c) acc[j * NF + c] = _mm512_mul_ps(acc[j * NF + c], r);
+        }
+        for (int64_t t = 0; t < n; ++t) {
+          __m512 vt[NF];
+          for (int64_t c = 0; c < NF; ++c) vt[c] = load_bf16x16(vb + t * tok_stride + c * 16);
+          for (int64_t j = 0; j < g; ++j) {
+            const __m512 p = _mm512_set1_ps(s[j * block_size + t]);
+            for (int64_t c = 0; c < NF; ++c) acc[j * NF + c] = _mm512_fmadd_ps(p, vt[c], acc[j * NF + c]);
+          }
+        }
+      }
+      for (int64_t j = 0; j < g; ++j) {
+        at::BFloat16* o = out + (b * hq + h * g + j) * D;
+        const __m512 inv = _mm512_set1_ps(1.f / l[j]);
+        alignas(64) float row[D];
+        for (int64_t c = 0; c < NF; ++c) _mm512_store_ps(row + c * 16, _mm512_mul_ps(acc[j * NF + c], inv));
+        for (int64_t i = 0; i < D; ++i) o[i] = to<at::BFloat16>(row[i]);
+      }
+    }
+  });
+}
+#endif
+
+#ifdef GATEENG_AVX512_BF16
+// x @ w.T for bf16, on weights packed once (pack_dpbf16) into VDPBF16PS's operand
+// layout: [ceil(N/16)][K/2][16][2], i.e. per block of 16 output columns and per pair
+// of inputs k, 2k+1, the 16 columns' two weights side by side. One instruction then
+// multiplies a row's input pair, broadcast, by 16 columns' pairs and adds both
+// products into 16 float32 lanes.
+//
+// Invariant: output (m, n) is one lane's chain of VDPBF16PS over k pairs 0, 1, ...,
+// K/2 - 1 in that order, from zero, then rounded to bf16 (nearest even). Nothing in it
+// depends on the row count M, on the row's place among the rows, or on which thread
+// takes which columns: the kernel is row-invariant at any M, with no padding rows.
+// Rows go 8 at a time (MR <= 8 accumulators per column block, 2 column blocks per
+// pass: 16 of the 32 vector registers), each pass over the whole K.
+using u16 = uint16_t;
+
+torch::Tensor pack_dpbf16(torch::Tensor w) {
+  TORCH_CHECK(w.scalar_type() == torch::kBFloat16 && w.dim() == 2 && w.size(1) % 2 == 0,
+              "w must be a bf16 [N, K] matrix with K even");
+  w = w.contiguous();
+  const int64_t n = w.size(0), k = w.size(1), kp = k / 2, blocks = (n + 15) / 16;
+  auto out = torch::zeros({blocks, kp, 16, 2}, w.options());
+  const uint32_t* src = reinterpret_cast<const uint32_t*>(w.data_ptr<at::BFloat16>());   // k pairs
+  uint32_t* dst = reinterpret_cast<uint32_t*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      for (int64_t c = b * 16; c < std::min(n, b * 16 + 16); ++c) {
+        for (int64_t p = 0; p < kp; ++p) dst[(b * kp + p) * 16 + (c - b * 16)] = src[c * kp + p];
+      }
+    }
+  });
+  return out;
+}
+
+template <int MR, int NR>
+inline void dpbf16_tile(const u16* x, int64_t k, const u16* w, int64_t block_stride, u16* out, int64_t n,
+                        int64_t col) {
+  __m512 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < k / 2; ++p) {
+    __m512bh wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * block_stride + p * 32);
+    for (int i = 0; i < MR; ++i) {
+      int32_t pair;
+      std::memcpy(&pair, x + i * k + 2 * p, sizeof(pair));
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+    }
+  }
+  for (int j = 0; j < NR; ++j) {
+    const int64_t c = col + j * 16, valid = std::min<int64_t>(16, n - c);
+    const __mmask16 mask = valid == 16 ? 0xFFFF : static_cast<__mmask16>((1u << valid) - 1);
+    for (int i = 0; i < MR; ++i) {
+      _mm256_mask_storeu_epi16(out + i * n + c, mask, (__m256i)_mm512_cvtneps_pbh(acc[i][j]));
+    }
+  }
+}
+
+template <int NR>
+void dpbf16_rows(int mr, const u16* x, int64_t k, const u16* w, int64_t block_stride, u16* out, int64_t n,
+                 int64_t col) {
+  switch (mr) {
+    case 1: return dpbf16_tile<1, NR>(x, k, w, block_stride, out, n, col);
+    case 2: return dpbf16_tile<2, NR>(x, k, w, block_stride, out, n, col);
+    case 3: return dpbf16_tile<3, NR>(x, k, w, block_stride, out, n, col);
+    case 4: return dpbf16_tile<4, NR>(x, k, w, block_stride, out, n, col);
+    case 5: return dpbf16_tile<5, NR>(x, k, w, block_stride, out, n, col);
+    case 6: return dpbf16_tile<6, NR>(x, k, w, block_stride, out, n, col);
+    case 7: return dpbf16_tile<7, NR>(x, k, w, block_stride, out, n, col);
+    default: return dpbf16_tile<8, NR>(x, k, w, block_stride, out, n, col);
+  }
+}
+
+torch::Tensor linear_dpbf16(torch::Tensor x, torch::Tensor packed, int64_t n) {
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.device().is_cpu(), "x must be bf16 [M, K]");
+  TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.dim() == 4 && packed.size(2) == 16 &&
+                  packed.size(3) == 2 && packed.is_contiguous(), "packed must come from pack_dpbf16");
+  const int64_t m = x.size(0), k = x.size(1), blocks = packed.size(0);
+  TORCH_CHECK(packed.size(1) * 2 == k && (n + 15) / 16 == blocks, "packed weight does not match x or n");
+  x = x.contiguous();
+  auto out = torch::empty({m, n}, x.options());
+  const u16* xp = reinterpret_cast<const u16*>(x.data_ptr<at::BFloat16>());
+  const u16* wp = reinterpret_cast<const u16*>(packed.data_ptr<at::BFloat16>());
+  u16* op = reinterpret_cast<u16*>(out.data_ptr<at::BFloat16>());
+  const int64_t block_stride = k * 16;
+  at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t b = pair * 2;
+      for (int64_t r = 0; r < m; r += 8) {
+        const int mr = static_cast<int>(std::min<int64_t>(8, m - r));
+        if (b + 1 < blocks) {
+          dpbf16_rows<2>(mr, xp + r * k, k, wp + b * block_stride, block_stride, op + r * n, n, b * 16);
+        } else {
+          dpbf16_rows<1>(mr, xp + r * k, k, wp + b * block_stride, block_stride, op + r * n, n, b * 16);
+        }
+      }
+    }
+  });
+  return out;
+}
+#endif
+
 template <typename T>
 void dispatch_head_dim(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const int64_t* tables,
                        const int64_t* lens, torch::Tensor& out, int64_t batch, int64_t hq, int64_t hkv, int64_t d,
                        int64_t block_size, int64_t width, double scale) {
+#ifdef GATEENG_AVX512_BF16
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    auto run_bf16 = [&](auto fn) {
+      fn(q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), tables, lens, out.data_ptr<T>(), batch, hq, hkv,
+         block_size, width, static_cast<float>(scale));
+    };
+    if (d == 64) return run_bf16(decode_attention_bf16<64>);
+    if (d == 128) return run_bf16(decode_attention_bf16<128>);
+  }
+#endif
   auto run = [&](auto fn) {
     fn(q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), tables, lens, out.data_ptr<T>(), batch, hq, hkv, d,
        block_size, width, static_cast<float>(scale));
@@ -190,6 +461,78 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
     rms_norm_rows<bf>(x.data_ptr<bf>(), w.data_ptr<bf>(), out.data_ptr<bf>(), rows, h, eps);
   }
   return out;
+}
+
+// Calls fn.template operator()<T>() for x's dtype (float32 or bf16).
+template <typename F>
+void by_dtype(const torch::Tensor& x, F fn) {
+  if (x.scalar_type() == torch::kFloat) {
+    fn(float{});
+  } else {
+    fn(at::BFloat16{});
+  }
+}
+
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor h, torch::Tensor add, torch::Tensor w, double eps) {
+  check_dtype(h, "h");
+  TORCH_CHECK(add.scalar_type() == h.scalar_type() && add.sizes() == h.sizes(), "add must match h");
+  TORCH_CHECK(w.scalar_type() == h.scalar_type() && w.dim() == 1 && w.size(0) == h.size(-1),
+              "w must be [hidden] in h's dtype");
+  h = h.contiguous();
+  add = add.contiguous();
+  w = w.contiguous();
+  auto h_out = torch::empty_like(h), x_out = torch::empty_like(h);
+  const int64_t n = h.size(-1), rows = n ? h.numel() / n : 0;
+  by_dtype(h, [&](auto tag) {
+    using T = decltype(tag);
+    add_rms_norm_rows<T>(h.data_ptr<T>(), add.data_ptr<T>(), w.data_ptr<T>(), h_out.data_ptr<T>(),
+                         x_out.data_ptr<T>(), rows, n, eps);
+  });
+  return {h_out, x_out};
+}
+
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  check_dtype(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up must be [rows, 2 * n]");
+  gate_up = gate_up.contiguous();
+  const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
+  auto out = torch::empty({rows, n}, gate_up.options());
+  by_dtype(gate_up, [&](auto tag) {
+    using T = decltype(tag);
+    silu_mul_rows<T>(gate_up.data_ptr<T>(), out.data_ptr<T>(), rows, n);
+  });
+  return out;
+}
+
+torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
+                         torch::Tensor v_cache, torch::Tensor slots, int64_t hq) {
+  check_dtype(qkv, "qkv");
+  TORCH_CHECK(k_cache.scalar_type() == qkv.scalar_type() && v_cache.scalar_type() == qkv.scalar_type() &&
+                  cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == qkv.scalar_type(),
+              "cos, sin and the KV cache must have qkv's dtype");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous(), "the KV cache must be contiguous [blocks, block_size, Hkv, D]");
+  TORCH_CHECK(slots.scalar_type() == torch::kLong, "slots: int64");
+  const int64_t hkv = k_cache.size(2), d = k_cache.size(3), rows = qkv.size(0);
+  TORCH_CHECK(d % 2 == 0 && qkv.dim() == 2 && qkv.size(1) == (hq + 2 * hkv) * d, "qkv must be [rows, (Hq + 2 Hkv) D]");
+  TORCH_CHECK(cos.numel() == rows * d && sin.numel() == rows * d && slots.numel() == rows,
+              "cos, sin: [rows, D]; slots: [rows]");
+  qkv = qkv.contiguous();
+  cos = cos.contiguous();
+  sin = sin.contiguous();
+  slots = slots.contiguous();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t capacity = k_cache.size(0) * k_cache.size(1);
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(sp[r] >= -1 && sp[r] < capacity, "row ", r, " names slot ", sp[r], " of ", capacity);
+  }
+  auto q = torch::empty({rows, hq, d}, qkv.options());
+  by_dtype(qkv, [&](auto tag) {
+    using T = decltype(tag);
+    rope_store_rows<T>(qkv.data_ptr<T>(), cos.data_ptr<T>(), sin.data_ptr<T>(), sp, q.data_ptr<T>(),
+                       k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), rows, hq, hkv, d);
+  });
+  return q;
 }
 
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -231,4 +574,14 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (float32 arithmetic)");
   m.def("decode_attention", &decode_attention, "one-query-per-sequence attention over a paged KV cache");
+  m.def("add_rms_norm", &add_rms_norm, "(h + add, RMSNorm(h + add)) in one pass");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up for gate_up = [gate | up]");
+  m.def("rope_store", &rope_store, "RoPE on q and k heads; k and v stored at their cache slots; returns q");
+#ifdef GATEENG_AVX512_BF16
+  m.def("pack_dpbf16", &pack_dpbf16, "a bf16 [N, K] weight in linear_dpbf16's layout");
+  m.def("linear_dpbf16", &linear_dpbf16, "x @ w.T on a pack_dpbf16 weight (row-invariant at any row count)");
+  m.attr("dpbf16") = true;
+#else
+  m.attr("dpbf16") = false;
+#endif
 }

@@ -182,19 +182,30 @@ def test_every_completion_carries_the_engine_reproducibility_record(engine):
     assert (r.device_name, r.isa) == cpu_model_and_isa()
     assert r.model_fingerprint == engine.loaded.fingerprint
     assert r.kernel_plan == "fast; " + engine.invariant_plan.describe("float32")
-    assert r.kernel_plan.startswith("fast; invariant-v3(rows=8,matmul=torch_mm,")   # float32: no packed weights
+    assert r.kernel_plan.startswith("fast; invariant-v4(rows=8,matmul=torch_mm,")   # float32: no packed weights
 
 
 def test_kernel_plan_names_what_the_canonical_bits_depend_on():
     from types import SimpleNamespace
     packed, kernels = {1: None}, SimpleNamespace(digest="0123abcd4567")
     assert InvariantPlan(32, 64, packed, kernels, 16).describe() == (
-        "invariant-v3(rows=32,matmul=onednn_packed,attention=cpu_paged(block=16),rmsnorm=cpu,cpu_ops=0123abcd4567,"
-        "greedy_lm_head=bf16+exact_top2)")
+        "invariant-v4(rows=32,matmul=onednn_packed,attention=cpu_paged(block=16),norm_rope_silu=cpu,"
+        "cpu_ops=0123abcd4567,greedy_lm_head=bf16+exact_top2)")
+    assert InvariantPlan(32, 64, packed, kernels, 16, "cpu_dpbf16").describe() == (
+        "invariant-v4(rows=32,matmul=cpu_dpbf16,attention=cpu_paged(block=16),norm_rope_silu=cpu,"
+        "cpu_ops=0123abcd4567,greedy_lm_head=bf16+exact_top2)")
     assert InvariantPlan(8, 64).describe() == (
-        "invariant-v3(rows=8,matmul=torch_mm,attention=split(64),rmsnorm=torch,greedy_lm_head=bf16+exact_top2)")
+        "invariant-v4(rows=8,matmul=torch_mm,attention=split(64),norm_rope_silu=torch,greedy_lm_head=bf16+exact_top2)")
     assert InvariantPlan(8, 32, packed).describe("float32") == (
-        "invariant-v3(rows=8,matmul=torch_mm,attention=split(32),rmsnorm=torch)")
+        "invariant-v4(rows=8,matmul=torch_mm,attention=split(32),norm_rope_silu=torch)")
+
+
+def test_only_the_row_invariant_matmul_with_the_kernels_drops_the_row_groups():
+    from types import SimpleNamespace
+    kernels = SimpleNamespace(digest="0")
+    assert InvariantPlan(32, 64, {1: None}, kernels, 16, "cpu_dpbf16").group_rows == 0
+    assert InvariantPlan(32, 64, {1: None}, None, 16, "cpu_dpbf16").group_rows == 32   # torch attention: groups
+    assert InvariantPlan(32, 64, {1: None}, kernels, 16).group_rows == 32             # oneDNN: groups
 
 
 @pytest.mark.parametrize("max_model_len, kv_blocks, want", [

@@ -135,3 +135,33 @@ def test_an_unmeasured_invariant_group_is_priced_as_a_fast_pass_of_its_rows():
     assert p.invariant.cost(20) == 0.5
     p.observe_pass("invariant", 20, 1.0)
     assert p.invariant.cost(20) == pytest.approx(0.6)
+
+
+def ungrouped(fast=(0.012, 0.0008), invariant=(0.012, 0.0008)):
+    """A policy for an invariant plan without row groups, trained on known costs."""
+    p = RoutePolicy("adaptive", group_rows=0)
+    for rows in (1, 4, 8, 16, 20, 32, 48, 64) * 20:
+        p.observe_pass("fast", rows, fast[0] + fast[1] * rows)
+        p.observe_pass("invariant", rows, invariant[0] + invariant[1] * rows)
+    return p
+
+
+def test_an_ungrouped_invariant_plan_is_priced_per_pass_and_row():
+    p = RoutePolicy("adaptive", group_rows=0)
+    assert p.invariant.cost(7) == pytest.approx(p.fast.cost(7))   # the prior: a fast pass of as many rows
+    p = ungrouped(invariant=(0.02, 0.001))
+    assert p.invariant.cost(10) == pytest.approx(0.03, rel=0.05) and p.invariant.room(10) == 0
+
+
+def test_when_both_plans_cost_alike_verified_goes_direct_and_off_rides_along():
+    p = ungrouped()
+    # One pass instead of two: the VERIFIED decodes go direct, and every OFF decode joins them.
+    assert p.choose(20, 0, [1, 1], budget=100, off_decodes=18) == [True, True]
+    assert p.off_to_move(18, 2, 18) == 18
+    # Without VERIFIED rows there is no invariant pass to join.
+    assert p.off_to_move(20, 0, 20) == 0
+
+
+def test_a_dear_ungrouped_invariant_plan_keeps_a_verified_minority_speculative():
+    p = ungrouped(invariant=(0.06, 0.004))
+    assert p.choose(20, 0, [1], budget=100, off_decodes=19) == [False]
