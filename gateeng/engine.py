@@ -158,6 +158,12 @@ class Engine:
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
         self.accepting = True
+        # OpenMP keeps a worker pool per thread that ran parallel work; two pools
+        # together outnumber the cores, and then every parallel region waits for its
+        # workers to wake (cpu_ops.cpp). The steps run on the engine thread, so this
+        # thread lets its pool go now, and the engine thread its own when idle.
+        self._release_threads = kernels.release_idle_threads if kernels is not None else (lambda: None)
+        self._release_threads()
 
     def _layer_weights(self) -> list:
         """The matrices the invariant plan multiplies by: one layer's (every layer has
@@ -355,6 +361,7 @@ class Engine:
                     raise
             else:
                 self.blocks.check_integrity()
+                self._release_threads()
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
 

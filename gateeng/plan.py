@@ -96,20 +96,49 @@ def _bf16_logits(model, hidden: torch.Tensor, head) -> torch.Tensor:
 TOP2_CHUNK = 128
 
 
-def greedy_top2(model, hidden: torch.Tensor, head=None) -> tuple[list, list]:
+def greedy_top2(model, hidden: torch.Tensor, head=None, kernels=None) -> tuple[list, list]:
     """The argmax and the margin the sampler would take from greedy_logits (the
     float32 top-1 id, lowest among ties, and top-1 minus top-2), without building
     or scanning a dense logit row more than the bf16 lm_head's output needs: on CPU,
     a full-vocabulary topk, compare or nonzero over 32 rows costs 1-3 ms each.
 
-    The bf16 logits are cut into chunks of TOP2_CHUNK ids. A row's two largest
-    values lie in the two chunks with the largest maxima, so the bf16 second-best
-    comes from those 256 values; the candidates (greedy_logits' set) are then
-    searched only in chunks whose maximum reaches the threshold. Only candidates
-    get exact logits, and every other id is below the exact top-2, so the result
-    equals greedy_logits' followed by the sampler's, bit for bit. Returns Python
-    lists (tokens, margins). `head` as in greedy_logits."""
+    The candidates are greedy_logits' set: with `kernels` (gateeng.cpu_ops), one C++
+    pass over each row's bf16 logits finds them; otherwise the logits are cut into
+    chunks of TOP2_CHUNK ids, a row's two largest values lie in the two chunks with
+    the largest maxima, so the bf16 second-best comes from those 256 values, and the
+    candidates are searched only in chunks whose maximum reaches the threshold.
+    Only candidates get exact logits, and every other id is below the exact top-2,
+    so the result equals greedy_logits' followed by the sampler's, bit for bit.
+    Returns Python lists (tokens, margins). `head` as in greedy_logits."""
     bf = _bf16_logits(model, hidden, head)
+    rows, vocab = bf.shape
+    if kernels is not None and bf.dtype == torch.bfloat16 and bf.device.type == "cpu" and vocab >= 2:
+        # threshold = second - 2 * bound(largest): the kernel adds the largest-logit term
+        slack = 2 * _greedy_bound(model, hidden, torch.zeros(rows, device=bf.device))
+        r, ids, ok = kernels.greedy_candidates(bf, slack.float())
+        found = bool(ok)
+    else:
+        r, ids = _chunked_candidates(model, hidden, bf)
+        found = True
+    if found:
+        exact = exact_logits(hidden, model.lm_head_f32, r, ids)
+        neg = torch.full((rows,), float("-inf"), device=bf.device)
+        top = neg.scatter_reduce(0, r, exact, "amax")
+        is_top = exact == top[r]
+        token = torch.full((rows,), vocab, dtype=torch.int64, device=bf.device).scatter_reduce(
+            0, r[is_top], ids[is_top], "amin")
+        rest = ids != token[r]
+        margin = top - neg.scatter_reduce(0, r[rest], exact[rest], "amax")
+        found = bool((torch.bincount(r, minlength=rows) >= 2).all()) and bool(torch.isfinite(margin).all())
+    if not found:
+        # Non-finite logits: the dense path decides as it always has.
+        tok, mar = ref.argmax_margin(greedy_logits(model, hidden, head))
+        return tok.tolist(), mar.tolist()
+    return token.tolist(), margin.tolist()
+
+
+def _chunked_candidates(model, hidden: torch.Tensor, bf: torch.Tensor):
+    """(rows, ids) of greedy_logits' candidates, from the bf16 logits in chunks."""
     rows, vocab = bf.shape
     chunk = TOP2_CHUNK if vocab >= 2 * TOP2_CHUNK else -(-vocab // 2)
     nchunks = -(-vocab // chunk)
@@ -123,19 +152,8 @@ def greedy_top2(model, hidden: torch.Tensor, head=None) -> tuple[list, list]:
     rr, cc = torch.nonzero(cmax >= threshold[:, None], as_tuple=True)
     j, off = torch.nonzero(chunks[rr, cc] >= threshold[rr, None], as_tuple=True)
     r, ids = rr[j], cc[j] * chunk + off
-    exact = exact_logits(hidden, model.lm_head_f32, r, ids)
-    neg = torch.full((rows,), float("-inf"), device=bf.device)
-    top = neg.scatter_reduce(0, r, exact, "amax")
-    is_top = exact == top[r]
-    token = torch.full((rows,), vocab, dtype=torch.int64, device=bf.device).scatter_reduce(
-        0, r[is_top], ids[is_top], "amin")
-    rest = ids != token[r]
-    margin = top - neg.scatter_reduce(0, r[rest], exact[rest], "amax")
-    if bool((torch.bincount(r, minlength=rows) < 2).any()) or not bool(torch.isfinite(margin).all()):
-        # Non-finite logits: the dense path decides as it always has.
-        tok, mar = ref.argmax_margin(greedy_logits(model, hidden, head))
-        return tok.tolist(), mar.tolist()
-    return token.tolist(), margin.tolist()
+    keep = ids < vocab   # a non-finite threshold lets the -inf padding past the lm_head through
+    return r[keep], ids[keep]
 
 
 def _second_largest(chunks: torch.Tensor, cmax: torch.Tensor) -> torch.Tensor:
@@ -176,7 +194,8 @@ def choose(plan, model, hidden: torch.Tensor, specs: list, sample) -> tuple[list
         return sample(plan.choice_logits(model, hidden, [s.params.greedy for s in specs]), specs)
     n = len(specs)
     tokens, margins = [0] * n, [0.0] * n
-    tok, mar = greedy_top2(model, hidden if len(greedy) == n else hidden[greedy], plan.candidate_head(model))
+    tok, mar = greedy_top2(model, hidden if len(greedy) == n else hidden[greedy], plan.candidate_head(model),
+                           getattr(plan, "kernels", None))
     for j, i in enumerate(greedy):
         tokens[i], margins[i] = tok[j], mar[j]
     sampled = [i for i in range(n) if not specs[i].params.greedy]

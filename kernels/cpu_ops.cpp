@@ -18,6 +18,7 @@
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -463,6 +464,96 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   return out;
 }
 
+// libgomp keeps a pool of worker threads per thread that has started a parallel
+// region, and once it manages more threads than there are CPUs it stops spinning
+// between regions: every region then waits for its workers to wake (measured on 2
+// cores: a 16-row projection 1.5x slower on the engine thread once the thread that
+// built the engine had its own pool). Called on a thread that is done with parallel
+// work, this frees that thread's pool (its workers exit); a later region on it
+// starts a new one.
+void release_idle_threads() { omp_pause_resource_all(omp_pause_soft); }
+
+// The greedy candidate search (plan.greedy_top2) over bf16 logits [R, V]: per row,
+// the ids whose logit is at least second - largest * 2^-6 - slack[r], where second is
+// the row's second-largest value (a tie with the largest counts) and largest its
+// largest magnitude. Returns (rows, ids) of the candidates, row by row, ids in
+// order; a row holding an infinity or a NaN makes the call return no candidates and
+// ok = false (the caller then decides densely). Only which ids are candidates comes
+// from here; a row's result does not depend on the other rows.
+std::vector<torch::Tensor> greedy_candidates(torch::Tensor logits, torch::Tensor slack) {
+  TORCH_CHECK(logits.scalar_type() == torch::kBFloat16 && logits.dim() == 2 && logits.device().is_cpu(),
+              "logits must be bf16 [rows, vocab] on the CPU");
+  TORCH_CHECK(slack.scalar_type() == torch::kFloat && slack.numel() == logits.size(0), "slack: float32 [rows]");
+  logits = logits.contiguous();
+  slack = slack.contiguous();
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  TORCH_CHECK(vocab >= 2, "need at least two ids");
+  const uint16_t* base = reinterpret_cast<const uint16_t*>(logits.data_ptr<at::BFloat16>());
+  const float* sl = slack.data_ptr<float>();
+  std::vector<std::vector<int64_t>> found(rows);
+  std::vector<char> bad(rows, 0);
+  constexpr int64_t L = 16;   // lanes: each keeps its own top two, merged at the end
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const uint16_t* x = base + r * vocab;
+      auto val = [&](int64_t i) {
+        uint32_t bits = static_cast<uint32_t>(x[i]) << 16;
+        float v;
+        std::memcpy(&v, &bits, sizeof(v));
+        return v;
+      };
+      float t1[L], t2[L], big[L];
+      uint16_t special = 0;   // exponent bits all set somewhere: an infinity or NaN
+      for (int64_t l = 0; l < L; ++l) t1[l] = t2[l] = std::numeric_limits<float>::lowest(), big[l] = 0.f;
+      const int64_t body = vocab / L * L;
+      for (int64_t i = 0; i < body; i += L) {
+        for (int64_t l = 0; l < L; ++l) {
+          const float v = val(i + l);
+          special |= static_cast<uint16_t>(((x[i + l] & 0x7F80u) == 0x7F80u) ? 1u : 0u);
+          t2[l] = std::max(t2[l], std::min(t1[l], v));
+          t1[l] = std::max(t1[l], v);
+          big[l] = std::max(big[l], std::abs(v));
+        }
+      }
+      float first = std::numeric_limits<float>::lowest(), second = first, largest = 0.f;
+      auto take = [&](float v) {
+        second = std::max(second, std::min(first, v));
+        first = std::max(first, v);
+      };
+      for (int64_t l = 0; l < L; ++l) {
+        take(t1[l]);
+        second = std::max(second, t2[l]);   // a lane's second is below its own first
+        largest = std::max(largest, big[l]);
+      }
+      for (int64_t i = body; i < vocab; ++i) {
+        special |= static_cast<uint16_t>(((x[i] & 0x7F80u) == 0x7F80u) ? 1u : 0u);
+        take(val(i));
+        largest = std::max(largest, std::abs(val(i)));
+      }
+      if (special) {
+        bad[r] = 1;
+        continue;
+      }
+      const float threshold = second - largest * 0x1p-6f - sl[r];
+      for (int64_t i = 0; i < vocab; ++i) {
+        if (val(i) >= threshold) found[r].push_back(i);
+      }
+    }
+  });
+  int64_t total = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    if (bad[r]) return {torch::empty({0}, torch::kLong), torch::empty({0}, torch::kLong), torch::zeros({}, torch::kBool)};
+    total += static_cast<int64_t>(found[r].size());
+  }
+  auto out_rows = torch::empty({total}, torch::kLong), out_ids = torch::empty({total}, torch::kLong);
+  int64_t* pr = out_rows.data_ptr<int64_t>();
+  int64_t* pi = out_ids.data_ptr<int64_t>();
+  for (int64_t r = 0, k = 0; r < rows; ++r) {
+    for (int64_t id : found[r]) pr[k] = r, pi[k++] = id;
+  }
+  return {out_rows, out_ids, torch::ones({}, torch::kBool)};
+}
+
 // Calls fn.template operator()<T>() for x's dtype (float32 or bf16).
 template <typename F>
 void by_dtype(const torch::Tensor& x, F fn) {
@@ -576,6 +667,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "one-query-per-sequence attention over a paged KV cache");
   m.def("add_rms_norm", &add_rms_norm, "(h + add, RMSNorm(h + add)) in one pass");
   m.def("silu_mul", &silu_mul, "silu(gate) * up for gate_up = [gate | up]");
+  m.def("greedy_candidates", &greedy_candidates, "(rows, ids, ok) of the greedy top-2 candidates");
+  m.def("release_idle_threads", &release_idle_threads, "let this thread's OpenMP worker pool go");
   m.def("rope_store", &rope_store, "RoPE on q and k heads; k and v stored at their cache slots; returns q");
 #ifdef GATEENG_AVX512_BF16
   m.def("pack_dpbf16", &pack_dpbf16, "a bf16 [N, K] weight in linear_dpbf16's layout");

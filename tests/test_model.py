@@ -128,13 +128,17 @@ def _head(vocab: int, hidden_size: int = 64, packed: bool = False, seed: int = 0
     return model, (cpu_linear.pack(w) if packed else None)
 
 
+@pytest.mark.parametrize("search", ["chunks", "kernel"])
 @pytest.mark.parametrize("vocab,packed", [(256, False), (300, False), (5, False), (49152, True), (1000, True)])
-def test_greedy_top2_equals_the_dense_greedy_path(vocab, packed):
-    """The chunked candidate search gives exactly the token and margin the sampler
-    takes from greedy_logits, near-ties and exact ties included, and the float32
-    argmax."""
+def test_greedy_top2_equals_the_dense_greedy_path(vocab, packed, search):
+    """Either candidate search (torch chunks, the C++ pass) gives exactly the token
+    and margin the sampler takes from greedy_logits, near-ties and exact ties
+    included, and the float32 argmax."""
     from gateeng.kernels.reference import argmax_margin
     from gateeng.plan import greedy_logits, greedy_top2
+    kernels = cpu_kernels() if search == "kernel" else None
+    if search == "kernel" and kernels is None:
+        pytest.skip("the CPU kernels could not be built here")
     model, head = _head(vocab, packed=packed)
     gen = torch.Generator().manual_seed(1)
     hidden = (torch.randn(40, 64, generator=gen) * 4).to(torch.bfloat16)
@@ -142,13 +146,18 @@ def test_greedy_top2_equals_the_dense_greedy_path(vocab, packed):
     a, b = torch.arange(10) % vocab, (torch.arange(10) * 7 + 3) % vocab
     hidden[:10] = ((w[a] + w[b]) * 8).to(torch.bfloat16)     # near-ties between two ids
     hidden[10:12] = 0                                           # every logit 0: an exact tie over the vocab
-    tok, mar = greedy_top2(model, hidden, head)
+    tok, mar = greedy_top2(model, hidden, head, kernels)
     want_tok, want_mar = argmax_margin(greedy_logits(model, hidden, head))
     assert tok == want_tok.tolist() and mar == want_mar.tolist()
     assert tok[10] == 0 and mar[10] == 0.0
     exact = torch.nn.functional.linear(hidden.float(), model.lm_head_f32)
     chosen = exact.gather(1, torch.tensor(tok)[:, None])[:, 0]
     assert (exact.max(-1).values - chosen).max() < 1e-4   # the float32 argmax, up to float32 rounding
+    broken = hidden.clone()
+    broken[3, 0] = float("inf")   # non-finite logits in one row: the dense path decides, for every row
+    tok, mar = greedy_top2(model, broken, head, kernels)
+    want_tok, want_mar = argmax_margin(greedy_logits(model, broken, head))
+    assert tok == want_tok.tolist() and mar[:3] == want_mar[:3].tolist()
 
 
 def test_choose_mixes_greedy_and_sampled_rows_as_the_dense_sampler_does():
