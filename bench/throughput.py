@@ -7,7 +7,8 @@ Both run in this process on the same prompts, alternating, each case --repeats
 times (best kept), ours without prefix caching (every prompt computed, as
 transformers does); the table reports tokens/s and the ratio ours/HF. It also
 reports the steady decode step time at 1, 8, 32 and 64 running requests against
-the time to read every weight once (the roofline), measured in the same run.
+the time to read every weight once and against the step's matmul work at the
+bf16 peak (the two floors), both measured in the same run.
 Usage: python bench/throughput.py [--quick] [--repeats 3]
 """
 from __future__ import annotations
@@ -72,6 +73,27 @@ def weight_read_ms(model) -> tuple[float, float]:
     return best * 1000, sum(t.numel() * t.element_size() for t in unique) / 1e6
 
 
+def matmul_peak_gflops() -> float:
+    """bf16 matmul throughput at a large shape (compute bound), best of 5: with the
+    weight read, the other floor a decode step cannot beat."""
+    x, w = torch.randn(1024, 4096).to(torch.bfloat16), torch.randn(4096, 4096).to(torch.bfloat16)
+    with torch.inference_mode():
+        torch.nn.functional.linear(x, w)
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            torch.nn.functional.linear(x, w)
+            best = min(best, time.perf_counter() - t0)
+    return 2 * 1024 * 4096 * 4096 / best / 1e9
+
+
+def step_gflop(model, rows: int) -> float:
+    """Multiply-adds of a greedy decode step at `rows` rows: every projection and the
+    bf16 lm_head (attention's are a few percent at these contexts)."""
+    weights = [w for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    return 2 * rows * (sum(w.numel() for w in weights) + model.lm_head.numel()) / 1e9
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller runs (smoke test)")
@@ -106,17 +128,20 @@ def main():
         print(f"{name}: ours {n_us / t_us:.1f} tok/s, HF {n_hf / t_hf:.1f} tok/s", file=sys.stderr)
     engine.shutdown()
     read_ms, mb = weight_read_ms(loaded.model)
+    peak = matmul_peak_gflops()
     steps = {b: decode_step_ms(loaded, b) for b in (1, 8, 32, 64)}
     print(f"machine: {machine()}\n")
     print("| case | gateeng fast path tok/s | HF generate tok/s | ours / HF |")
     print("| --- | --- | --- | --- |")
     for name, a, b in rows:
         print(f"| {name} | {a:.1f} | {b:.1f} | {a / b:.2f}x |")
-    print(f"\nroofline: reading the weights once ({mb:.0f} MB) takes {read_ms:.1f} ms (best of 7)\n")
-    print("| running requests | decode step ms | step / weight read |")
-    print("| --- | --- | --- |")
+    print(f"\nroofline: reading the weights once ({mb:.0f} MB) takes {read_ms:.1f} ms (best of 7); bf16 matmuls "
+          f"peak at {peak:.0f} GFLOP/s (1024 x 4096 x 4096)\n")
+    print("| running requests | decode step ms | step / weight read | compute floor ms | step / max(read, compute) |")
+    print("| --- | --- | --- | --- | --- |")
     for b, ms in steps.items():
-        print(f"| {b} | {ms:.1f} | {ms / read_ms:.2f}x |")
+        floor = step_gflop(loaded.model, b) / peak * 1000
+        print(f"| {b} | {ms:.1f} | {ms / read_ms:.2f}x | {floor:.1f} | {ms / max(read_ms, floor):.2f}x |")
 
 
 if __name__ == "__main__":
