@@ -40,8 +40,11 @@ def main():
     args = ap.parse_args()
     n, T, n_inv_alone = args.prompts, args.tokens, args.invariant_alone
     loaded = load(None, "bfloat16")
-    fast = Engine(EngineConfig(), loaded=loaded)
-    inv = Engine(EngineConfig(plan="invariant"), loaded=loaded)
+    # No prefix caching: a batch run would find its prompts cached by the alone runs
+    # before it (and VERIFIED and plan=invariant by their own), so the wall times would
+    # compare cache states, not modes.
+    fast = Engine(EngineConfig(enable_prefix_caching=False), loaded=loaded)
+    inv = Engine(EngineConfig(plan="invariant", enable_prefix_caching=False), loaded=loaded)
     prompts = prompt_set(n, mixed=True)
     params = SamplingParams(max_tokens=T, ignore_eos=True)
     fast.generate(prompts[:2], SamplingParams(max_tokens=4))
