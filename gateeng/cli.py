@@ -57,13 +57,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "which bounds inter-token latency (0 = no limit beyond --max-num-batched-tokens)")
     p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse the KV of shared prompt prefixes")
     p.add_argument("--no-packed-weights", action="store_true",
-                   help="CPU: both plans multiply the plain weights instead of a packed copy (the C++ "
-                        "VDPBF16PS kernel's layout where the CPU has AVX-512 BF16, else oneDNN's); saves that "
-                        "copy's memory; steps get slower, and the invariant plan's bits change: kernel_plan says "
-                        "matmul=torch_mm")
+                   help="CPU: both plans multiply the plain weights instead of a packed copy (a C++ "
+                        "row-invariant kernel's layout: VDPBF16PS on AVX-512 BF16, else AVX2 FMA; else oneDNN's); "
+                        "saves that copy's memory; steps get slower, and the invariant plan's bits change: "
+                        "kernel_plan says matmul=torch_mm")
     p.add_argument("--no-cpu-kernels", action="store_true",
                    help="CPU: both plans use torch ops instead of the C++ kernels (norms, RoPE, SiLU, attention "
-                        "over the paged cache, the VDPBF16PS matmul), which are otherwise built on first use "
+                        "over the paged cache, the row-invariant matmul), which are otherwise built on first use "
                         "(needs a C++ compiler; about a minute, cached in $GATEENG_CACHE); the invariant plan's "
                         "bits change, and kernel_plan says attention=split")
     p.add_argument("--threads", type=int, default=None,

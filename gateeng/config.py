@@ -92,11 +92,11 @@ class EngineConfig:
     prefill_chunk: int = 16
     enable_prefix_caching: bool = True
     # CPU: both plans multiply a packed copy of the weights (LlamaModel.pack_weights):
-    # in the C++ VDPBF16PS kernel's layout where the CPU has AVX-512 BF16 and the C++
-    # kernels are on (row-invariant at any row count), else in oneDNN's; steps are
-    # several times faster where bf16 is native, for one or two more copies of the
-    # projection and lm_head weights in memory. The invariant plan's bits depend on it
-    # (kernel_plan: matmul=cpu_dpbf16, onednn_packed or torch_mm).
+    # with the C++ kernels on, in the layout of a row-invariant matmul (VDPBF16PS where
+    # the CPU has AVX-512 BF16, else AVX2 FMA), else in oneDNN's; steps are several
+    # times faster, for one or two more copies of the projection and lm_head weights
+    # in memory. The invariant plan's bits depend on it (kernel_plan: matmul=
+    # cpu_dpbf16, cpu_fma, onednn_packed or torch_mm).
     pack_fast_weights: bool = True
     # CPU: the C++ kernels (gateeng/cpu_ops.py: RMSNorm with the residual add, RoPE with
     # the KV store, the SiLU gate, attention over the paged cache in place, the

@@ -1,18 +1,21 @@
-"""x @ w.T on CPU bf16 weights packed once at load, in two layouts.
+"""x @ w.T on CPU bf16 weights packed once at load.
 
-- oneDNN's (`pack`): a plain bf16 weight is re-laid out for the matrix unit on
-  every call, so packing it at load makes the SmolLM2 lm_head at 32 rows 2-3x
-  faster on AVX-512 BF16 and AMX CPUs. Its kernel and blocking depend on the row
-  count, so a row's bits do too: the invariant plan calls it only on groups of
-  exactly its row count.
-- VDPBF16PS's (`pack_dpbf16`, kernels/cpu_ops.cpp, CPUs with AVX-512 BF16): a
-  row's bits do not depend on the row count at all, so the invariant plan calls
-  it on its real rows, unpadded. On a 2-core AVX-512 BF16 EPYC it is also the
-  faster of the two at every row count from 1 to 512 (bench/RESULTS.md).
+- The row-invariant C++ kernels (kernels/cpu_ops.cpp; `pack_rowwise`): VDPBF16PS
+  where the CPU has AVX-512 BF16 (`cpu_dpbf16`), else AVX2 fused multiply-adds
+  (`cpu_fma`). Every output is one fixed chain of multiply-adds over K, so a
+  row's bits do not depend on the row count: the invariant plan multiplies its
+  real rows, unpadded. On a 2-core AVX-512 BF16 EPYC the VDPBF16PS kernel is also
+  faster than oneDNN at every row count from 1 to 512 (bench/RESULTS.md).
+- oneDNN's layout (`pack`): a plain bf16 weight is re-laid out for the matrix
+  unit on every call, so packing it at load makes the SmolLM2 lm_head at 32 rows
+  2-3x faster on AVX-512 BF16 and AMX CPUs. Its kernel and blocking depend on the
+  row count, so a row's bits do too: the invariant plan calls it only on groups
+  of exactly its row count, where the row-invariant kernels are missing.
 
-`fast_linear` gives the fast plan, per weight, whichever of the two a start-up
-probe found faster at the step's row count. Anything else (CUDA, float32, a
-torch without oneDNN bf16, no kernels) gets F.linear on the plain weight.
+`fast_linear` gives the fast plan, per weight, whichever of a row-invariant kernel
+and the other (oneDNN, or F.linear on the plain weight) a start-up probe found
+faster at the step's row count. Anything else (CUDA, float32, no kernels) gets
+F.linear on the plain weight.
 """
 from __future__ import annotations
 
@@ -56,17 +59,38 @@ def pack(w: torch.Tensor, rows_hint: int = 32):
         return None
 
 
-def pack_dpbf16(w: torch.Tensor, kernels):
-    """A function x -> x @ w.T on w packed for the VDPBF16PS kernel (row-invariant at
-    any row count), or None where that kernel is missing or does not apply."""
-    if (kernels is None or not getattr(kernels, "dpbf16", False) or w.device.type != "cpu"
-            or w.dtype != torch.bfloat16 or w.dim() != 2 or w.shape[1] % 2):
+def rowwise_kernel(kernels) -> Optional[str]:
+    """The row-invariant matmul these kernels have on this CPU, by its kernel_plan
+    name, or None."""
+    if kernels is None:
         return None
-    packed, n = kernels.pack_dpbf16(w.detach()), w.shape[0]
+    if getattr(kernels, "dpbf16", False):
+        return "cpu_dpbf16"
+    if getattr(kernels, "fma8", False):
+        return "cpu_fma"
+    return None
 
-    def dpbf16(x):
-        return kernels.linear_dpbf16(x, packed, n)
-    return dpbf16 if _agrees(dpbf16, w) else None
+
+def pack_rowwise(w: torch.Tensor, kernels):
+    """A function x -> x @ w.T on w packed for the row-invariant kernel
+    (rowwise_kernel), or None where there is none or it does not apply."""
+    name = rowwise_kernel(kernels)
+    if name is None or w.device.type != "cpu" or w.dtype != torch.bfloat16 or w.dim() != 2:
+        return None
+    n = w.shape[0]
+    if name == "cpu_dpbf16":
+        if w.shape[1] % 2:
+            return None
+        packed = kernels.pack_dpbf16(w.detach())
+
+        def rowwise(x):
+            return kernels.linear_dpbf16(x, packed, n)
+    else:
+        packed = kernels.pack_fma8(w.detach())
+
+        def rowwise(x):
+            return kernels.linear_fma8(x, packed, n)
+    return rowwise if _agrees(rowwise, w) else None
 
 
 def _best_seconds(fn, x, repeats: int = 5) -> float:
@@ -79,24 +103,24 @@ def _best_seconds(fn, x, repeats: int = 5) -> float:
     return best
 
 
-def dpbf16_max_rows(dpbf16, onednn, k: int) -> Optional[int]:
-    """The largest probed row count up to which the dpbf16 kernel is not slower than
-    oneDNN (within 5%) at every probed count; None when that holds at all of them
-    (the oneDNN copy is then never needed). Timed on one weight, alternating."""
+def rowwise_max_rows(rowwise, other, k: int) -> Optional[int]:
+    """The largest probed row count up to which the row-invariant kernel is not
+    slower than `other` (within 5%) at every probed count; None when that holds at
+    all of them (`other` is then never needed). Timed on one weight, alternating."""
     for rows in PROBE_ROWS:
         x = torch.randn(rows, k).to(torch.bfloat16)
-        if _best_seconds(dpbf16, x) > 1.05 * _best_seconds(onednn, x):
+        if _best_seconds(rowwise, x) > 1.05 * _best_seconds(other, x):
             smaller = [r for r in PROBE_ROWS if r < rows]
             return smaller[-1] if smaller else 0
     return None
 
 
-def fast_linear(dpbf16, onednn, max_rows: Optional[int]):
+def fast_linear(rowwise, other, max_rows: Optional[int]):
     """x -> x @ w.T by whichever kernel the probe found faster at x's row count."""
-    if dpbf16 is None or onednn is None:
-        return dpbf16 or onednn
+    if rowwise is None or other is None:
+        return rowwise or other
     if max_rows is None:
-        return dpbf16
+        return rowwise
     if max_rows == 0:
-        return onednn
-    return lambda x: dpbf16(x) if x.shape[0] <= max_rows else onednn(x)
+        return other
+    return lambda x: rowwise(x) if x.shape[0] <= max_rows else other(x)

@@ -175,11 +175,12 @@ class Engine:
         m = self.model
         if not m.packed:
             return "plain weights"
-        if m.invariant_matmul != "cpu_dpbf16":
+        if not m.invariant_matmul.startswith("cpu_"):
             return "oneDNN packed weights"
-        if m.fast_dpbf16_max_rows is None:
-            return "VDPBF16PS packed weights (faster than oneDNN at every probed row count)"
-        return f"VDPBF16PS packed weights up to {m.fast_dpbf16_max_rows} rows, oneDNN's above"
+        kernel = {"cpu_dpbf16": "VDPBF16PS", "cpu_fma": "AVX2 FMA"}[m.invariant_matmul]
+        if m.fast_rowwise_max_rows is None:
+            return f"{kernel} packed weights (the faster kernel at every probed row count)"
+        return f"{kernel} packed weights up to {m.fast_rowwise_max_rows} rows, another kernel above"
 
     def _plans(self, cfg: EngineConfig, mc, kernels):
         """(fast plan, invariant plan, sampler) for the device: torch and the C++
@@ -188,8 +189,8 @@ class Engine:
             rows = cfg.invariant_rows or default_invariant_rows(reproducibility.cpu_model_and_isa()[1])
             m = self.model
             inv_packed, matmul = m.invariant_packed, m.invariant_matmul
-            if not cfg.pack_fast_weights or (matmul == "cpu_dpbf16" and kernels is None):
-                inv_packed, matmul = {}, "torch_mm"   # the dpbf16 matmul is one of the kernels
+            if not cfg.pack_fast_weights or (matmul.startswith("cpu_") and kernels is None):
+                inv_packed, matmul = {}, "torch_mm"   # the row-invariant matmul is one of the kernels
             return (FastPlan(cfg.fast_logit_noise, m.packed if cfg.pack_fast_weights else {}, kernels),
                     InvariantPlan(rows, cfg.attention_split, inv_packed, kernels, cfg.block_size, matmul),
                     sample_rows)

@@ -121,44 +121,47 @@ class LlamaModel(torch.nn.Module):
         self.packed = {}   # id(weight) -> x @ weight.T on a packed copy, for the fast plan (pack_weights)
         self.invariant_packed = {}   # the same for the invariant plan, whose bits depend on the kernel:
         self.invariant_matmul = "torch_mm"   # its name in kernel_plan
-        self.fast_dpbf16_max_rows = None   # pack_weights' probe (None: the dpbf16 kernel at every row count)
+        # pack_weights' probe: the fast plan takes the row-invariant kernel up to this many
+        # rows and the other one above (None: the row-invariant kernel at every row count).
+        self.fast_rowwise_max_rows = None
         lm_head = self.lm_head
         self.lm_head_bf16 = lambda x: torch.nn.functional.linear(x, lm_head)   # the greedy candidate search
 
     def pack_weights(self, kernels=None) -> None:
         """Keep every projection and the bf16 lm_head also packed (cpu_linear), for
-        both plans and the greedy candidate search. With the C++ kernels on a CPU
-        with AVX-512 BF16, the copy is in the VDPBF16PS kernel's layout: the
-        invariant plan multiplies it at any row count (row-invariant by
-        construction), and the fast plan wherever a start-up probe finds it faster
-        than oneDNN; a oneDNN copy is kept too only if the probe finds oneDNN faster
+        both plans and the greedy candidate search. With the C++ kernels (AVX-512
+        BF16 or AVX2 CPUs), the copy is in the row-invariant kernel's layout: the
+        invariant plan multiplies it at any row count, and the fast plan wherever a
+        start-up probe finds it faster than the other kernel (oneDNN's packed copy,
+        else the plain weight), which is kept too only if the probe finds it faster
         at some row count. Elsewhere the copy is oneDNN's, which the invariant plan
         multiplies in fixed row groups. One or two more copies of those weights in
         memory, for steps several times faster than on the plain weights."""
         if self.packed:
             return
         weights = [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        dpbf16 = {id(w): fn for w in weights if (fn := cpu_linear.pack_dpbf16(w, kernels)) is not None}
-        need_onednn = not dpbf16
-        if dpbf16:
+        rowwise = {id(w): fn for w in weights if (fn := cpu_linear.pack_rowwise(w, kernels)) is not None}
+
+        def other(w):   # the fast plan's alternative to the row-invariant kernel
+            return cpu_linear.pack(w) or (None if not rowwise else (lambda x: torch.nn.functional.linear(x, w)))
+        need_other = not rowwise
+        if rowwise:
             probe = self.layers[0].gate_up
-            onednn = cpu_linear.pack(probe)
-            if onednn is not None:
-                self.fast_dpbf16_max_rows = cpu_linear.dpbf16_max_rows(dpbf16[id(probe)], onednn, probe.shape[1])
-                need_onednn = self.fast_dpbf16_max_rows is not None
-        onednn = {id(w): fn for w in weights if need_onednn and (fn := cpu_linear.pack(w)) is not None}
+            self.fast_rowwise_max_rows = cpu_linear.rowwise_max_rows(rowwise[id(probe)], other(probe),
+                                                                     probe.shape[1])
+            need_other = self.fast_rowwise_max_rows is not None
+        others = {id(w): fn for w in weights if need_other and (fn := other(w)) is not None}
         for w in weights:
-            fn = cpu_linear.fast_linear(dpbf16.get(id(w)), onednn.get(id(w)), self.fast_dpbf16_max_rows)
+            fn = cpu_linear.fast_linear(rowwise.get(id(w)), others.get(id(w)), self.fast_rowwise_max_rows)
             if fn is not None:
                 self.packed[id(w)] = fn
         # Only weights really packed: the invariant plan's description says which kernel.
-        if dpbf16:
-            self.invariant_packed, self.invariant_matmul = dpbf16, "cpu_dpbf16"
-        elif onednn:
-            self.invariant_packed, self.invariant_matmul = onednn, "onednn_packed"
-        head = cpu_linear.fast_linear(cpu_linear.pack_dpbf16(self.lm_head, kernels),
-                                      cpu_linear.pack(self.lm_head) if need_onednn else None,
-                                      self.fast_dpbf16_max_rows)
+        if rowwise:
+            self.invariant_packed, self.invariant_matmul = rowwise, cpu_linear.rowwise_kernel(kernels)
+        elif others:
+            self.invariant_packed, self.invariant_matmul = others, "onednn_packed"
+        head = cpu_linear.fast_linear(cpu_linear.pack_rowwise(self.lm_head, kernels),
+                                      other(self.lm_head) if need_other else None, self.fast_rowwise_max_rows)
         self.lm_head_bf16 = head or self.lm_head_bf16
 
     def logits(self, hidden: torch.Tensor, plan) -> torch.Tensor:

@@ -410,9 +410,9 @@ class InvariantPlan(CpuKernelOps):
     its token, its position and its sequence's KV.
 
     Matmuls, by `matmul` (the weights `packed` were packed for it):
-      cpu_dpbf16: the VDPBF16PS kernel (kernels/cpu_ops.cpp), whose every output
-        is one fixed chain of dot products over K: row-invariant at any row count,
-        so it runs on the real rows, unpadded;
+      cpu_dpbf16 / cpu_fma: the VDPBF16PS or AVX2 FMA kernel (kernels/cpu_ops.cpp),
+        whose every output is one fixed chain of multiply-adds over K:
+        row-invariant at any row count, so it runs on the real rows, unpadded;
       onednn_packed / torch_mm: oneDNN's packed copy, or torch.mm on the plain
         weight, on row groups of exactly `rows` rows (the forward is padded to a
         multiple of them), so every call has the same M and the library picks the
@@ -447,8 +447,9 @@ class InvariantPlan(CpuKernelOps):
         self.matmul = matmul or ("onednn_packed" if self.packed else "torch_mm")
         self.kernels = kernels   # gateeng.cpu_ops' module, or None for torch ops
         self.block_size = block_size   # the KV cache's (the kernel attention's bits depend on it)
+        self.rowwise = self.matmul in ("cpu_dpbf16", "cpu_fma")   # the matmul is row-invariant
         # Every per-row op row-invariant at any row count: no padding rows.
-        self.grouped = not (self.matmul == "cpu_dpbf16" and kernels is not None)
+        self.grouped = not (self.rowwise and kernels is not None)
 
     @property
     def group_rows(self) -> int:
@@ -491,7 +492,7 @@ class InvariantPlan(CpuKernelOps):
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         fn = self.packed.get(id(w))
         if fn is not None:
-            return fn(x) if self.matmul == "cpu_dpbf16" else self._grouped(fn, x)
+            return fn(x) if self.rowwise else self._grouped(fn, x)
         n, c = x.shape[0], self.rows
         self._check_rows(n)
         out = torch.empty(n, w.shape[0], dtype=x.dtype, device=x.device)

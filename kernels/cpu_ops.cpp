@@ -412,6 +412,121 @@ torch::Tensor linear_dpbf16(torch::Tensor x, torch::Tensor packed, int64_t n) {
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+#define GATEENG_AVX2_FMA 1
+#include <immintrin.h>
+
+// x @ w.T for bf16 on CPUs with AVX2 and FMA (the matmul for those without AVX-512
+// BF16), on weights packed once (pack_fma8) as [ceil(N/8)][K][8]: per block of 8
+// output columns, per input k, the 8 columns' weights side by side. The weights stay
+// bf16 (a load widens 8 of them to float32 exactly); x is widened once per call.
+//
+// Invariant: output (m, n) is one lane's chain of float32 fused multiply-adds over
+// k = 0, 1, ..., K - 1 in that order, from zero, then rounded to bf16 (nearest even).
+// Nothing in it depends on the row count M, on the row's place, or on the thread:
+// row-invariant at any M, like the VDPBF16PS kernel (whose bits differ).
+// Tiles of 4 rows x 3 column blocks: 12 accumulators, 3 weight vectors and one
+// broadcast fill the 16 vector registers.
+torch::Tensor pack_fma8(torch::Tensor w) {
+  TORCH_CHECK(w.scalar_type() == torch::kBFloat16 && w.dim() == 2, "w must be a bf16 [N, K] matrix");
+  w = w.contiguous();
+  const int64_t n = w.size(0), k = w.size(1), blocks = (n + 7) / 8;
+  auto out = torch::zeros({blocks, k, 8}, w.options());
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      for (int64_t c = b * 8; c < std::min(n, b * 8 + 8); ++c) {
+        for (int64_t i = 0; i < k; ++i) dst[(b * k + i) * 8 + (c - b * 8)] = src[c * k + i];
+      }
+    }
+  });
+  return out;
+}
+
+// 8 floats rounded to bf16 (nearest even, as to<bf16>) and stored, the first `valid`
+// of them. In vector registers: an epilogue that read the accumulators from memory
+// made the compiler store every accumulator on every step of the K loop.
+inline void store_bf16x8(uint16_t* out, __m256 v, int64_t valid) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i hi = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m128i packed = _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(hi, hi), 0x08));
+  if (valid == 8) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), packed);
+  } else {
+    alignas(16) uint16_t tmp[8];
+    _mm_store_si128(reinterpret_cast<__m128i*>(tmp), packed);
+    std::memcpy(out, tmp, valid * sizeof(uint16_t));
+  }
+}
+
+template <int MR, int NR>
+inline void fma8_tile(const float* __restrict x, int64_t k, const uint16_t* __restrict w, int64_t block_stride,
+                      uint16_t* __restrict out, int64_t n, int64_t col) {
+  __m256 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
+  for (int64_t p = 0; p < k; ++p) {
+    __m256 wv[NR];
+    for (int j = 0; j < NR; ++j) {
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * block_stride + p * 8));
+      wv[j] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+    }
+    for (int i = 0; i < MR; ++i) {
+      const __m256 xv = _mm256_set1_ps(x[i * k + p]);
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+  for (int j = 0; j < NR; ++j) {
+    const int64_t c = col + j * 8, valid = std::min<int64_t>(8, n - c);
+    for (int i = 0; i < MR; ++i) store_bf16x8(out + i * n + c, acc[i][j], valid);
+  }
+}
+
+template <int NR>
+void fma8_rows(int mr, const float* x, int64_t k, const uint16_t* w, int64_t block_stride, uint16_t* out, int64_t n,
+               int64_t col) {
+  switch (mr) {
+    case 1: return fma8_tile<1, NR>(x, k, w, block_stride, out, n, col);
+    case 2: return fma8_tile<2, NR>(x, k, w, block_stride, out, n, col);
+    case 3: return fma8_tile<3, NR>(x, k, w, block_stride, out, n, col);
+    default: return fma8_tile<4, NR>(x, k, w, block_stride, out, n, col);
+  }
+}
+
+torch::Tensor linear_fma8(torch::Tensor x, torch::Tensor packed, int64_t n) {
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.device().is_cpu(), "x must be bf16 [M, K]");
+  TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.dim() == 3 && packed.size(2) == 8 &&
+                  packed.is_contiguous(), "packed must come from pack_fma8");
+  const int64_t m = x.size(0), k = x.size(1), blocks = packed.size(0);
+  TORCH_CHECK(packed.size(1) == k && (n + 7) / 8 == blocks, "packed weight does not match x or n");
+  const auto xf = x.to(torch::kFloat).contiguous();   // exact: every bf16 is a float32
+  auto out = torch::empty({m, n}, x.options());
+  const float* xp = xf.data_ptr<float>();
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const int64_t block_stride = k * 8;
+  constexpr int64_t NR = 3;
+  at::parallel_for(0, (blocks + NR - 1) / NR, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t b = t * NR;
+      for (int64_t r = 0; r < m; r += 4) {
+        const int mr = static_cast<int>(std::min<int64_t>(4, m - r));
+        if (b + NR <= blocks) {
+          fma8_rows<NR>(mr, xp + r * k, k, wp + b * block_stride, block_stride, op + r * n, n, b * 8);
+        } else {
+          for (int64_t b1 = b; b1 < blocks; ++b1) {
+            fma8_rows<1>(mr, xp + r * k, k, wp + b1 * block_stride, block_stride, op + r * n, n, b1 * 8);
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+#endif
+
 template <typename T>
 void dispatch_head_dim(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const int64_t* tables,
                        const int64_t* lens, torch::Tensor& out, int64_t batch, int64_t hq, int64_t hkv, int64_t d,
@@ -676,5 +791,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("dpbf16") = true;
 #else
   m.attr("dpbf16") = false;
+#endif
+#ifdef GATEENG_AVX2_FMA
+  m.def("pack_fma8", &pack_fma8, "a bf16 [N, K] weight in linear_fma8's layout");
+  m.def("linear_fma8", &linear_fma8, "x @ w.T on a pack_fma8 weight (row-invariant at any row count)");
+  m.attr("fma8") = true;
+#else
+  m.attr("fma8") = false;
 #endif
 }

@@ -118,30 +118,37 @@ def test_rope_store_rotates_and_stores_like_the_torch_ops(ops, dtype):
         ops.rope_store(qkv, cos, sin, k_cache, v_cache, torch.full((rows,), nb * bs), hq)
 
 
-def _dpbf16(ops):
-    if not ops.dpbf16:
-        pytest.skip("this CPU has no AVX-512 BF16: the dpbf16 matmul is not built")
-    return ops
+ROWWISE = {"dpbf16": ("pack_dpbf16", "linear_dpbf16"), "fma8": ("pack_fma8", "linear_fma8")}
 
 
+def _rowwise(ops, kernel):
+    """(pack, linear) of a row-invariant matmul kernel, or skip where this CPU lacks it."""
+    if not getattr(ops, kernel):
+        pytest.skip(f"this CPU lacks the {kernel} matmul's instructions (AVX-512 BF16 / AVX2 FMA)")
+    pack, linear = ROWWISE[kernel]
+    return getattr(ops, pack), getattr(ops, linear)
+
+
+@pytest.mark.parametrize("kernel", ROWWISE)
 @pytest.mark.parametrize("n, k, m", [(960, 576, 1), (577, 576, 5), (3072, 576, 13), (33, 64, 40)])
-def test_dpbf16_linear_is_x_times_w_transposed(ops, n, k, m):
-    ops = _dpbf16(ops)
+def test_rowwise_linear_is_x_times_w_transposed(ops, kernel, n, k, m):
+    pack, linear = _rowwise(ops, kernel)
     gen = torch.Generator().manual_seed(5)
     w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
-    got = ops.linear_dpbf16(x, ops.pack_dpbf16(w), n)
+    got = linear(x, pack(w), n)
     want = x.float() @ w.float().T
     assert got.dtype == torch.bfloat16 and got.shape == (m, n)
     # float32 sums of exact products, one bf16 rounding of the output
     assert torch.allclose(got.float(), want, rtol=2 ** -7, atol=1e-3 * float(want.abs().max()))
 
 
-def test_dpbf16_linear_gives_a_row_the_same_bits_at_any_row_count(ops):
-    ops = _dpbf16(ops)
+@pytest.mark.parametrize("kernel", ROWWISE)
+def test_rowwise_linear_gives_a_row_the_same_bits_at_any_row_count(ops, kernel):
+    pack, linear = _rowwise(ops, kernel)
     gen = torch.Generator().manual_seed(6)
-    w = ops.pack_dpbf16(torch.randn(200, 96, generator=gen).to(torch.bfloat16))
+    w = pack(torch.randn(200, 96, generator=gen).to(torch.bfloat16))
     x = torch.randn(37, 96, generator=gen).to(torch.bfloat16)
-    full = ops.linear_dpbf16(x, w, 200)
+    full = linear(x, w, 200)
     for rows in (slice(5, 6), slice(0, 9), slice(20, 37)):   # alone, a whole tile, a partial tile
-        assert torch.equal(ops.linear_dpbf16(x[rows], w, 200), full[rows])
+        assert torch.equal(linear(x[rows], w, 200), full[rows])
