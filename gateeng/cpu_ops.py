@@ -81,7 +81,12 @@ def load():
 
 def _build():
     try:
+        import os
+        import sys
         from torch.utils.cpp_extension import load as build
+        # torch's builder runs `ninja` from PATH; the one this environment installed sits
+        # beside its Python, which is not on PATH when the venv is not activated.
+        os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
         digest = _digest()   # runs the compiler once, for the build key and kernel_plan
         out = _build_dir(digest)
         out.mkdir(parents=True, exist_ok=True)
