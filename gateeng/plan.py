@@ -5,7 +5,7 @@ batch may change the bits: that is the phenomenon VERIFIED requests are
 protected from).
 
 InvariantPlan: no row's reductions depend on the batch. The per-row C++ kernels
-(norms, RoPE, SiLU, attention; on AVX-512 BF16 CPUs the matmul too) compute each
+(norms, RoPE, SiLU, attention; with AVX-512 BF16 or AVX2 the matmul too) compute each
 row start to finish in one thread, by construction; other matmuls run on row
 groups of exactly `rows` (padded), so each call has the same M; the torch
 fallback attention splits keys at fixed absolute positions; a greedy row's
