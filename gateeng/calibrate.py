@@ -129,10 +129,13 @@ def recommend(rows: list, target_miss: float) -> Optional[float]:
 
 # ---- measurement ---------------------------------------------------------------
 def _reference(loaded, prompts: list, n_tokens: int, dtype: str, progress):
-    """(reference token ids per prompt, the invariant plan that made them, its Reproducibility record)."""
+    """(reference token ids per prompt, the invariant plan that made them, the fast
+    plan as the engine serves it (packed weights, C++ kernels), the Reproducibility
+    record)."""
     from gateeng.config import EngineConfig
     from gateeng.engine import Engine
     from gateeng.request import SamplingParams
+    from gateeng.scheduler import Kind
     engine = Engine(EngineConfig(plan="invariant", dtype=dtype), loaded=loaded)
     try:
         handles = engine.submit_many(prompts, SamplingParams(max_tokens=n_tokens, ignore_eos=True))
@@ -140,7 +143,7 @@ def _reference(loaded, prompts: list, n_tokens: int, dtype: str, progress):
         for h in handles:
             out.append(h.result().token_ids)
             progress.update(1)
-        return out, engine.invariant_plan, asdict(engine.reproducibility)
+        return out, engine.invariant_plan, engine.runner.plans[Kind.FAST], asdict(engine.reproducibility)
     finally:
         engine.shutdown()
 
@@ -191,15 +194,14 @@ def calibrate(loaded, prompts: list, n_tokens: int = 64, batch_sizes=(1, 8, 32),
     from tqdm import tqdm
 
     from gateeng.model import KVCache
-    from gateeng.plan import FastPlan
 
     groups = {b: [list(range(i, min(i + b, len(prompts)))) for i in range(0, len(prompts), b)]
               for b in batch_sizes}
     total = len(prompts) + sum(len(g) for g in groups.values())
     with tqdm(total=total, desc="calibrate", unit="batch", file=sys.stderr, disable=not show_progress) as bar:
         bar.set_postfix_str("reference decode")
-        refs, invariant, machine = _reference(loaded, prompts, n_tokens, dtype, bar)
-        model, fast = loaded.model, fast or FastPlan()
+        refs, invariant, served, machine = _reference(loaded, prompts, n_tokens, dtype, bar)
+        model, fast = loaded.model, fast or served
         most = max(sum(-(-(len(prompts[i]) + n_tokens) // block_size) for i in g)
                    for gs in groups.values() for g in gs)
         kv = KVCache(loaded.config, most, block_size, model.dtype, model.embed.device)

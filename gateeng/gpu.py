@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from gateeng.kernels import reference as ref
-from gateeng.plan import FastPlan, InvariantAttnMeta, InvariantPlan, Rows, row_block_tables
+from gateeng.plan import FastPlan, InvariantAttnMeta, InvariantPlan, Rows, seq_block_tables
 
 
 class TritonInvariantPlan(InvariantPlan):
@@ -44,10 +44,7 @@ class TritonInvariantPlan(InvariantPlan):
     def hidden(self, model, kv, rows: Rows) -> torch.Tensor:
         dev = model.embed.device
         n = len(rows)
-        row_table = [None] * n
-        for start, end, table in rows.seqs:
-            row_table[start:end] = [table] * (end - start)
-        tables = row_block_tables(row_table, max(p // kv.block_size + 1 for p in rows.positions))
+        tables = seq_block_tables(rows.seqs, n, max(p // kv.block_size + 1 for p in rows.positions))
         pos = torch.tensor(rows.positions, device=dev)
         meta = InvariantAttnMeta(tables.to(dev), pos, self.split)
         hidden = model(torch.tensor(rows.input_ids, device=dev), pos, torch.tensor(rows.slots, device=dev),
