@@ -127,7 +127,7 @@ class Engine:
             self.model.pack_weights(kernels)
         fast, self.invariant_plan, sample = self._plans(cfg, mc, kernels)
         if cfg.device == "cpu":
-            log(f"fast plan: {self._fast_matmul()}, {'C++ kernels' if kernels is not None else 'torch ops'} "
+            log(f"fast plan: {self._fast_matmul(cfg)}, {'C++ kernels' if kernels is not None else 'torch ops'} "
                 f"for norms, RoPE, SiLU and attention; invariant plan {self.invariant_plan.describe(cfg.dtype)}")
         self.route = RoutePolicy(cfg.verified_route, group_rows=self.invariant_plan.group_rows,
                                  replay_delay=cfg.max_verify_delay)
@@ -171,9 +171,9 @@ class Engine:
         layer = self.model.layers[0]
         return [layer.qkv, layer.o, layer.gate_up, layer.down, self.model.lm_head_f32]
 
-    def _fast_matmul(self) -> str:
+    def _fast_matmul(self, cfg: EngineConfig) -> str:
         m = self.model
-        if not m.packed:
+        if not m.packed or not cfg.pack_fast_weights:
             return "plain weights"
         if not m.invariant_matmul.startswith("cpu_"):
             return "oneDNN packed weights"
