@@ -4,7 +4,8 @@ Each of the plan's parts is wrapped in a wall-clock timer (projections,
 attention, norms with the residual adds, RoPE with the KV store, the SiLU gate,
 the lm_head with the token choice), a steady decode step (every prompt
 prefilled) is run several times, and the rest of the step (embedding, step
-metadata, scheduling, Python) is reported as "other". Timers add about a microsecond per call. Prints the CPU and its ISA.
+metadata, scheduling, Python) is reported as "other". Timers add about a
+microsecond per call. Prints the CPU and its ISA.
 With --plans fast,invariant both plans are profiled, the invariant one on an
 engine with plan=invariant (every request decodes on it).
 Usage: python bench/step_profile.py [--batches 1,8,32,64] [--steps 8] [--plans fast]
