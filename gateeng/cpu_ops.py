@@ -1,8 +1,9 @@
 """The CPU kernels both plans use (kernels/cpu_ops.cpp): RMSNorm (alone and after
 the residual add), RoPE with the K/V store, the SiLU gate, attention that reads
-the paged KV cache in place, one query row per call row, and where the CPU has
-AVX-512 BF16 a matmul on VDPBF16PS-packed weights. Each computes a row start to
-finish in one thread, so all are row-invariant at any row count.
+the paged KV cache in place, one query row per call row, and a matmul on packed
+weights (VDPBF16PS where the CPU has AVX-512 BF16, AVX2 FMA elsewhere). Each
+computes a row start to finish in one thread, so all are row-invariant at any row
+count.
 
 Built on first use with torch's C++ extension builder (a C++ compiler is needed;
 about a minute on 2 cores) into $GATEENG_CACHE, keyed by the source, the torch
@@ -16,6 +17,9 @@ kernel_plan change with it), and the log says why (EngineConfig.cpu_kernels /
 from __future__ import annotations
 
 import hashlib
+import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -42,8 +46,6 @@ def _cpu_flags() -> str:
 def _compiler() -> str:
     """The C++ compiler's version line (the one torch's builder calls): another
     compiler may vectorize a reduction differently, which changes bits."""
-    import os
-    import subprocess
     try:
         out = subprocess.run([os.environ.get("CXX", "c++"), "--version"], capture_output=True, text=True, timeout=30)
         return out.stdout.splitlines()[0] if out.stdout else "unknown"
@@ -81,8 +83,6 @@ def load():
 
 def _build():
     try:
-        import os
-        import sys
         from torch.utils.cpp_extension import load as build
         # torch's builder runs `ninja` from PATH; the one this environment installed sits
         # beside its Python, which is not on PATH when the venv is not activated.

@@ -140,29 +140,27 @@ class LlamaModel(torch.nn.Module):
         if self.packed:
             return
         weights = [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        rowwise = {id(w): fn for w in weights if (fn := cpu_linear.pack_rowwise(w, kernels)) is not None}
+        every = weights + [self.lm_head]
+        rowwise = {id(w): fn for w in every if (fn := cpu_linear.pack_rowwise(w, kernels)) is not None}
 
         def other(w):   # the fast plan's alternative to the row-invariant kernel
             return cpu_linear.pack(w) or (None if not rowwise else (lambda x: torch.nn.functional.linear(x, w)))
-        need_other = not rowwise
         if rowwise:
             probe = self.layers[0].gate_up
             self.fast_rowwise_max_rows = cpu_linear.rowwise_max_rows(rowwise[id(probe)], other(probe),
                                                                      probe.shape[1])
-            need_other = self.fast_rowwise_max_rows is not None
-        others = {id(w): fn for w in weights if need_other and (fn := other(w)) is not None}
-        for w in weights:
-            fn = cpu_linear.fast_linear(rowwise.get(id(w)), others.get(id(w)), self.fast_rowwise_max_rows)
-            if fn is not None:
-                self.packed[id(w)] = fn
+        need_other = not rowwise or self.fast_rowwise_max_rows is not None   # it serves some row counts
+        others = {id(w): other(w) for w in every} if need_other else {}
+        fast = {id(w): cpu_linear.fast_linear(rowwise.get(id(w)), others.get(id(w)), self.fast_rowwise_max_rows)
+                for w in every}
+        self.packed = {id(w): fast[id(w)] for w in weights if fast[id(w)] is not None}
+        self.lm_head_bf16 = fast[id(self.lm_head)] or self.lm_head_bf16
         # Only weights really packed: the invariant plan's description says which kernel.
         if rowwise:
-            self.invariant_packed, self.invariant_matmul = rowwise, cpu_linear.rowwise_kernel(kernels)
-        elif others:
-            self.invariant_packed, self.invariant_matmul = others, "onednn_packed"
-        head = cpu_linear.fast_linear(cpu_linear.pack_rowwise(self.lm_head, kernels),
-                                      other(self.lm_head) if need_other else None, self.fast_rowwise_max_rows)
-        self.lm_head_bf16 = head or self.lm_head_bf16
+            self.invariant_packed = {id(w): rowwise[id(w)] for w in weights if id(w) in rowwise}
+            self.invariant_matmul = cpu_linear.rowwise_kernel(kernels)
+        elif self.packed:
+            self.invariant_packed, self.invariant_matmul = dict(self.packed), "onednn_packed"
 
     def logits(self, hidden: torch.Tensor, plan) -> torch.Tensor:
         return plan.linear(hidden.float(), self.lm_head_f32)

@@ -58,17 +58,6 @@ def seq_block_tables(seqs: list, num_rows: int, width: int) -> torch.Tensor:
     return out
 
 
-def row_block_tables(tables: list, width: int) -> torch.Tensor:
-    """[len(tables), width] block ids, one row per query row; zeros past a table's
-    end (those keys are masked by position) and for padding rows (table None)."""
-    out = torch.zeros(len(tables), width, dtype=torch.int64)
-    for i, t in enumerate(tables):
-        if t:
-            t = t[:width]
-            out[i, :len(t)] = torch.tensor(t, dtype=torch.int64)
-    return out
-
-
 def _greedy_bound(model, hidden: torch.Tensor, largest: torch.Tensor) -> torch.Tensor:
     """[rows] bound on |bf16 logit - float32 logit| for every id (see greedy_logits),
     given each row's largest |bf16 logit|."""
@@ -309,7 +298,7 @@ class FastPlan(CpuKernelOps):
             ctx = rows.positions[end - 1] + 1
             if end - start == 1:
                 dec_rows.append(start)
-                dec_tables.append(table)
+                dec_tables.append((len(dec_tables), len(dec_tables) + 1, table))
                 dec_ctx.append(ctx)
             else:
                 slots = _slot_tensor(table, ctx, block_size, dev)
@@ -318,7 +307,7 @@ class FastPlan(CpuKernelOps):
                 prefill.append((start, end, slots, mask))
         lmax = max(dec_ctx, default=0)
         width = -(-lmax // block_size)
-        tables = row_block_tables(dec_tables, width)
+        tables = seq_block_tables(dec_tables, len(dec_tables), width)
         meta = FastAttnMeta(prefill, torch.tensor(dec_rows, dtype=torch.int64, device=dev), tables,
                             torch.tensor(dec_ctx, dtype=torch.int64))
         if self.kernels is None or dev.type != "cpu":
@@ -483,7 +472,8 @@ class InvariantPlan(CpuKernelOps):
         parts = [f"rows={self.rows}"]
         parts.append(f"matmul={self.matmul if self.packed and dtype == 'bfloat16' else 'torch_mm'}")
         if self.kernels is not None:
-            # The kernels' digest: their source, compiler and torch (the CPU is in device_kind).
+            # The kernels' digest: their source, compiler, its flags and torch (the CPU is in
+            # device_kind).
             digest = getattr(self.kernels, "digest", "?")
             parts += [f"attention=cpu_paged(block={self.block_size})", "norm_rope_silu=cpu", f"cpu_ops={digest}"]
         else:

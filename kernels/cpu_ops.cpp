@@ -28,6 +28,10 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 // Conversions written as bit operations, which the compiler vectorizes (the
@@ -227,9 +231,55 @@ void decode_attention_rows(const T* q, const T* k, const T* v, const int64_t* ta
   });
 }
 
+// The row-invariant matmuls' shared pieces. Weights are packed once into column
+// blocks, [ceil(N/C)][KK][C] of E: per block of C output columns and per input step
+// p, the C columns' elements side by side (E: one bf16, or a pair of them for
+// VDPBF16PS). Zero columns pad the last block.
+template <typename E, int64_t C>
+void interleave_columns(const E* src, E* dst, int64_t n, int64_t kk) {
+  at::parallel_for(0, (n + C - 1) / C, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      for (int64_t c = b * C; c < std::min(n, b * C + C); ++c) {
+        for (int64_t p = 0; p < kk; ++p) dst[(b * kk + p) * C + (c - b * C)] = src[c * kk + p];
+      }
+    }
+  });
+}
+
+// f(std::integral_constant<int, mr>) for a runtime 1 <= mr <= MAX: a tile's row count
+// is a compile-time constant, so its accumulators live in registers.
+template <int MAX, typename F>
+inline void with_rows(int mr, F&& f) {
+  if constexpr (MAX > 1) {
+    if (mr < MAX) return with_rows<MAX - 1>(mr, f);
+  }
+  f(std::integral_constant<int, MAX>{});
+}
+
+// tile(rows, cols, r, b) over row tiles of up to MR rows (from row r) and column tiles
+// of NR blocks (from block b; the blocks past the last whole tile one at a time);
+// rows and cols are integral constants. Threads split the column tiles, and each
+// tile runs over the whole K, so no output's chain depends on the tiling.
+template <int MR, int NR, typename Tile>
+void for_each_tile(int64_t m, int64_t blocks, Tile tile) {
+  at::parallel_for(0, (blocks + NR - 1) / NR, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t b = t * NR;
+      for (int64_t r = 0; r < m; r += MR) {
+        with_rows<MR>(static_cast<int>(std::min<int64_t>(MR, m - r)), [&](auto rows) {
+          if (b + NR <= blocks) {
+            tile(rows, std::integral_constant<int, NR>{}, r, b);
+          } else {
+            for (int64_t b1 = b; b1 < blocks; ++b1) tile(rows, std::integral_constant<int, 1>{}, r, b1);
+          }
+        });
+      }
+    }
+  });
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define GATEENG_AVX512_BF16 1
-#include <immintrin.h>
 
 // 16 bf16 values as 16 floats (exact: a bf16 is the top half of a float).
 inline __m512 load_bf16x16(const at::BFloat16* p) {
@@ -308,9 +358,7 @@ void decode_attention_bf16(const at::BFloat16* q, const at::BFloat16* k, const a
     }
   });
 }
-#endif
 
-#ifdef GATEENG_AVX512_BF16
 // x @ w.T for bf16, on weights packed once (pack_dpbf16) into VDPBF16PS's operand
 // layout: [ceil(N/16)][K/2][16][2], i.e. per block of 16 output columns and per pair
 // of inputs k, 2k+1, the 16 columns' two weights side by side. One instruction then
@@ -329,17 +377,10 @@ torch::Tensor pack_dpbf16(torch::Tensor w) {
   TORCH_CHECK(w.scalar_type() == torch::kBFloat16 && w.dim() == 2 && w.size(1) % 2 == 0,
               "w must be a bf16 [N, K] matrix with K even");
   w = w.contiguous();
-  const int64_t n = w.size(0), k = w.size(1), kp = k / 2, blocks = (n + 15) / 16;
-  auto out = torch::zeros({blocks, kp, 16, 2}, w.options());
-  const uint32_t* src = reinterpret_cast<const uint32_t*>(w.data_ptr<at::BFloat16>());   // k pairs
-  uint32_t* dst = reinterpret_cast<uint32_t*>(out.data_ptr<at::BFloat16>());
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      for (int64_t c = b * 16; c < std::min(n, b * 16 + 16); ++c) {
-        for (int64_t p = 0; p < kp; ++p) dst[(b * kp + p) * 16 + (c - b * 16)] = src[c * kp + p];
-      }
-    }
-  });
+  const int64_t n = w.size(0), kp = w.size(1) / 2;
+  auto out = torch::zeros({(n + 15) / 16, kp, 16, 2}, w.options());
+  interleave_columns<uint32_t, 16>(reinterpret_cast<const uint32_t*>(w.data_ptr<at::BFloat16>()),   // k pairs
+                                   reinterpret_cast<uint32_t*>(out.data_ptr<at::BFloat16>()), n, kp);
   return out;
 }
 
@@ -368,21 +409,6 @@ inline void dpbf16_tile(const u16* x, int64_t k, const u16* w, int64_t block_str
   }
 }
 
-template <int NR>
-void dpbf16_rows(int mr, const u16* x, int64_t k, const u16* w, int64_t block_stride, u16* out, int64_t n,
-                 int64_t col) {
-  switch (mr) {
-    case 1: return dpbf16_tile<1, NR>(x, k, w, block_stride, out, n, col);
-    case 2: return dpbf16_tile<2, NR>(x, k, w, block_stride, out, n, col);
-    case 3: return dpbf16_tile<3, NR>(x, k, w, block_stride, out, n, col);
-    case 4: return dpbf16_tile<4, NR>(x, k, w, block_stride, out, n, col);
-    case 5: return dpbf16_tile<5, NR>(x, k, w, block_stride, out, n, col);
-    case 6: return dpbf16_tile<6, NR>(x, k, w, block_stride, out, n, col);
-    case 7: return dpbf16_tile<7, NR>(x, k, w, block_stride, out, n, col);
-    default: return dpbf16_tile<8, NR>(x, k, w, block_stride, out, n, col);
-  }
-}
-
 torch::Tensor linear_dpbf16(torch::Tensor x, torch::Tensor packed, int64_t n) {
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.device().is_cpu(), "x must be bf16 [M, K]");
   TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.dim() == 4 && packed.size(2) == 16 &&
@@ -395,18 +421,9 @@ torch::Tensor linear_dpbf16(torch::Tensor x, torch::Tensor packed, int64_t n) {
   const u16* wp = reinterpret_cast<const u16*>(packed.data_ptr<at::BFloat16>());
   u16* op = reinterpret_cast<u16*>(out.data_ptr<at::BFloat16>());
   const int64_t block_stride = k * 16;
-  at::parallel_for(0, (blocks + 1) / 2, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t pair = begin; pair < end; ++pair) {
-      const int64_t b = pair * 2;
-      for (int64_t r = 0; r < m; r += 8) {
-        const int mr = static_cast<int>(std::min<int64_t>(8, m - r));
-        if (b + 1 < blocks) {
-          dpbf16_rows<2>(mr, xp + r * k, k, wp + b * block_stride, block_stride, op + r * n, n, b * 16);
-        } else {
-          dpbf16_rows<1>(mr, xp + r * k, k, wp + b * block_stride, block_stride, op + r * n, n, b * 16);
-        }
-      }
-    }
+  for_each_tile<8, 2>(m, blocks, [&](auto rows, auto cols, int64_t r, int64_t b) {
+    dpbf16_tile<decltype(rows)::value, decltype(cols)::value>(xp + r * k, k, wp + b * block_stride, block_stride,
+                                                              op + r * n, n, b * 16);
   });
   return out;
 }
@@ -414,7 +431,6 @@ torch::Tensor linear_dpbf16(torch::Tensor x, torch::Tensor packed, int64_t n) {
 
 #if defined(__AVX2__) && defined(__FMA__)
 #define GATEENG_AVX2_FMA 1
-#include <immintrin.h>
 
 // x @ w.T for bf16 on CPUs with AVX2 and FMA (the matmul for those without AVX-512
 // BF16), on weights packed once (pack_fma8) as [ceil(N/8)][K][8]: per block of 8
@@ -430,17 +446,10 @@ torch::Tensor linear_dpbf16(torch::Tensor x, torch::Tensor packed, int64_t n) {
 torch::Tensor pack_fma8(torch::Tensor w) {
   TORCH_CHECK(w.scalar_type() == torch::kBFloat16 && w.dim() == 2, "w must be a bf16 [N, K] matrix");
   w = w.contiguous();
-  const int64_t n = w.size(0), k = w.size(1), blocks = (n + 7) / 8;
-  auto out = torch::zeros({blocks, k, 8}, w.options());
-  const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
-  uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      for (int64_t c = b * 8; c < std::min(n, b * 8 + 8); ++c) {
-        for (int64_t i = 0; i < k; ++i) dst[(b * k + i) * 8 + (c - b * 8)] = src[c * k + i];
-      }
-    }
-  });
+  const int64_t n = w.size(0), k = w.size(1);
+  auto out = torch::zeros({(n + 7) / 8, k, 8}, w.options());
+  interleave_columns<uint16_t, 8>(reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()),
+                                  reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), n, k);
   return out;
 }
 
@@ -484,17 +493,6 @@ inline void fma8_tile(const float* __restrict x, int64_t k, const uint16_t* __re
   }
 }
 
-template <int NR>
-void fma8_rows(int mr, const float* x, int64_t k, const uint16_t* w, int64_t block_stride, uint16_t* out, int64_t n,
-               int64_t col) {
-  switch (mr) {
-    case 1: return fma8_tile<1, NR>(x, k, w, block_stride, out, n, col);
-    case 2: return fma8_tile<2, NR>(x, k, w, block_stride, out, n, col);
-    case 3: return fma8_tile<3, NR>(x, k, w, block_stride, out, n, col);
-    default: return fma8_tile<4, NR>(x, k, w, block_stride, out, n, col);
-  }
-}
-
 torch::Tensor linear_fma8(torch::Tensor x, torch::Tensor packed, int64_t n) {
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.device().is_cpu(), "x must be bf16 [M, K]");
   TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.dim() == 3 && packed.size(2) == 8 &&
@@ -507,21 +505,9 @@ torch::Tensor linear_fma8(torch::Tensor x, torch::Tensor packed, int64_t n) {
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const int64_t block_stride = k * 8;
-  constexpr int64_t NR = 3;
-  at::parallel_for(0, (blocks + NR - 1) / NR, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t b = t * NR;
-      for (int64_t r = 0; r < m; r += 4) {
-        const int mr = static_cast<int>(std::min<int64_t>(4, m - r));
-        if (b + NR <= blocks) {
-          fma8_rows<NR>(mr, xp + r * k, k, wp + b * block_stride, block_stride, op + r * n, n, b * 8);
-        } else {
-          for (int64_t b1 = b; b1 < blocks; ++b1) {
-            fma8_rows<1>(mr, xp + r * k, k, wp + b1 * block_stride, block_stride, op + r * n, n, b1 * 8);
-          }
-        }
-      }
-    }
+  for_each_tile<4, 3>(m, blocks, [&](auto rows, auto cols, int64_t r, int64_t b) {
+    fma8_tile<decltype(rows)::value, decltype(cols)::value>(xp + r * k, k, wp + b * block_stride, block_stride,
+                                                            op + r * n, n, b * 8);
   });
   return out;
 }
