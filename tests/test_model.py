@@ -198,11 +198,16 @@ def test_choose_mixes_greedy_and_sampled_rows_as_the_dense_sampler_does():
         assert choose(plan, model, hidden, specs, sampler.sample) == dense
 
 
-@pytest.mark.parametrize("chunk", [1, 3])
-def test_fast_plan_with_cpu_kernels_matches_transformers(chunk):
-    """RMSNorm and decode attention from gateeng.cpu_ops: float32 logits as close to
-    transformers as the torch ops give, in pure decode steps (chunk 1) and in steps
-    that mix decode rows with prefill chunks (chunk 3)."""
+@pytest.mark.parametrize("chunk,kernel_work", [(1, None), (3, None), (3, 0), (None, 80)])
+def test_fast_plan_with_cpu_kernels_matches_transformers(chunk, kernel_work, monkeypatch):
+    """RMSNorm and attention from gateeng.cpu_ops: float32 logits as close to
+    transformers as the torch ops give, in pure decode steps (chunk 1), in steps that
+    mix decode rows with prefill chunks the kernel attends row by row (chunk 3), with
+    SDPA taking every chunk (work limit 0), and in one step whose 17- and 11-token
+    prompts go to SDPA while the 7-token one (49 <= 80) goes to the kernel."""
+    from gateeng import plan as plan_mod
+    if kernel_work is not None:
+        monkeypatch.setattr(plan_mod, "KERNEL_PREFILL_WORK", kernel_work)
     kernels = cpu_kernels()
     hf = hf_tiny()
     loaded = tiny_loaded("float32", hf)
