@@ -13,7 +13,9 @@ request from the arrival times of its streamed tokens (a VERIFIED_ONLY stream
 shows a token once it is verified, so verification delays count). The machine is
 shared and noisy, so every mode runs once per round and each round's ratios are
 taken against that round's own all-OFF and plan=invariant runs; a second table
-compares each mode's fastest run (noise only adds time).
+compares each mode's fastest run (noise only adds time), a third the median of
+the per-round ratios. Each mode also reports its engine steps and forward passes
+per plan: the work it adds, which the host's noise does not move.
 
 Usage: python bench/mixed.py [--prompts 20] [--tokens 96] [--quick]
 """
@@ -30,14 +32,34 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import machine, prompt_set  # noqa: E402
 
 from gateeng.config import EngineConfig  # noqa: E402
-from gateeng.engine import Engine  # noqa: E402
+from gateeng.engine import Engine, Observer  # noqa: E402
 from gateeng.loader import load  # noqa: E402
 from gateeng.outputs import Chunk, Completion  # noqa: E402
 from gateeng.request import DeterminismParams, Mode, SamplingParams  # noqa: E402
 
 
+class PassCounter(Observer):
+    """Engine steps and forward passes per plan: the work a mode adds, free of the
+    host's noise."""
+
+    def __init__(self):
+        self.steps = 0
+        self.passes = {"fast": 0, "invariant": 0}
+
+    def on_step(self, record) -> None:
+        self.steps += 1
+        for kind in record.plan_seconds:
+            self.passes[kind] += 1
+
+    def describe(self) -> str:
+        return f"{self.steps} / {self.passes['fast']} + {self.passes['invariant']}"
+
+
 def run(engine, prompts, params, dets):
-    """(wall seconds, per request: (mode, tokens, e2e s, tpot s), completions)."""
+    """(wall seconds, per request: (mode, tokens, e2e s, tpot s), completions,
+    steps and passes)."""
+    counter = PassCounter()
+    engine.set_observer(counter)
     times = [[] for _ in prompts]
     done = [None] * len(prompts)
     t0 = time.perf_counter()
@@ -60,7 +82,7 @@ def run(engine, prompts, params, dets):
     for ts, (c, end) in zip(times, done):
         tpot = (ts[-1] - ts[0]) / (len(ts) - 1) if len(ts) > 1 else float("nan")
         rows.append((c.mode, c.completion_tokens, end - t0, tpot))
-    return wall, rows, [c for c, _ in done]
+    return wall, rows, [c for c, _ in done], counter.describe()
 
 
 def plan_steps_ms(loaded, batch: int, tokens: int, reps: int = 5, invariant_rows: int = 0) -> tuple:
@@ -178,7 +200,7 @@ def main():
                 dets, ver = mix(0.1, DeterminismParams(Mode.VERIFIED, margin_threshold=tau, max_window=w))
                 off = [i for i in range(n) if i not in ver]
                 e = engine(verified_route=route)
-                _, rows, comps = run(e, prompts, params, dets)
+                _, rows, comps, _ = run(e, prompts, params, dets)
                 e.shutdown()
                 same &= all(comps[i].token_ids == ref[i].token_ids for i in ver)
                 latency.setdefault((route, name), []).append((
@@ -188,13 +210,13 @@ def main():
 
     def cells(name, r, wall_off, rows_off, rows_inv):
         """One mode's table cells for one of its runs, against the given baselines."""
-        wall, rows, comps = r
+        wall, rows, comps, work = r
         if name == "all OFF":
             return (f"{wall:.1f} s", "1.00x", f"{rate(rows, range(n), wall):.0f}", "100%",
-                    f"{tpot(rows, range(n)) * 1e3:.0f} ms", "-", "-", "-", "-")
+                    f"{tpot(rows, range(n)) * 1e3:.0f} ms", "-", "-", "-", "-", work)
         if name == "plan=invariant":
             return (f"{wall:.1f} s", f"{wall / wall_off:.2f}x", "-", "-", "-", f"{rate(rows, range(n), wall):.0f}",
-                    f"{tpot(rows, range(n)) * 1e3:.0f} ms", "1.00x", "-")
+                    f"{tpot(rows, range(n)) * 1e3:.0f} ms", "1.00x", "-", work)
         dets, ver = mix(fractions[name])
         off = [i for i in range(n) if i not in ver]
         spec = sum(comps[i].stats.decode_steps for i in ver)
@@ -202,18 +224,20 @@ def main():
         return (f"{wall:.1f} s", f"{wall / wall_off:.2f}x", f"{rate(rows, off, wall):.0f}" if off else "-",
                 f"{tput(rows, off) / tput(rows_off, off):.1%}" if off else "-",
                 f"{tpot(rows, off) * 1e3:.0f} ms" if off else "-", f"{rate(rows, ver, wall):.0f}",
-                f"{tpot(rows, ver) * 1e3:.0f} ms", f"{tput(rows, ver) / tput(rows_inv, ver):.2f}x", f"{spec} / {direct}")
+                f"{tpot(rows, ver) * 1e3:.0f} ms", f"{tput(rows, ver) / tput(rows_inv, ver):.2f}x", f"{spec} / {direct}",
+                work)
 
     header = ("| mode | wall time | vs all-OFF | OFF tok/s | OFF throughput kept | OFF TPOT | VERIFIED tok/s | "
-              "VERIFIED TPOT | VERIFIED vs plan=invariant | VERIFIED decode steps speculative / direct |\n"
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+              "VERIFIED TPOT | VERIFIED vs plan=invariant | VERIFIED decode steps speculative / direct | "
+              "engine steps / passes fast + invariant |\n"
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     order = ["all OFF"] + list(fractions) + ["plan=invariant"]
     print("Each round against its own all-OFF and plan=invariant runs (figures per round, separated by ;):\n")
     print(header)
     for name in order:
         per_round = [cells(name, runs[name][k], runs["all OFF"][k][0], runs["all OFF"][k][1],
                            runs["plan=invariant"][k][1]) for k in range(args.rounds)]
-        print(f"| {name} | " + " | ".join("; ".join(c[j] for c in per_round) for j in range(9)) + " |")
+        print(f"| {name} | " + " | ".join("; ".join(c[j] for c in per_round) for j in range(10)) + " |")
     # Neighbours on a shared host only ever add time, so each mode's fastest run is
     # the closest to its own cost; the ratios between those runs are the steadiest.
     best = {name: min(rs, key=lambda r: r[0]) for name, rs in runs.items()}
@@ -223,6 +247,22 @@ def main():
     for name in order:
         c = cells(name, best[name], best["all OFF"][0], best["all OFF"][1], best["plan=invariant"][1])
         print(f"| {name} | " + " | ".join(c) + " |")
+    print(f"\nThe median over the {args.rounds} rounds of each round's ratios (against that round's all-OFF and "
+          "plan=invariant runs):\n")
+    print("| mode | vs all-OFF | OFF throughput kept | VERIFIED vs plan=invariant |\n| --- | --- | --- | --- |")
+    for name in order[1:]:
+        ratios = []
+        for k in range(args.rounds):
+            wall, rows, _, _ = runs[name][k]
+            wall_off, rows_off = runs["all OFF"][k][0], runs["all OFF"][k][1]
+            ver = mix(fractions[name])[1] if name in fractions else list(range(n))
+            off = [i for i in range(n) if i not in ver] if name in fractions else []
+            ratios.append((wall / wall_off, tput(rows, off) / tput(rows_off, off) if off else None,
+                           tput(rows, ver) / tput(runs["plan=invariant"][k][1], ver)))
+        kept = [r[1] for r in ratios if r[1] is not None]
+        print(f"| {name} | {statistics.median(r[0] for r in ratios):.2f}x | "
+              f"{f'{statistics.median(kept):.1%}' if kept else '-'} | "
+              f"{statistics.median(r[2] for r in ratios):.2f}x |")
     print(f"\nVERIFIED outputs equal to the plan=invariant reference in every run: {'yes' if same else 'NO'}\n")
     if args.no_latency:
         return
