@@ -8,7 +8,7 @@
    all-OFF (OFF throughput kept) and against a plan=invariant engine serving the
    same batch (what a server-wide batch-invariant switch costs).
 All runs share one process and one loaded model. Usage:
-  python bench/determinism.py [--prompts 32] [--tokens 128]
+  python bench/determinism.py [--prompts 32] [--tokens 128] [--torch-ops]
 """
 from __future__ import annotations
 
@@ -37,14 +37,20 @@ def main():
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--invariant-alone", type=int, default=4,
                     help="prompts also decoded alone on plan=invariant (slow on CPU)")
+    ap.add_argument("--torch-ops", action="store_true",
+                    help="both plans on torch ops and plain weights (--no-cpu-kernels --no-packed-weights): "
+                         "where the C++ kernels make the fast plan's matmuls and short-prompt attention "
+                         "row-invariant too, OFF output varies with the batch only this way")
     args = ap.parse_args()
     n, T, n_inv_alone = args.prompts, args.tokens, args.invariant_alone
     loaded = load(None, "bfloat16")
     # No prefix caching: a batch run would find its prompts cached by the alone runs
     # before it (and VERIFIED and plan=invariant by their own), so the wall times would
     # compare cache states, not modes.
-    fast = Engine(EngineConfig(enable_prefix_caching=False), loaded=loaded)
-    inv = Engine(EngineConfig(plan="invariant", enable_prefix_caching=False), loaded=loaded)
+    ops = dict(cpu_kernels=False, pack_fast_weights=False) if args.torch_ops else {}
+    fast = Engine(EngineConfig(enable_prefix_caching=False, **ops), loaded=loaded)
+    inv = Engine(EngineConfig(plan="invariant", enable_prefix_caching=False, **ops), loaded=loaded)
+    log(f"invariant plan: {inv.invariant_plan.describe()}")
     prompts = prompt_set(n, mixed=True)
     params = SamplingParams(max_tokens=T, ignore_eos=True)
     fast.generate(prompts[:2], SamplingParams(max_tokens=4))
