@@ -28,6 +28,9 @@ import torch.nn.functional as F
 # Row counts the probe compares the two kernels at (decode batches, then prefill chunks).
 PROBE_ROWS = (1, 8, 32, 128, 512)
 
+# The row-invariant matmuls by their kernel_plan names, and the instructions they run.
+ROWWISE_MATMULS = {"cpu_dpbf16": "VDPBF16PS", "cpu_fma": "AVX2 FMA"}
+
 
 def _onednn_bf16() -> bool:
     try:

@@ -14,7 +14,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from gateeng import __version__, cpu_ops, reproducibility
+from gateeng import __version__, cpu_linear, cpu_ops, reproducibility
 from gateeng import chat as chat_template
 from gateeng.block_manager import BlockManager
 from gateeng.config import EngineConfig, validate_threshold, validate_window
@@ -175,9 +175,9 @@ class Engine:
         m = self.model
         if not m.packed or not cfg.pack_fast_weights:
             return "plain weights"
-        if not m.invariant_matmul.startswith("cpu_"):
+        kernel = cpu_linear.ROWWISE_MATMULS.get(m.invariant_matmul)
+        if kernel is None:
             return "oneDNN packed weights"
-        kernel = {"cpu_dpbf16": "VDPBF16PS", "cpu_fma": "AVX2 FMA"}[m.invariant_matmul]
         if m.fast_rowwise_max_rows is None:
             return f"{kernel} packed weights (the faster kernel at every probed row count)"
         return f"{kernel} packed weights up to {m.fast_rowwise_max_rows} rows, another kernel above"
@@ -189,7 +189,7 @@ class Engine:
             rows = cfg.invariant_rows or default_invariant_rows(reproducibility.cpu_model_and_isa()[1])
             m = self.model
             inv_packed, matmul = m.invariant_packed, m.invariant_matmul
-            if not cfg.pack_fast_weights or (matmul.startswith("cpu_") and kernels is None):
+            if not cfg.pack_fast_weights or (matmul in cpu_linear.ROWWISE_MATMULS and kernels is None):
                 inv_packed, matmul = {}, "torch_mm"   # the row-invariant matmul is one of the kernels
             return (FastPlan(cfg.fast_logit_noise, m.packed if cfg.pack_fast_weights else {}, kernels),
                     InvariantPlan(rows, cfg.attention_split, inv_packed, kernels, cfg.block_size, matmul),

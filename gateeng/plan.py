@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from gateeng.cpu_linear import ROWWISE_MATMULS
 from gateeng.kernels import reference as ref
 
 
@@ -461,7 +462,7 @@ class InvariantPlan(CpuKernelOps):
         self.matmul = matmul or ("onednn_packed" if self.packed else "torch_mm")
         self.kernels = kernels   # gateeng.cpu_ops' module, or None for torch ops
         self.block_size = block_size   # the KV cache's (the kernel attention's bits depend on it)
-        self.rowwise = self.matmul in ("cpu_dpbf16", "cpu_fma")   # the matmul is row-invariant
+        self.rowwise = self.matmul in ROWWISE_MATMULS   # the matmul is row-invariant
         # Every per-row op row-invariant at any row count: no padding rows.
         self.grouped = not (self.rowwise and kernels is not None)
 

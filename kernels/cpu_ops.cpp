@@ -256,25 +256,29 @@ inline void with_rows(int mr, F&& f) {
   f(std::integral_constant<int, MAX>{});
 }
 
-// tile(rows, cols, r, b, next) over row tiles of up to MR rows (from row r) and column
-// tiles of NR blocks (from block b; the blocks past the last whole tile one at a
-// time); rows and cols are integral constants. Threads split the column tiles, and
-// each tile runs over the whole K, so no output's chain depends on the tiling.
-// `next` is the first block of the column tile after this one when that tile is
-// whole (else -1): a tile prefetches its weights while it computes, so the weight
-// stream from memory overlaps the multiply-adds instead of stalling the first row
-// tile (at 8 rows that made the step's matmuls a third faster on an EPYC).
-template <int MR, int NR, typename Tile>
-void for_each_tile(int64_t m, int64_t blocks, Tile tile) {
+// tile(rows, cols, r, b, wb, next) over row tiles of up to MR rows (from row r) and
+// column tiles of NR blocks (from block b; the blocks past the last whole tile one at
+// a time); rows and cols are integral constants. w holds the packed weights, one
+// column block per `block_stride` elements; wb points at block b's, and `next` at the
+// next column tile's when that tile is whole (else nullptr). Threads split the column
+// tiles, and each tile runs over the whole K, so no output's chain depends on the
+// tiling. A tile prefetches `next` while it computes, so the weight stream from
+// memory overlaps the multiply-adds instead of stalling the first row tile (at 8
+// rows that made the step's matmuls a third faster on an EPYC).
+template <int MR, int NR, typename W, typename Tile>
+void for_each_tile(int64_t m, int64_t blocks, const W* w, int64_t block_stride, Tile tile) {
   at::parallel_for(0, (blocks + NR - 1) / NR, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t b = t * NR, next = b + 2 * NR <= blocks ? b + NR : -1;
+      const int64_t b = t * NR;
+      const W* next = b + 2 * NR <= blocks ? w + (b + NR) * block_stride : nullptr;
       for (int64_t r = 0; r < m; r += MR) {
         with_rows<MR>(static_cast<int>(std::min<int64_t>(MR, m - r)), [&](auto rows) {
           if (b + NR <= blocks) {
-            tile(rows, std::integral_constant<int, NR>{}, r, b, next);
+            tile(rows, std::integral_constant<int, NR>{}, r, b, w + b * block_stride, next);
           } else {
-            for (int64_t b1 = b; b1 < blocks; ++b1) tile(rows, std::integral_constant<int, 1>{}, r, b1, int64_t{-1});
+            for (int64_t b1 = b; b1 < blocks; ++b1) {
+              tile(rows, std::integral_constant<int, 1>{}, r, b1, w + b1 * block_stride, static_cast<const W*>(nullptr));
+            }
           }
         });
       }
@@ -431,10 +435,10 @@ torch::Tensor linear_dpbf16(torch::Tensor x, torch::Tensor packed, int64_t n) {
   const u16* wp = reinterpret_cast<const u16*>(packed.data_ptr<at::BFloat16>());
   u16* op = reinterpret_cast<u16*>(out.data_ptr<at::BFloat16>());
   const int64_t block_stride = k * 16;
-  for_each_tile<8, 2>(m, blocks, [&](auto rows, auto cols, int64_t r, int64_t b, int64_t next) {
-    dpbf16_tile<decltype(rows)::value, decltype(cols)::value>(xp + r * k, k, wp + b * block_stride, block_stride,
-                                                              op + r * n, n, b * 16,
-                                                              next < 0 ? nullptr : wp + next * block_stride);
+  for_each_tile<8, 2>(m, blocks, wp, block_stride, [&](auto rows, auto cols, int64_t r, int64_t b, const u16* wb,
+                                                       const u16* next) {
+    dpbf16_tile<decltype(rows)::value, decltype(cols)::value>(xp + r * k, k, wb, block_stride, op + r * n, n, b * 16,
+                                                              next);
   });
   return out;
 }
@@ -521,10 +525,10 @@ torch::Tensor linear_fma8(torch::Tensor x, torch::Tensor packed, int64_t n) {
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const int64_t block_stride = k * 8;
-  for_each_tile<4, 3>(m, blocks, [&](auto rows, auto cols, int64_t r, int64_t b, int64_t next) {
-    fma8_tile<decltype(rows)::value, decltype(cols)::value>(xp + r * k, k, wp + b * block_stride, block_stride,
-                                                            op + r * n, n, b * 8,
-                                                            next < 0 ? nullptr : wp + next * block_stride);
+  for_each_tile<4, 3>(m, blocks, wp, block_stride, [&](auto rows, auto cols, int64_t r, int64_t b,
+                                                       const uint16_t* wb, const uint16_t* next) {
+    fma8_tile<decltype(rows)::value, decltype(cols)::value>(xp + r * k, k, wb, block_stride, op + r * n, n, b * 8,
+                                                            next);
   });
   return out;
 }
