@@ -8,16 +8,24 @@ First the two plans' decode step on the same running requests, then:
   request's TPOT minus the TPOT it had in the all-OFF run) for the margin gate,
   window-only verification (tau = 0, W = 64) and always-verify (W = 1), on the
   adaptive and on the speculative route.
-A mode is one batch submitted at once, on a fresh engine; TPOT is measured per
-request from the arrival times of its streamed tokens (a VERIFIED_ONLY stream
-shows a token once it is verified, so verification delays count). The machine is
-shared and noisy, so every mode runs once per round and each round's ratios are
-taken against that round's own all-OFF and plan=invariant runs; a second table
-compares each mode's fastest run (noise only adds time), a third the median of
-the per-round ratios. Each mode also reports its engine steps and forward passes
-per plan: the work it adds, which the host's noise does not move.
+A mode is one batch submitted at once, on a fresh engine. TPOT is measured per
+request from the times its streamed tokens came out (a VERIFIED_ONLY stream shows
+a token once it is verified, so verification delays count).
 
-Usage: python bench/mixed.py [--prompts 20] [--tokens 96] [--quick]
+Timing. By default every mode of a round runs in lockstep: each mode's engine is
+stepped by hand, one step each in turn, and each engine's clock counts only its
+own steps (engine time: scheduling, both plans' passes, verification, streaming).
+The host's noise comes and goes over seconds, far longer than a step, so it falls
+on every mode alike and the ratios between modes hold to about a percent, where
+one mode after another differed by up to 30% between rounds. With --wall, every
+mode instead runs alone through the threaded API (submit, the engine thread,
+streams), one after another, timed by the wall clock.
+Each round's ratios are taken against that round's own all-OFF and
+plan=invariant runs; a second table compares each mode's fastest run, a third
+the median of the per-round ratios. Each mode also reports its engine steps and
+forward passes per plan: the work it adds, which the host's noise does not move.
+
+Usage: python bench/mixed.py [--prompts 20] [--tokens 96] [--rounds 3] [--wall] [--quick]
 """
 from __future__ import annotations
 
@@ -26,6 +34,7 @@ import statistics
 import sys
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -34,6 +43,7 @@ from common import machine, prompt_set  # noqa: E402
 from gateeng.config import EngineConfig  # noqa: E402
 from gateeng.engine import Engine, Observer  # noqa: E402
 from gateeng.loader import load  # noqa: E402
+from gateeng.output_processor import RequestHandle  # noqa: E402
 from gateeng.outputs import Chunk, Completion  # noqa: E402
 from gateeng.request import DeterminismParams, Mode, SamplingParams  # noqa: E402
 
@@ -56,8 +66,8 @@ class PassCounter(Observer):
 
 
 def run(engine, prompts, params, dets):
-    """(wall seconds, per request: (mode, tokens, e2e s, tpot s), completions,
-    steps and passes)."""
+    """Through the threaded API, timed by the wall clock: (wall seconds, per
+    request: (mode, tokens, e2e s, tpot s), completions, steps and passes)."""
     counter = PassCounter()
     engine.set_observer(counter)
     times = [[] for _ in prompts]
@@ -78,11 +88,67 @@ def run(engine, prompts, params, dets):
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
+    return wall, request_rows(times, done, t0), [c for c, _ in done], counter.describe()
+
+
+def request_rows(times, done, t0):
+    """Per request: (mode, tokens, end - t0, tpot) from its token times and (completion, end)."""
     rows = []
     for ts, (c, end) in zip(times, done):
         tpot = (ts[-1] - ts[0]) / (len(ts) - 1) if len(ts) > 1 else float("nan")
         rows.append((c.mode, c.completion_tokens, end - t0, tpot))
-    return wall, rows, [c for c, _ in done], counter.describe()
+    return rows
+
+
+class Lane:
+    """One mode's engine, stepped by hand in turn with the other modes' (lockstep).
+    Its clock advances only while its own step runs, and a token's time is the
+    clock after the step that streamed it. The requests go straight to the
+    scheduler, with handles whose sink records events, since the engine thread
+    must not run: it would step the engine too."""
+
+    def __init__(self, engine, prompts, params, dets):
+        self.engine, self.clock = engine, 0.0
+        self.counter = PassCounter()
+        engine.set_observer(self.counter)
+        self.times = [[] for _ in prompts]
+        self.done = [None] * len(prompts)
+        self._events = []
+        for i, (prompt, det) in enumerate(zip(prompts, dets)):
+            req = engine._make_request(prompt, params, det or DeterminismParams(), None, True)
+            engine._handles[req.request_id] = RequestHandle(req.request_id, sink=partial(self._event, i))
+            engine.scheduler.add(req)
+
+    def _event(self, i, ev):
+        self._events.append((i, ev))
+
+    def busy(self) -> bool:
+        return self.engine.scheduler.has_work()
+
+    def step(self) -> None:
+        t0 = time.perf_counter()
+        self.engine.step()
+        self.clock += time.perf_counter() - t0
+        for i, ev in self._events:
+            if isinstance(ev, Chunk) and ev.token_ids:
+                self.times[i].extend([self.clock] * len(ev.token_ids))
+            elif isinstance(ev, Completion):
+                self.done[i] = (ev, self.clock)
+        self._events.clear()
+
+    def result(self):
+        """The same tuple as run(), on this lane's clock."""
+        return self.clock, request_rows(self.times, self.done, 0.0), [c for c, _ in self.done], \
+            self.counter.describe()
+
+
+def lockstep(lanes) -> None:
+    """Step every lane once in turn until all are done."""
+    live = list(lanes)
+    while live:
+        for lane in live:
+            lane.step()
+        live = [lane for lane in live if lane.busy()]
 
 
 def plan_steps_ms(loaded, batch: int, tokens: int, reps: int = 5, invariant_rows: int = 0) -> tuple:
@@ -114,6 +180,9 @@ def plan_steps_ms(loaded, batch: int, tokens: int, reps: int = 5, invariant_rows
     return tuple(out)
 
 
+WARM_UP = "Say hello."   # not among the measured prompts
+
+
 def tput(rows, idx):
     """Tokens per second of these requests: their tokens over their summed times."""
     return sum(rows[i][1] for i in idx) / sum(rows[i][2] for i in idx)
@@ -138,6 +207,9 @@ def main():
     ap.add_argument("--invariant-rows", type=int, default=0, help="engine setting (0: chosen for the CPU)")
     ap.add_argument("--rounds", type=int, default=3, help="repeat every mode; figures per round")
     ap.add_argument("--no-latency", action="store_true", help="skip the latency-increment table")
+    ap.add_argument("--wall", action="store_true",
+                    help="run each mode alone through the threaded API, timed by the wall clock, instead of "
+                         "all modes of a round in lockstep on engine time")
     args = ap.parse_args()
     if args.quick:
         args.prompts, args.tokens, args.rounds = 8, 16, 1
@@ -151,9 +223,14 @@ def main():
         if args.max_verify_delay is not None:
             kw.setdefault("max_verify_delay", args.max_verify_delay)
         kw.setdefault("invariant_rows", args.invariant_rows)
+        kw.setdefault("num_kv_blocks", 512)   # a lockstep round holds every mode's engine at once
         e = Engine(EngineConfig(**kw), loaded=loaded)
-        # Warm-up on both plans: a plan's first passes pay one-time kernel set-up.
-        e.generate(prompts[:2], SamplingParams(max_tokens=4), [None, DeterminismParams(Mode.VERIFIED)], chat=True)
+        # Warm-up on both plans: a plan's first passes pay one-time kernel set-up. The
+        # prompt is none of the measured ones, so every mode starts from the same
+        # prefix cache.
+        e.generate([WARM_UP] * 2, SamplingParams(max_tokens=4), [None, DeterminismParams(Mode.VERIFIED)], chat=True)
+        if not args.wall:
+            e.shutdown()   # lockstep steps the engine by hand: its thread must not run
         return e
 
     def mix(frac, det=DeterminismParams(Mode.VERIFIED)):
@@ -171,10 +248,16 @@ def main():
         print(f"| {batch} | {fast_ms:.1f} ms | {inv_ms:.1f} ms | {inv_ms / fast_ms:.2f}x |", flush=True)
     print()
     base = engine()
-    run(base, prompts, params, [None] * n)   # the process's first full batch runs slower: not timed
+    # The process's first full batch runs slower: not timed.
+    if args.wall:
+        run(base, prompts, params, [None] * n)
+    else:
+        lockstep([Lane(base, prompts, params, [None] * n)])
     print(f"invariant plan: {base.invariant_plan.describe()}; tau={base.margin_threshold}, "
           f"W={base.max_window}, max_verify_delay={base.config.max_verify_delay}; {n} chat prompts x "
-          f"{args.tokens} tokens, greedy; {args.rounds} rounds\n", flush=True)
+          f"{args.tokens} tokens, greedy; {args.rounds} rounds; "
+          f"{'wall clock, one mode at a time' if args.wall else 'engine time, every mode of a round in lockstep'}\n",
+          flush=True)
     base.shutdown()
     gates = (("margin gate", None, None), ("window-only", 0.0, 64), ("always-verify", None, 1))
     routes = ("adaptive", "speculative")
@@ -182,12 +265,27 @@ def main():
     latency = {}    # (route, gate name) -> per round: (increment s, OFF TPOT ratio, replayed, rollbacks)
     same = True
     fractions = {f"{frac:.0%} VERIFIED": frac for frac in args.fractions}
-    for _ in range(args.rounds):
-        for name, kw, dets in ([("all OFF", {}, [None] * n), ("plan=invariant", {"plan": "invariant"}, [None] * n)]
-                               + [(name, {}, mix(frac)[0]) for name, frac in fractions.items()]):
-            e = engine(**kw)
-            runs.setdefault(name, []).append(run(e, prompts, params, dets))
-            e.shutdown()
+    modes = ([("all OFF", {}, [None] * n), ("plan=invariant", {"plan": "invariant"}, [None] * n)]
+             + [(name, {}, mix(frac)[0]) for name, frac in fractions.items()])
+    if not args.no_latency:
+        modes += [((route, name), {"verified_route": route},
+                   mix(0.1, DeterminismParams(Mode.VERIFIED, margin_threshold=tau, max_window=w))[0])
+                  for route in routes for name, tau, w in gates]
+    for k in range(args.rounds):
+        if args.wall:
+            results = {}
+            for key, kw, dets in modes:
+                e = engine(**kw)
+                results[key] = run(e, prompts, params, dets)
+                e.shutdown()
+        else:
+            lanes = {key: Lane(engine(**kw), prompts, params, dets) for key, kw, dets in modes}
+            lockstep(lanes.values())
+            results = {key: lane.result() for key, lane in lanes.items()}
+            del lanes
+        print(f"round {k + 1} of {args.rounds} done", file=sys.stderr, flush=True)
+        for name, _, _ in modes[:2 + len(fractions)]:
+            runs.setdefault(name, []).append(results[name])
         ref = runs["plan=invariant"][-1][2]
         for name, frac in fractions.items():
             comps = runs[name][-1][2]
@@ -195,13 +293,11 @@ def main():
         if args.no_latency:
             continue
         rows_off = runs["all OFF"][-1][1]
+        ver = mix(0.1)[1]
+        off = [i for i in range(n) if i not in ver]
         for route in routes:
-            for name, tau, w in gates:
-                dets, ver = mix(0.1, DeterminismParams(Mode.VERIFIED, margin_threshold=tau, max_window=w))
-                off = [i for i in range(n) if i not in ver]
-                e = engine(verified_route=route)
-                _, rows, comps, _ = run(e, prompts, params, dets)
-                e.shutdown()
+            for name, _, _ in gates:
+                _, rows, comps, _ = results[(route, name)]
                 same &= all(comps[i].token_ids == ref[i].token_ids for i in ver)
                 latency.setdefault((route, name), []).append((
                     statistics.median(rows[i][3] - rows_off[i][3] for i in ver), tpot(rows, off) / tpot(rows_off, off),
@@ -227,7 +323,7 @@ def main():
                 f"{tpot(rows, ver) * 1e3:.0f} ms", f"{tput(rows, ver) / tput(rows_inv, ver):.2f}x", f"{spec} / {direct}",
                 work)
 
-    header = ("| mode | wall time | vs all-OFF | OFF tok/s | OFF throughput kept | OFF TPOT | VERIFIED tok/s | "
+    header = ("| mode | time | vs all-OFF | OFF tok/s | OFF throughput kept | OFF TPOT | VERIFIED tok/s | "
               "VERIFIED TPOT | VERIFIED vs plan=invariant | VERIFIED decode steps speculative / direct | "
               "engine steps / passes fast + invariant |\n"
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
