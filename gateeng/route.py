@@ -15,9 +15,10 @@ direct wins when an invariant pass runs this step anyway and has room (its
 padding rows are paid for), or when most of the batch is VERIFIED (the fast pass
 disappears); speculative wins for a VERIFIED minority, whose tokens are then
 replayed several to a row group instead of opening a group per step. OFF
-decodes may run on either plan (they promise nothing about their bits), so the
-adaptive policy also moves them into a step's invariant pass where that is
-cheaper (`off_to_move`). Pure Python; the engine feeds it measurements.
+sequences (decodes and prefill chunks) may run on either plan (they promise
+nothing about their bits), so the adaptive policy also moves them into a step's
+invariant pass where that is cheaper (`off_to_move`). Pure Python; the engine
+feeds it measurements.
 """
 from __future__ import annotations
 
@@ -168,33 +169,39 @@ class RoutePolicy:
             cost += speculative * self.invariant.row_cost() + p_pass / span * self.invariant.opening_cost()
         return cost
 
-    def off_to_move(self, fast_rows: int, inv_rows: int, off_decodes: int) -> int:
-        """How many OFF decodes to run on the step's invariant pass instead of the
-        fast one. OFF promises nothing about its bits, so either plan serves it; an
-        invariant pass that runs anyway has padding rows paid for, and when every
-        fast row moves, the fast pass disappears. Candidates: none, as many as fit
-        the padding, all."""
-        if self.mode != "adaptive" or not inv_rows or not off_decodes:
+    def off_to_move(self, fast_rows: int, inv_rows: int, off_rows: tuple) -> int:
+        """How many of the step's OFF sequences on the fast plan (decodes and prefill
+        chunks; `off_rows` holds their rows, in the order they would move) to run on
+        the step's invariant pass instead. OFF promises nothing about its bits, so
+        either plan serves it; an invariant pass that runs anyway has padding rows
+        paid for, and when every fast row moves, the fast pass disappears.
+        Candidates: none, the longest prefix that fits the padding, all."""
+        if self.mode != "adaptive" or not inv_rows or not off_rows:
             return 0
-        room = self.invariant.room(inv_rows)
-        options = sorted({0, min(room, off_decodes), off_decodes})
-        return min(options, key=lambda k: (self.fast.cost(fast_rows - k) + self.invariant.cost(inv_rows + k), k))
+        room, fit, used = self.invariant.room(inv_rows), 0, 0
+        while fit < len(off_rows) and used + off_rows[fit] <= room:
+            used += off_rows[fit]
+            fit += 1
+        moved = {0: 0, fit: used, len(off_rows): sum(off_rows)}
+        return min(moved, key=lambda k: (self.fast.cost(fast_rows - moved[k]) + self.invariant.cost(inv_rows + moved[k]),
+                                         k))
 
-    def _with_off(self, fast_rows: int, inv_rows: int, off_decodes: int) -> tuple:
-        k = self.off_to_move(fast_rows, inv_rows, off_decodes)
-        return fast_rows - k, inv_rows + k
+    def _with_off(self, fast_rows: int, inv_rows: int, off_rows: tuple) -> tuple:
+        k = self.off_to_move(fast_rows, inv_rows, off_rows)
+        rows = sum(off_rows[:k])
+        return fast_rows - rows, inv_rows + rows
 
     def choose(self, fast_rows: int, inv_rows: int, direct_rows: list, budget: int,
-               waiting_rows: tuple = (), off_decodes: int = 0) -> list:
+               waiting_rows: tuple = (), off_rows: tuple = ()) -> list:
         """Which of the step's speculative VERIFIED decodes go direct.
 
         fast_rows / inv_rows: the step's rows on each plan as planned (every
         candidate's and waiting replay's one fast row included); direct_rows: rows
         each candidate needs on the direct route; waiting_rows: the same for
         requests whose margin-triggered replay is waiting, which the scheduler
-        moves into any invariant pass the step ends up with; off_decodes: OFF
-        decodes on the fast plan, which then may move too (off_to_move); budget:
-        token budget left this step.
+        moves into any invariant pass the step ends up with; off_rows: the rows of
+        the OFF sequences on the fast plan, which then may move too (off_to_move);
+        budget: token budget left this step.
         """
         n = len(direct_rows)
         if self.mode == "speculative" or not n:
@@ -210,7 +217,7 @@ class RoutePolicy:
                 fast, inv = fast - len(waiting_rows), inv + sum(waiting_rows)
             else:
                 spec += len(waiting_rows)
-            fast, inv = self._with_off(fast, inv, off_decodes)
+            fast, inv = self._with_off(fast, inv, off_rows)
             return self.step_cost(fast, inv, spec)
 
         # Prefixes, shortest replays first: k candidates direct, as many as the budget

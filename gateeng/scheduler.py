@@ -176,7 +176,7 @@ class Scheduler:
     def _choose_routes(self, plan: StepPlan, budget: int) -> None:
         """Move the VERIFIED decodes the route policy picks onto the invariant plan,
         then, if the step has an invariant pass, the waiting replays and the OFF
-        decodes the policy picks. A direct decode replays the request's unverified
+        sequences the policy picks. A direct decode replays the request's unverified
         tokens too, so it needs len(tokens) - canonical_len rows (its KV blocks are
         already reserved)."""
         spec = [i for i, s in enumerate(plan.seqs) if s.route == SPECULATIVE]
@@ -186,8 +186,12 @@ class Scheduler:
         inv = sum(s.num_tokens for s in plan.seqs if s.kind is Kind.INVARIANT)
         rows = [self._replay_rows(i, plan) for i in idx]
         waiting_rows = tuple(self._replay_rows(i, plan) for i in waiting)
-        off = [i for i, s in enumerate(plan.seqs) if s.kind is Kind.FAST and s.decode and s.request.mode is Mode.OFF]
-        for i, r, direct in zip(idx, rows, self.route.choose(fast, inv, rows, budget, waiting_rows, len(off))):
+        # OFF sequences on the fast plan, fewest rows first (decodes, then prefill chunks):
+        # the order in which they may join an invariant pass.
+        off = sorted((i for i, s in enumerate(plan.seqs) if s.kind is Kind.FAST and s.request.mode is Mode.OFF),
+                     key=lambda i: plan.seqs[i].num_tokens)
+        off_rows = tuple(plan.seqs[i].num_tokens for i in off)
+        for i, r, direct in zip(idx, rows, self.route.choose(fast, inv, rows, budget, waiting_rows, off_rows)):
             if direct:
                 inv += r
                 budget -= r - 1
@@ -199,9 +203,10 @@ class Scheduler:
                 budget -= extra
                 inv += extra + 1
                 self._to_replay(plan, i, None)
-        # OFF decodes may ride along on it too (they promise nothing about the plan).
+        # OFF decodes and prefill chunks may ride along on it too (they promise nothing
+        # about the plan).
         fast = sum(s.num_tokens for s in plan.seqs if s.kind is Kind.FAST)
-        for i in off[:self.route.off_to_move(fast, inv, len(off))]:
+        for i in off[:self.route.off_to_move(fast, inv, off_rows)]:
             s = plan.seqs[i]
             plan.seqs[i] = ScheduledSeq.plan(s.request, s.start, s.end, Kind.INVARIANT)
 

@@ -73,7 +73,7 @@ class Switching(RoutePolicy):
         super().__init__("adaptive")
         self.rng = random.Random(seed)
 
-    def choose(self, fast_rows, inv_rows, direct_rows, budget, waiting_rows=(), off_decodes=0):
+    def choose(self, fast_rows, inv_rows, direct_rows, budget, waiting_rows=(), off_rows=()):
         out = []
         for rows in direct_rows:
             go = self.rng.random() < 0.5 and rows - 1 <= budget
@@ -107,23 +107,31 @@ def test_every_route_gives_the_reference_even_with_wrong_fast_tokens(route, dela
 
 def test_off_decodes_fill_an_invariant_pass_or_drop_the_fast_pass():
     p = trained(group_rows=32)
-    assert p.off_to_move(20, 0, 20) == 0              # no invariant pass: nothing to ride along
-    assert p.off_to_move(10, 10, 10) == 10            # they fit the 32-row group's padding: no fast pass
-    assert p.off_to_move(40, 10, 30) == 22            # fill the padding; a second group costs more
-    assert RoutePolicy("speculative", group_rows=32).off_to_move(20, 10, 10) == 0   # fixed routes: never
+    assert p.off_to_move(20, 0, (1,) * 20) == 0          # no invariant pass: nothing to ride along
+    assert p.off_to_move(10, 10, (1,) * 10) == 10        # they fit the 32-row group's padding: no fast pass
+    assert p.off_to_move(40, 10, (1,) * 30) == 22        # fill the padding; a second group costs more
+    assert p.off_to_move(60, 10, (1,) * 20 + (3, 37)) == 20   # the chunks would open two more groups
+    assert RoutePolicy("speculative", group_rows=32).off_to_move(20, 10, (1,) * 10) == 0   # fixed routes: never
 
 
-def test_off_requests_riding_on_invariant_passes_still_finish_and_verified_is_the_reference():
-    sched = make_scheduler(route=trained(group_rows=8), delay=2)
-    kinds = []
+@pytest.mark.parametrize("group_rows", [8, 0])
+def test_off_requests_riding_on_invariant_passes_still_finish_and_verified_is_the_reference(group_rows):
+    sched = make_scheduler(route=trained(group_rows=8) if group_rows else ungrouped(), delay=2)
+    decodes, prefills = [], []
     for rid in ("v1", "v2"):
         sched.add(make_request(rid, PROMPT + [ord(rid[1])], max_tokens=10, window=3))
     for rid in ("o1", "o2", "o3"):
         sched.add(make_request(rid, PROMPT + [ord(rid[1]) + 5], max_tokens=10, mode=Mode.OFF))
-    done = run_all(sched, FakeRunner({("v1", 3): (47, 0.05)}),
-                   on_step=lambda s, plan: kinds.extend(x.kind for x in plan.seqs if x.request.mode is Mode.OFF
-                                                        and x.decode))
-    assert Kind.INVARIANT in kinds                        # OFF decodes did ride along
+
+    def on_step(s, plan):
+        for x in plan.seqs:
+            if x.request.mode is Mode.OFF:
+                (decodes if x.decode else prefills).append(x.kind)
+
+    done = run_all(sched, FakeRunner({("v1", 3): (47, 0.05)}), on_step=on_step)
+    assert Kind.INVARIANT in decodes                      # OFF decodes did ride along
+    if not group_rows:   # both plans cost alike: the OFF prompts join the VERIFIED prefill's pass
+        assert set(prefills) == {Kind.INVARIANT}
     for rid, req in done.items():
         assert req.output_ids == reference_output(req.prompt_ids, 10, rid=rid)
 
@@ -156,12 +164,22 @@ def test_an_ungrouped_invariant_plan_is_priced_per_pass_and_row():
 def test_when_both_plans_cost_alike_verified_goes_direct_and_off_rides_along():
     p = ungrouped()
     # One pass instead of two: the VERIFIED decodes go direct, and every OFF decode joins them.
-    assert p.choose(20, 0, [1, 1], budget=100, off_decodes=18) == [True, True]
-    assert p.off_to_move(18, 2, 18) == 18
+    assert p.choose(20, 0, [1, 1], budget=100, off_rows=(1,) * 18) == [True, True]
+    assert p.off_to_move(18, 2, (1,) * 18) == 18
     # Without VERIFIED rows there is no invariant pass to join.
-    assert p.off_to_move(20, 0, 20) == 0
+    assert p.off_to_move(20, 0, (1,) * 20) == 0
+
+
+def test_an_off_prefill_chunk_rides_along_too_so_verified_decodes_still_go_direct():
+    p = ungrouped()
+    # 12 OFF decodes and a 16-row OFF prefill chunk: moving them all leaves one pass.
+    off = (1,) * 12 + (16,)
+    assert p.choose(30, 0, [1, 1], budget=100, off_rows=off) == [True, True]
+    assert p.off_to_move(28, 2, off) == 13
+    # A first step that prefills both classes runs as one invariant pass.
+    assert p.off_to_move(588, 72, (35, 45, 62) * 4 + (20,)) == 13
 
 
 def test_a_dear_ungrouped_invariant_plan_keeps_a_verified_minority_speculative():
     p = ungrouped(invariant=(0.06, 0.004))
-    assert p.choose(20, 0, [1], budget=100, off_decodes=19) == [False]
+    assert p.choose(20, 0, [1], budget=100, off_rows=(1,) * 19) == [False]
