@@ -32,12 +32,25 @@ class CostModel:
     """seconds ~ base + per_row * rows, fitted online by recursive least squares
     with forgetting, starting from a prior; 0 rows cost nothing. The fit runs in
     milliseconds, where a pass's timing noise is of order one unit (the unit
-    variance RLS assumes)."""
+    variance RLS assumes).
+
+    A shared host now and then stalls a pass for several times its cost. Plain
+    least squares follows such an outlier: one 80 ms pass where 28 ms was usual
+    turned the fit from 12 ms + 0.8 ms per row into -32 ms + 3.1 ms per row, and a
+    steady row count corrects the slope only slowly, so the route policy priced
+    rows wrong for many steps. Once `WARM_UP` passes are in (the prior may be far
+    off), a pass's residual is therefore bounded by `CLIP` of its predicted cost
+    (Huber-style; the same outlier then leaves 6 ms + 1.1 ms per row); a real
+    change of cost still comes through, over a few more passes."""
+
+    WARM_UP = 8
+    CLIP = 0.25
 
     def __init__(self, base: float, per_row: float, forget: float = 0.97):
         self.theta = [base, per_row]   # seconds
         self.p = [[1e4, 0.0], [0.0, 1e2]]   # prior spread (ms^2): 100 ms on the base, 10 ms per row
         self.forget = forget
+        self.seen = 0
 
     def cost(self, rows: int) -> float:
         return 0.0 if rows <= 0 else max(0.0, self.theta[0] + self.theta[1] * rows)
@@ -53,7 +66,12 @@ class CostModel:
         px = (p[0][0] * x[0] + p[0][1] * x[1], p[1][0] * x[0] + p[1][1] * x[1])
         denom = lam + x[0] * px[0] + x[1] * px[1]
         k = (px[0] / denom, px[1] / denom)
-        err = y - (self.theta[0] + self.theta[1] * x[1])
+        predicted = self.theta[0] + self.theta[1] * x[1]
+        err = y - predicted
+        self.seen += 1
+        if self.seen > self.WARM_UP:
+            bound = self.CLIP * max(abs(predicted), 1.0)   # at least 1 ms: the unit of the fit
+            err = min(max(err, -bound), bound)
         self.theta = [self.theta[0] + k[0] * err, self.theta[1] + k[1] * err]
         self.p = [[(p[i][j] - k[i] * px[j]) / lam for j in range(2)] for i in range(2)]
         # Bound the covariance: with constant row counts one direction is never

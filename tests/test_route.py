@@ -35,6 +35,18 @@ def test_cost_model_learns_a_linear_cost():
     assert m.cost(10) == pytest.approx(0.05, rel=0.05) and m.cost(40) == pytest.approx(0.11, rel=0.05)
 
 
+def test_one_stalled_pass_barely_moves_a_trained_cost_model_but_a_real_change_comes_through():
+    m = CostModel(0.02, 0.001)
+    for i in range(200):
+        rows = 20 - (i % 3 == 0)
+        m.observe(rows, 0.012 + 0.0008 * rows)
+    m.observe(20, 0.080)   # a host stall: 80 ms where 28 ms is usual
+    assert m.cost(20) == pytest.approx(0.028, rel=0.05) and m.theta[1] < 0.0015
+    for _ in range(30):
+        m.observe(20, 0.040)
+    assert m.cost(20) == pytest.approx(0.040, rel=0.15)
+
+
 def test_a_lone_verified_decode_stays_speculative():
     # 19 OFF rows + 1 VERIFIED on the fast plan, no invariant pass this step: going
     # direct would add a whole invariant pass for one row.
