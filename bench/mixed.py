@@ -14,7 +14,8 @@ a token once it is verified, so verification delays count).
 
 Timing. By default every mode of a round runs in lockstep: each mode's engine is
 stepped by hand, one step each in turn, and each engine's clock counts only its
-own steps (engine time: scheduling, both plans' passes, verification, streaming).
+own steps (engine time: scheduling, both plans' passes, verification, streaming;
+the start-up heap frozen, as `gateeng serve` runs).
 The host's noise comes and goes over seconds, far longer than a step, so it falls
 on every mode alike and the ratios between modes hold to about a percent, where
 one mode after another differed by up to 30% between rounds. With --wall, every
@@ -25,11 +26,12 @@ plan=invariant runs; a second table compares each mode's fastest run, a third
 the median of the per-round ratios. Each mode also reports its engine steps and
 forward passes per plan: the work it adds, which the host's noise does not move.
 
-Usage: python bench/mixed.py [--prompts 20] [--tokens 96] [--rounds 3] [--wall] [--quick]
+Usage: python bench/mixed.py [--prompts 20] [--tokens 96] [--rounds 3] [--wall] [--torch-ops] [--quick]
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import threading
@@ -151,11 +153,11 @@ def lockstep(lanes) -> None:
         live = [lane for lane in live if lane.busy()]
 
 
-def plan_steps_ms(loaded, batch: int, tokens: int, reps: int = 5, invariant_rows: int = 0) -> tuple:
+def plan_steps_ms(loaded, batch: int, tokens: int, reps: int = 5, **config) -> tuple:
     """(fast, invariant) ms of one decode step over the same `batch` running
     requests, after `tokens` decode steps (the runner alone, both plans in turn)."""
     from gateeng.scheduler import Kind, ScheduledSeq, StepPlan
-    e = Engine(EngineConfig(invariant_rows=invariant_rows), loaded=loaded)
+    e = Engine(EngineConfig(**config), loaded=loaded)
     for p in prompt_set(batch, mixed=True):
         e.scheduler.add(e._make_request(p, SamplingParams(max_tokens=tokens + 256, ignore_eos=True),
                                         DeterminismParams(), None, True))
@@ -207,6 +209,11 @@ def main():
     ap.add_argument("--invariant-rows", type=int, default=0, help="engine setting (0: chosen for the CPU)")
     ap.add_argument("--rounds", type=int, default=3, help="repeat every mode; figures per round")
     ap.add_argument("--no-latency", action="store_true", help="skip the latency-increment table")
+    ap.add_argument("--torch-ops", action="store_true",
+                    help="both plans on torch ops and plain weights (--no-cpu-kernels --no-packed-weights): the "
+                         "invariant plan then pads to row groups and costs more than the fast plan, and the fast "
+                         "plan's tokens differ from the reference now and then, as on a machine whose fast kernels "
+                         "are not row-invariant")
     ap.add_argument("--wall", action="store_true",
                     help="run each mode alone through the threaded API, timed by the wall clock, instead of "
                          "all modes of a round in lockstep on engine time")
@@ -214,6 +221,7 @@ def main():
     if args.quick:
         args.prompts, args.tokens, args.rounds = 8, 16, 1
     n = args.prompts
+    ops = dict(cpu_kernels=False, pack_fast_weights=False) if args.torch_ops else {}
     loaded = load(None, "bfloat16")
     prompts = prompt_set(n, mixed=True)
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
@@ -223,6 +231,7 @@ def main():
         if args.max_verify_delay is not None:
             kw.setdefault("max_verify_delay", args.max_verify_delay)
         kw.setdefault("invariant_rows", args.invariant_rows)
+        kw.update(ops)
         kw.setdefault("num_kv_blocks", 512)   # a lockstep round holds every mode's engine at once
         e = Engine(EngineConfig(**kw), loaded=loaded)
         # Warm-up on both plans: a plan's first passes pay one-time kernel set-up. The
@@ -244,7 +253,7 @@ def main():
     print("| running requests | fast plan | invariant plan | invariant / fast per token |")
     print("| --- | --- | --- | --- |")
     for batch in (1, 16, 20, 32):
-        fast_ms, inv_ms = plan_steps_ms(loaded, batch, args.tokens // 2, invariant_rows=args.invariant_rows)
+        fast_ms, inv_ms = plan_steps_ms(loaded, batch, args.tokens // 2, invariant_rows=args.invariant_rows, **ops)
         print(f"| {batch} | {fast_ms:.1f} ms | {inv_ms:.1f} ms | {inv_ms / fast_ms:.2f}x |", flush=True)
     print()
     base = engine()
@@ -285,7 +294,13 @@ def main():
                     e.shutdown()
             else:
                 lanes = {key: Lane(engine(**kw), prompts, params, dets) for key, kw, dets in group}
+                # As `gateeng serve` does once its engine is up: the objects alive now are
+                # exempt from collection (a full collection over them stalled one step of
+                # one lane for 160 ms). Unfrozen after the round, so its engines can go.
+                gc.collect()
+                gc.freeze()
                 lockstep(lanes.values())
+                gc.unfreeze()
                 results.update((key, lane.result()) for key, lane in lanes.items())
                 del lanes
         print(f"round {k + 1} of {args.rounds} done", file=sys.stderr, flush=True)

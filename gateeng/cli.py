@@ -147,6 +147,15 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _server_config(args) -> ServerConfig:
+    return ServerConfig(host=args.host, port=args.port,
+                        metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+                        drain_seconds=args.drain_seconds, max_prompt_bytes=args.max_prompt_bytes,
+                        http_port=args.http_port, served_model_name=args.served_model_name,
+                        http_default_mode=args.http_default_mode, freeze_heap=not args.no_heap_freeze,
+                        bounds=GateBounds(args.request_tau_max, args.request_window_min, args.request_window_max))
+
+
 def cmd_serve(args) -> int:
     import asyncio
     import logging
@@ -156,13 +165,7 @@ def cmd_serve(args) -> int:
     try:
         cfg = _engine_config(args)
         cfg.validate()
-        settings = ServerConfig(host=args.host, port=args.port,
-                                metrics_port=None if args.metrics_port < 0 else args.metrics_port,
-                                drain_seconds=args.drain_seconds, max_prompt_bytes=args.max_prompt_bytes,
-                                http_port=args.http_port, served_model_name=args.served_model_name,
-                                http_default_mode=args.http_default_mode,
-                                bounds=GateBounds(args.request_tau_max, args.request_window_min,
-                                                  args.request_window_max))
+        settings = _server_config(args)
         server = Server(cfg, settings, admin_token=_admin_token(args))
         return asyncio.run(server.run())
     except (ValueError, OSError) as e:
@@ -312,6 +315,10 @@ def build_parser() -> argparse.ArgumentParser:
     _admin_token_arg(s, "enables admin RPCs (UpdateGateConfig)")
     s.add_argument("--drain-seconds", type=float, default=SERVER.drain_seconds,
                    help="on SIGTERM, how long in-flight requests may finish before they end with UNAVAILABLE")
+    s.add_argument("--no-heap-freeze", action="store_true",
+                   help="leave the objects alive at start-up (model, tokenizer, libraries) to the garbage "
+                        "collector; by default they are frozen once the engine is up, since a full collection "
+                        "over them stalls every stream for about 160 ms")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.add_argument("--version", action="version", version=f"gateeng {__version__}")
     s.set_defaults(func=cmd_serve)

@@ -205,6 +205,11 @@ class ServerConfig:
     http_port: Optional[int] = None        # the OpenAI-compatible HTTP front; None: off
     served_model_name: Optional[str] = None   # its model id; None: the model file's or directory's name
     http_default_mode: str = "off"         # determinism of HTTP requests that name none (off | verified)
+    # Once the engine is up, exempt every object then alive from garbage collection
+    # (gc.freeze). Process-wide, so only for a process that runs one server for its
+    # whole life (`gateeng serve`); servers started and stopped in one process
+    # would never free a frozen engine.
+    freeze_heap: bool = False
 
     def prompt_bytes(self, max_model_len: int) -> int:
         """The prompt byte limit for a server whose context holds max_model_len positions."""

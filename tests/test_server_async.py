@@ -199,3 +199,22 @@ def test_engine_death_turns_health_not_serving_and_exits_nonzero(monkeypatch):
     assert next(statuses).status == NOT_SERVING
     srv.thread.join(60)
     assert srv.exit_code == 1
+
+
+def test_a_server_that_owns_its_process_freezes_the_start_up_heap_once_the_engine_is_up(monkeypatch):
+    import gc
+    from gateeng import cli
+    froze = []
+    # The real gc.freeze would exempt this test process's objects for good.
+    monkeypatch.setattr(gc, "freeze", lambda: froze.append(True))
+    srv = Running(tiny_config(), settings=ServerConfig(port=0, metrics_port=None, freeze_heap=True))
+    try:
+        assert froze == [True]
+        stub = pb_grpc.EngineStub(channel(srv.target))
+        assert stub.Complete(request(4), timeout=60).usage.completion_tokens == 4
+    finally:
+        srv.stop()
+    serve = cli.build_parser()
+    assert cli._server_config(serve.parse_args(["serve"])).freeze_heap          # `gateeng serve`: on
+    assert not cli._server_config(serve.parse_args(["serve", "--no-heap-freeze"])).freeze_heap
+    assert not ServerConfig().freeze_heap   # servers started in a shared process: off
