@@ -17,8 +17,8 @@ stepped by hand, one step each in turn, and each engine's clock counts only its
 own steps (engine time: scheduling, both plans' passes, verification, streaming;
 the start-up heap frozen, as `gateeng serve` runs).
 The host's noise comes and goes over seconds, far longer than a step, so it falls
-on every mode alike and the ratios between modes hold to about a percent, where
-one mode after another differed by up to 30% between rounds. With --wall, every
+on every mode alike: a ratio between modes then moves by a few percent from round
+to round, where run one after another it moved by up to 30%. With --wall, every
 mode instead runs alone through the threaded API (submit, the engine thread,
 streams), one after another, timed by the wall clock.
 Each round's ratios are taken against that round's own all-OFF and

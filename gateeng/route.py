@@ -200,9 +200,11 @@ class RoutePolicy:
         while fit < len(off_rows) and used + off_rows[fit] <= room:
             used += off_rows[fit]
             fit += 1
-        moved = {0: 0, fit: used, len(off_rows): sum(off_rows)}
-        return min(moved, key=lambda k: (self.fast.cost(fast_rows - moved[k]) + self.invariant.cost(inv_rows + moved[k]),
-                                         k))
+        moved = {0: 0, fit: used, len(off_rows): sum(off_rows)}   # k sequences -> their rows
+
+        def cost(k: int) -> float:
+            return self.fast.cost(fast_rows - moved[k]) + self.invariant.cost(inv_rows + moved[k])
+        return min(moved, key=lambda k: (cost(k), k))
 
     def _with_off(self, fast_rows: int, inv_rows: int, off_rows: tuple) -> tuple:
         k = self.off_to_move(fast_rows, inv_rows, off_rows)
