@@ -358,9 +358,9 @@ class Server:
         engine.on_death.append(lambda exc: loop.call_soon_threadsafe(self._on_engine_death, exc))
         if self.settings.freeze_heap:
             # The model, the tokenizer and the libraries live as long as the process, and
-            # a full collection walked all of them: about 300k objects, 160 ms with every
-            # stream stalled, about once per hundred decode steps. From here on only the
-            # objects the requests make are collected.
+            # a full collection walks all of them: about 300k objects, 160 ms with every
+            # stream stalled. From here on only the objects the requests make are
+            # collected.
             gc.collect()
             gc.freeze()
         self.metrics.attach(engine)
