@@ -26,7 +26,6 @@ from typing import Optional
 
 ROUTES = ("adaptive", "speculative", "direct")
 DIRECT_PREFERENCE = 0.05   # relative cost margin within which direct is preferred
-EXPLORE_EVERY = 128        # steps without a measured fast pass before one step re-measures it
 
 
 class CostModel:
@@ -160,36 +159,13 @@ class RoutePolicy:
             self.invariant = PassCost(*self.fast.theta)
         self.trigger_rate = trigger_rate
         self.replay_delay = replay_delay   # the scheduler's max_verify_delay
-        self._measured = set()    # plans whose first pass (one-time set-up) has been seen
-        self._steps_without_fast = 0
 
     # ---- measurements ----------------------------------------------------------
     def observe_pass(self, kind: str, rows: int, seconds: float) -> None:
-        """A decode-phase pass of `rows` rows took `seconds`. A plan's first pass pays
-        one-time set-up (216 ms where later ones took 110) and is not a price."""
-        if kind not in self._measured:
-            self._measured.add(kind)
-            return
         if kind == "fast":
-            self._steps_without_fast = 0
             self.fast.observe(rows, seconds)
         else:
             self.invariant.observe(rows, seconds)
-
-    def explore(self) -> bool:
-        """Whether this step should run as planned, its VERIFIED decodes speculative and
-        its OFF rows on the fast plan, so that the fast plan is measured again. A plan
-        is measured only when it runs: once every decode goes to the invariant plan, the
-        fast model keeps what it saw last, however wrong (a run was seen locked into the
-        direct route by one slow fast pass, its OFF requests paying the dearer plan).
-        Every EXPLORE_EVERY steps without a measured fast pass, one step re-measures it."""
-        if self.mode != "adaptive":
-            return False
-        self._steps_without_fast += 1
-        if self._steps_without_fast < EXPLORE_EVERY:
-            return False
-        self._steps_without_fast = 0
-        return True
 
     def observe_speculation(self, tokens: int, triggers: int, weight: float = 0.05) -> None:
         """Exponential average of gate triggers per speculated token."""

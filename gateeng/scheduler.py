@@ -178,9 +178,7 @@ class Scheduler:
         then, if the step has an invariant pass, the waiting replays and the OFF
         sequences the policy picks. A direct decode replays the request's unverified
         tokens too, so it needs len(tokens) - canonical_len rows (its KV blocks are
-        already reserved). On the policy's exploration steps nothing moves."""
-        if self.route.explore():
-            return
+        already reserved)."""
         spec = [i for i, s in enumerate(plan.seqs) if s.route == SPECULATIVE]
         waiting = [i for i in spec if plan.seqs[i].request.pending_verify]   # replays that wait
         idx = [i for i in spec if not plan.seqs[i].request.pending_verify]
