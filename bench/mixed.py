@@ -26,7 +26,8 @@ plan=invariant runs; a second table compares each mode's fastest run, a third
 the median of the per-round ratios. Each mode also reports its engine steps and
 forward passes per plan: the work it adds, which the host's noise does not move.
 
-Usage: python bench/mixed.py [--prompts 20] [--tokens 96] [--rounds 3] [--wall] [--torch-ops] [--quick]
+Usage: python bench/mixed.py [--prompts 20] [--tokens 96] [--rounds 3] [--wall] [--torch-ops]
+       [--fast-logit-noise SIGMA] [--quick]
 """
 from __future__ import annotations
 
@@ -214,6 +215,9 @@ def main():
                          "invariant plan then pads to row groups and costs more than the fast plan, and the fast "
                          "plan's tokens differ from the reference now and then, as on a machine whose fast kernels "
                          "are not row-invariant")
+    ap.add_argument("--fast-logit-noise", type=float, default=0.0,
+                    help="engine setting: Gaussian noise of this standard deviation on the fast plan's logits, "
+                         "so that its tokens differ from the reference where margins are small")
     ap.add_argument("--wall", action="store_true",
                     help="run each mode alone through the threaded API, timed by the wall clock, instead of "
                          "all modes of a round in lockstep on engine time")
@@ -222,6 +226,7 @@ def main():
         args.prompts, args.tokens, args.rounds = 8, 16, 1
     n = args.prompts
     ops = dict(cpu_kernels=False, pack_fast_weights=False) if args.torch_ops else {}
+    ops["fast_logit_noise"] = args.fast_logit_noise
     loaded = load(None, "bfloat16")
     prompts = prompt_set(n, mixed=True)
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
