@@ -148,6 +148,26 @@ def test_off_requests_riding_on_invariant_passes_still_finish_and_verified_is_th
         assert req.output_ids == reference_output(req.prompt_ids, 10, rid=rid)
 
 
+def test_a_long_off_prefill_chunk_keeps_its_attention_on_the_fast_plan():
+    sched = make_scheduler(route=ungrouped(), budget=256, num_blocks=128)
+    sched.add(make_request("v", PROMPT + [1], max_tokens=6, window=3))
+    sched.add(make_request("short", PROMPT + [2], max_tokens=6, mode=Mode.OFF))
+    sched.add(make_request("long", list(range(1, 131)), max_tokens=6, mode=Mode.OFF))   # 130 x 130 > 128 x 128
+    prefill_kind = {}
+
+    def on_step(s, plan):
+        for x in plan.seqs:
+            if x.request.mode is Mode.OFF and x.num_tokens > 1:
+                prefill_kind[x.request.request_id] = x.kind
+
+    done = run_all(sched, FakeRunner({}), on_step=on_step)
+    # Moving both would drop the fast pass, and the cost model (fitted on decodes) would
+    # take it; the long chunk stays, so the short one has no pass to save either.
+    assert prefill_kind == {"short": Kind.FAST, "long": Kind.FAST}
+    for rid, req in done.items():
+        assert req.output_ids == reference_output(req.prompt_ids, 6, rid=rid)
+
+
 def test_an_unmeasured_invariant_group_is_priced_as_a_fast_pass_of_its_rows():
     p = RoutePolicy("adaptive", group_rows=32)
     assert p.invariant.cost(20) == p.fast.cost(32) and p.invariant.cost(40) == 2 * p.fast.cost(32)
