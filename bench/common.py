@@ -12,6 +12,10 @@ TOPICS = ["the ocean", "a small robot", "ancient Rome", "quantum computers", "a 
           "volcanoes", "a lost key", "the printing press", "honeybees", "a desert caravan", "winter"]
 
 
+# Engine settings for --torch-ops: both plans on torch ops and plain weights.
+TORCH_OPS = dict(cpu_kernels=False, pack_fast_weights=False)
+
+
 def prompt_set(n: int, mixed: bool) -> list:
     out = []
     for i in range(n):

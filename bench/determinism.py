@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine, prompt_set, timed  # noqa: E402
+from common import TORCH_OPS, machine, prompt_set, timed  # noqa: E402
 
 from gateeng.config import EngineConfig  # noqa: E402
 from gateeng.engine import Engine  # noqa: E402
@@ -47,7 +47,7 @@ def main():
     # No prefix caching: a batch run would find its prompts cached by the alone runs
     # before it (and VERIFIED and plan=invariant by their own), so the wall times would
     # compare cache states, not modes.
-    ops = dict(cpu_kernels=False, pack_fast_weights=False) if args.torch_ops else {}
+    ops = dict(TORCH_OPS) if args.torch_ops else {}
     fast = Engine(EngineConfig(enable_prefix_caching=False, **ops), loaded=loaded)
     inv = Engine(EngineConfig(plan="invariant", enable_prefix_caching=False, **ops), loaded=loaded)
     log(f"invariant plan: {inv.invariant_plan.describe()}")

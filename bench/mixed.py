@@ -41,7 +41,7 @@ from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine, prompt_set  # noqa: E402
+from common import TORCH_OPS, machine, prompt_set  # noqa: E402
 
 from gateeng.config import EngineConfig  # noqa: E402
 from gateeng.engine import Engine, Observer  # noqa: E402
@@ -225,7 +225,7 @@ def main():
     if args.quick:
         args.prompts, args.tokens, args.rounds = 8, 16, 1
     n = args.prompts
-    ops = dict(cpu_kernels=False, pack_fast_weights=False) if args.torch_ops else {}
+    ops = dict(TORCH_OPS) if args.torch_ops else {}
     ops["fast_logit_noise"] = args.fast_logit_noise
     loaded = load(None, "bfloat16")
     prompts = prompt_set(n, mixed=True)

@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from gateeng.config import KERNEL_PREFILL_WORK
 from gateeng.cpu_linear import ROWWISE_MATMULS
 from gateeng.kernels import reference as ref
 
@@ -256,13 +257,6 @@ class CpuKernelOps:
         q, k_rot = qk.split([num_heads, hkv], dim=1)
         kv.write(layer, k_rot, v.reshape(-1, hkv, d), slots)
         return q
-
-
-# The largest prefill chunk (its queries x its keys) the fast plan's attention runs
-# in the per-row C++ kernel rather than SDPA. Measured on one chunk (9 query and 3
-# KV heads of 64): the kernel takes 4 / 37 / 475 us at 4 / 32 / 128 tokens against
-# SDPA's 32 / 67 / 492, and 1.8 / 7.2 ms against 1.4 / 5.6 at 256 / 512.
-KERNEL_PREFILL_WORK = 128 * 128
 
 
 @dataclass

@@ -194,8 +194,12 @@ class RoutePolicy:
         either plan serves it; an invariant pass that runs anyway has padding rows
         paid for, and when every fast row moves, the fast pass disappears.
         Candidates: none, the longest prefix that fits the padding, all."""
+        return self._off_move(fast_rows, inv_rows, off_rows)[0]
+
+    def _off_move(self, fast_rows: int, inv_rows: int, off_rows: tuple) -> tuple:
+        """off_to_move's count, and the rows those sequences take along."""
         if self.mode != "adaptive" or not inv_rows or not off_rows:
-            return 0
+            return 0, 0
         room, fit, used = self.invariant.room(inv_rows), 0, 0
         while fit < len(off_rows) and used + off_rows[fit] <= room:
             used += off_rows[fit]
@@ -204,11 +208,11 @@ class RoutePolicy:
 
         def cost(k: int) -> float:
             return self.fast.cost(fast_rows - moved[k]) + self.invariant.cost(inv_rows + moved[k])
-        return min(moved, key=lambda k: (cost(k), k))
+        k = min(moved, key=lambda k: (cost(k), k))
+        return k, moved[k]
 
     def _with_off(self, fast_rows: int, inv_rows: int, off_rows: tuple) -> tuple:
-        k = self.off_to_move(fast_rows, inv_rows, off_rows)
-        rows = sum(off_rows[:k])
+        rows = self._off_move(fast_rows, inv_rows, off_rows)[1]
         return fast_rows - rows, inv_rows + rows
 
     def choose(self, fast_rows: int, inv_rows: int, direct_rows: list, budget: int,

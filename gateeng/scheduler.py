@@ -25,17 +25,10 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from gateeng.block_manager import BlockManager
+from gateeng.config import KERNEL_PREFILL_WORK
 from gateeng.request import FinishReason, Mode, Request, Status
 from gateeng.route import RoutePolicy
 from gateeng.verification import DIRECT, SPECULATIVE, Outcome, discard_speculation
-
-
-# An OFF prefill chunk rides along on an invariant pass only while its queries x keys
-# stay within this. Both plans then attend it row by row in the same kernel (the fast
-# plan's KERNEL_PREFILL_WORK); a longer chunk the fast plan gives to SDPA, which is
-# faster there (5.6 against 7.2 ms per layer for 512 tokens), and the route cost
-# model, fitted on decode passes, would not see the difference.
-RIDE_ALONG_PREFILL_WORK = 128 * 128
 
 
 class Kind(enum.Enum):
@@ -195,9 +188,9 @@ class Scheduler:
         rows = [self._replay_rows(i, plan) for i in idx]
         waiting_rows = tuple(self._replay_rows(i, plan) for i in waiting)
         # OFF sequences on the fast plan that may join an invariant pass, fewest rows first
-        # (decodes, then short prefill chunks): the order in which they would move.
+        # (decodes, then prefill chunks both plans attend alike): the order they would move in.
         off = sorted((i for i, s in enumerate(plan.seqs) if s.kind is Kind.FAST and s.request.mode is Mode.OFF
-                      and s.num_tokens * s.end <= RIDE_ALONG_PREFILL_WORK),
+                      and s.num_tokens * s.end <= KERNEL_PREFILL_WORK),
                      key=lambda i: plan.seqs[i].num_tokens)
         off_rows = tuple(plan.seqs[i].num_tokens for i in off)
         for i, r, direct in zip(idx, rows, self.route.choose(fast, inv, rows, budget, waiting_rows, off_rows)):
