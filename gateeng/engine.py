@@ -25,6 +25,7 @@ from gateeng.detokenizer import IncrementalText
 from gateeng.output_processor import OutputProcessor, RequestHandle
 from gateeng.outputs import Completion
 from gateeng.plan import FastPlan, InvariantPlan, default_invariant_rows
+from gateeng.pricing import PRICE_ROWS, decode_pass_timer, price_plans
 from gateeng.records import Counts, SeqRecord, StatsRecord, StepRecord
 from gateeng.request import DeterminismParams, Mode, Request, SamplingParams
 from gateeng.route import RoutePolicy
@@ -138,6 +139,8 @@ class Engine:
         self.selfcheck = run_selfcheck(self.invariant_plan, mc.hidden_size, mc.num_heads, mc.num_kv_heads,
                                        mc.head_dim, DTYPES[cfg.dtype], cfg.block_size, device=cfg.device,
                                        weights=self._layer_weights())
+        if cfg.plan == "fast" and cfg.verified_route == "adaptive" and self.selfcheck.passed:
+            self._price_plans(cfg)
         self.margin_threshold = cfg.margin_threshold
         self.max_window = cfg.max_window
         self.version = __version__
@@ -164,6 +167,15 @@ class Engine:
         # thread lets its pool go now, and the engine thread its own when idle.
         self._release_threads = kernels.release_idle_threads if kernels is not None else (lambda: None)
         self._release_threads()
+
+    def _price_plans(self, cfg: EngineConfig) -> None:
+        """Seed the route policy's cost models with timed decode passes of both plans
+        (pricing.py says why traffic alone is not enough)."""
+        rows = sorted({min(r, cfg.max_num_seqs, cfg.num_kv_blocks) for r in PRICE_ROWS})
+        t0 = time.perf_counter()
+        price_plans(self.route.observe_pass, decode_pass_timer(self.runner, self.blocks), rows)
+        log(f"route costs from decode passes at {'/'.join(map(str, rows))} rows "
+            f"({time.perf_counter() - t0:.1f} s): {self.route.describe()}")
 
     def _layer_weights(self) -> list:
         """The matrices the invariant plan multiplies by: one layer's (every layer has

@@ -55,6 +55,9 @@ class CostModel:
     def cost(self, rows: int) -> float:
         return 0.0 if rows <= 0 else max(0.0, self.theta[0] + self.theta[1] * rows)
 
+    def describe(self) -> str:
+        return f"{self.theta[0] * 1e3:.1f} ms + {self.theta[1] * 1e3:.2f} ms/row"
+
     def observe(self, rows: int, seconds: float) -> None:
         self.theta = [t * 1e3 for t in self.theta]
         self._update(rows, seconds * 1e3)
@@ -91,6 +94,7 @@ class GroupCost:
         self.group_rows = group_rows
         self.weight = weight
         self.prior = prior
+        self.seen = 0   # passes observed
 
     def groups(self, rows: int) -> int:
         return -(-rows // self.group_rows)
@@ -113,8 +117,12 @@ class GroupCost:
         """Padding rows a pass of `rows` rows has free."""
         return self.groups(rows) * self.group_rows - rows
 
+    def describe(self) -> str:
+        return f"{self.group_cost() * 1e3:.1f} ms per {self.group_rows}-row group"
+
     def observe(self, rows: int, seconds: float) -> None:
         if rows > 0:
+            self.seen += 1
             per = seconds / self.groups(rows)
             self.per_group = per if self.per_group is None else self.per_group + self.weight * (per - self.per_group)
 
@@ -171,6 +179,9 @@ class RoutePolicy:
         """Exponential average of gate triggers per speculated token."""
         if tokens:
             self.trigger_rate += weight * min(1.0, tokens / 8) * (triggers / tokens - self.trigger_rate)
+
+    def describe(self) -> str:
+        return f"fast {self.fast.describe()}, invariant {self.invariant.describe()}"
 
     # ---- the choice --------------------------------------------------------------
     def step_cost(self, fast_rows: int, inv_rows: int, speculative: int) -> float:

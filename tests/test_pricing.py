@@ -1,0 +1,86 @@
+"""Start-up pricing of both plans: the route policy's cost models are seeded from
+timed decode passes, without a shape's one-time set-up, and the KV accounting is
+left as it was."""
+import pytest
+
+from gateeng.config import EngineConfig
+from gateeng.engine import Engine
+from gateeng.request import DeterminismParams, Mode, SamplingParams
+from gateeng.pricing import PRICE_ROWS, REPEATS, price_plans
+from gateeng.route import RoutePolicy
+from gateeng.scheduler import Kind
+from tiny import tiny_loaded
+
+STEADY = {Kind.FAST: (0.010, 0.001), Kind.INVARIANT: (0.010, 0.002)}   # seconds: base, per row
+SET_UP = 0.200   # what a shape's first pass costs on top
+
+
+def fake_timer(steady: dict, calls: list):
+    def time_pass(kind, rows):
+        first = all((k, r) != (kind, rows) for k, r, _ in calls)
+        base, per_row = steady[kind]
+        seconds = base + per_row * rows + (SET_UP if first else 0.0)
+        calls.append((kind, rows, seconds))
+        return seconds
+    return time_pass
+
+
+def test_pricing_fits_the_steady_cost_of_both_plans_without_the_set_up():
+    policy, calls, observed = RoutePolicy(group_rows=0), [], []
+
+    def observe(kind, rows, seconds):
+        observed.append((kind, rows, seconds))
+        policy.observe_pass(kind, rows, seconds)
+
+    price_plans(observe, fake_timer(STEADY, calls))
+    assert len(calls) == len(PRICE_ROWS) * 2 * (1 + REPEATS)
+    assert len(observed) == len(PRICE_ROWS) * 2 * REPEATS
+    assert all(seconds < SET_UP for _, _, seconds in observed)
+    for kind, model in ((Kind.FAST, policy.fast), (Kind.INVARIANT, policy.invariant)):
+        base, per_row = STEADY[kind]
+        for rows in (1, 20, 32):
+            assert model.cost(rows) == pytest.approx(base + per_row * rows, rel=0.05)
+
+
+def test_a_priced_policy_keeps_a_verified_minority_speculative_where_the_fast_plan_is_cheaper():
+    """The lock-in pricing prevents. Torch-ops figures: a 20-row step takes 110 ms on
+    the fast plan and 138 ms on the invariant one. Priced from traffic's first fast
+    passes (set-up included), the fast plan looks dear; two VERIFIED decodes among 18
+    OFF ones then go direct with the OFF rows riding along, the fast plan stops
+    running, and its price is never corrected."""
+    steady = {Kind.FAST: (0.040, 0.0035), Kind.INVARIANT: (0.128, 0.0005)}
+    unpriced = RoutePolicy(group_rows=0, replay_delay=8)
+    unpriced.observe_pass("fast", 1, 0.200)
+    unpriced.observe_pass("fast", 2, 0.216)
+    for _ in range(3):
+        unpriced.observe_pass("invariant", 20, 0.138)
+    priced = RoutePolicy(group_rows=0, replay_delay=8)
+    price_plans(priced.observe_pass, fake_timer(steady, []))
+    assert priced.fast.cost(20) < priced.invariant.cost(20) < unpriced.fast.cost(20)
+    step = dict(fast_rows=20, inv_rows=0, direct_rows=[1, 1], budget=100, off_rows=(1,) * 18)
+    assert unpriced.choose(**step) == [True, True]
+    assert priced.choose(**step) == [False, False]
+
+
+def engine_with(**overrides):
+    cfg = EngineConfig(dtype="float32", num_kv_blocks=64, **overrides)
+    return Engine(cfg, tiny_loaded())
+
+
+def test_the_engine_prices_both_plans_at_start_up_and_leaves_the_kv_cache_as_it_was():
+    e = engine_with()
+    assert e.route.fast.seen == len(PRICE_ROWS) * REPEATS
+    assert e.route.invariant.seen == len(PRICE_ROWS) * REPEATS
+    assert e.blocks.num_free == e.blocks.num_blocks and not e.blocks.cache
+    e.blocks.check_integrity()
+    out = e.generate("hello there", SamplingParams(max_tokens=4), DeterminismParams(Mode.VERIFIED))
+    assert len(out.token_ids) == 4
+    e.shutdown()
+
+
+@pytest.mark.parametrize("overrides", [{"verified_route": "direct"}, {"plan": "invariant"}])
+def test_engines_that_never_choose_a_route_do_not_price(overrides):
+    e = engine_with(**overrides)
+    assert e.route.fast.seen == 0
+    e.shutdown()
+
