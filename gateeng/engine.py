@@ -14,7 +14,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from gateeng import __version__, cpu_linear, cpu_ops, reproducibility
+from gateeng import __version__, cpu_linear, cpu_ops, pricing, reproducibility
 from gateeng import chat as chat_template
 from gateeng.block_manager import BlockManager
 from gateeng.config import EngineConfig, validate_threshold, validate_window
@@ -25,7 +25,6 @@ from gateeng.detokenizer import IncrementalText
 from gateeng.output_processor import OutputProcessor, RequestHandle
 from gateeng.outputs import Completion
 from gateeng.plan import FastPlan, InvariantPlan, default_invariant_rows
-from gateeng.pricing import PRICE_ROWS, decode_pass_timer, price_plans
 from gateeng.records import Counts, SeqRecord, StatsRecord, StepRecord
 from gateeng.request import DeterminismParams, Mode, Request, SamplingParams
 from gateeng.route import RoutePolicy
@@ -171,10 +170,15 @@ class Engine:
     def _price_plans(self, cfg: EngineConfig) -> None:
         """Seed the route policy's cost models with timed decode passes of both plans
         (pricing.py says why traffic alone is not enough)."""
-        rows = sorted({min(r, cfg.max_num_seqs, cfg.num_kv_blocks) for r in PRICE_ROWS})
+        context = min(pricing.CONTEXT, self.max_model_len)
+        # Each row holds a block of its own beside the shared ones; the context fits the
+        # cache (resolve_max_model_len), so there is room for at least one row.
+        limit = min(cfg.max_num_seqs, cfg.num_kv_blocks - pricing.shared_blocks(context, cfg.block_size))
+        rows = sorted({min(r, limit) for r in pricing.PRICE_ROWS})
         t0 = time.perf_counter()
-        price_plans(self.route.observe_pass, decode_pass_timer(self.runner, self.blocks), rows)
-        log(f"route costs from decode passes at {'/'.join(map(str, rows))} rows "
+        pricing.price_plans(self.route.observe_pass, pricing.decode_pass_timer(self.runner, self.blocks, context),
+                            rows)
+        log(f"route costs from decode passes at {'/'.join(map(str, rows))} rows, {context} keys "
             f"({time.perf_counter() - t0:.1f} s): {self.route.describe()}")
 
     def _layer_weights(self) -> list:
