@@ -171,9 +171,7 @@ class Engine:
         """Seed the route policy's cost models with timed decode passes of both plans
         (pricing.py says why traffic alone is not enough)."""
         context = min(pricing.CONTEXT, self.max_model_len)
-        # Each row holds a block of its own beside the shared ones; the context fits the
-        # cache (resolve_max_model_len), so there is room for at least one row.
-        limit = min(cfg.max_num_seqs, cfg.num_kv_blocks - pricing.shared_blocks(context, cfg.block_size))
+        limit = min(cfg.max_num_seqs, pricing.rows_that_fit(self.blocks, context))
         rows = sorted({min(r, limit) for r in pricing.PRICE_ROWS})
         t0 = time.perf_counter()
         pricing.price_plans(self.route.observe_pass, pricing.decode_pass_timer(self.runner, self.blocks, context),

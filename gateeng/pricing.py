@@ -48,7 +48,7 @@ def decode_pass_timer(runner, blocks, context: int = CONTEXT) -> Callable[[Kind,
     def time_pass(kind: Kind, rows: int) -> float:
         shared, own, reqs = [], [], []
         try:
-            shared.extend(blocks.allocate() for _ in range(shared_blocks(context, bs)))
+            shared.extend(blocks.allocate() for _ in range(_shared_blocks(context, bs)))
             for i in range(rows):
                 own.append(blocks.allocate())
                 req = Request(f"price-{i}", [0] * context, SamplingParams(), DeterminismParams())
@@ -62,6 +62,13 @@ def decode_pass_timer(runner, blocks, context: int = CONTEXT) -> Callable[[Kind,
     return time_pass
 
 
-def shared_blocks(context: int, block_size: int) -> int:
-    """The blocks a priced pass's sequences share (beside one block of each row's)."""
+def rows_that_fit(blocks, context: int = CONTEXT) -> int:
+    """The most rows a priced pass can hold in the free blocks: the shared blocks, and
+    one block per row. At least one while the blocks are all free, since a context
+    that fits the cache (resolve_max_model_len) fits them."""
+    return blocks.num_free - _shared_blocks(context, blocks.block_size)
+
+
+def _shared_blocks(context: int, block_size: int) -> int:
+    """The blocks of positions before a priced row's last, which its sequences share."""
     return (context - 1) // block_size
