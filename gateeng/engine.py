@@ -25,8 +25,8 @@ from gateeng.detokenizer import IncrementalText
 from gateeng.output_processor import OutputProcessor, RequestHandle
 from gateeng.outputs import Completion
 from gateeng.plan import FastPlan, InvariantPlan, default_invariant_rows
-from gateeng.records import Counts, SeqRecord, StatsRecord, StepRecord
-from gateeng.request import DeterminismParams, Mode, Request, SamplingParams
+from gateeng.records import Counts, SeqRecord, StepRecord
+from gateeng.request import DeterminismParams, DeterminismStats, Mode, Request, SamplingParams
 from gateeng.route import RoutePolicy
 from gateeng.runner import ModelRunner
 from gateeng.scheduler import Scheduler, StepPlan
@@ -321,32 +321,31 @@ class Engine:
         outputs = self.runner.run(plan)                   # run both plans, sample, margins
         outcomes = self.verification.apply(plan, outputs)     # gate, verify compare, commit / rollback
         self.scheduler.update(outcomes)                   # KV blocks, finishes
-        mismatches, speculated, triggered = self.verification.drain()
-        self._measure(plan, speculated, triggered)        # the route policy's cost model
-        self.observer.on_step(self._record(plan, outputs, mismatches))    # an immutable record for metrics
+        mismatches, counted = self.verification.drain()
+        self._measure(plan, counted)                      # the route policy's cost model
+        self.observer.on_step(self._record(plan, outputs, mismatches, counted))   # a record for metrics
         self._emit(plan)                                  # stream what the policy allows
 
-    def _measure(self, plan: StepPlan, speculated: int, triggered: int) -> None:
+    def _measure(self, plan: StepPlan, counted: DeterminismStats) -> None:
         """Feed the route policy the decode-phase pass costs it compares. Passes with a
         prefill chunk are left out: their attention grows with the chunk, not the rows."""
         for kind, seconds in self.runner.last_seconds.items():
             seqs = plan.of_kind(kind)
             if all(s.replay or s.num_tokens == 1 for s in seqs):
                 self.route.observe_pass(kind.value, sum(s.num_tokens for s in seqs), seconds)
-        self.route.observe_speculation(speculated, triggered)
+        self.route.observe_speculation(counted.decode_steps, counted.triggers)
 
-    def _record(self, plan: StepPlan, outputs: dict, mismatches: tuple) -> StepRecord:
-        seqs, stats = [], []
+    def _record(self, plan: StepPlan, outputs: dict, mismatches: tuple,
+                counted: DeterminismStats) -> StepRecord:
+        seqs = []
         for seq in plan.seqs:
             req = seq.request
             out = outputs.get(req.request_id)
             margin = out.margins[-1] if out is not None and out.margins and seq.sample_rows else None
             seqs.append(SeqRecord(req.request_id, req.mode, seq.kind.value, seq.replay, seq.decode, margin,
                                   seq.route))
-            if req.mode is Mode.VERIFIED:
-                stats.append(StatsRecord(req.request_id, req.stats.snapshot(), req.finished))
         self.counts = self._counts()
-        return StepRecord(tuple(seqs), tuple(stats), mismatches,
+        return StepRecord(tuple(seqs), counted, mismatches,
                           {k.value: v for k, v in self.runner.last_seconds.items()}, self.counts)
 
     def _counts(self) -> Counts:

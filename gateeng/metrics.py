@@ -106,7 +106,6 @@ class Metrics(Observer):
             self.ttft.labels(det)
             self.itl.labels(det)
             self.e2e.labels(det)
-        self._seen: dict[str, dict] = {}
         self._preemptions = 0
 
     def attach(self, engine: Engine) -> None:
@@ -132,12 +131,14 @@ class Metrics(Observer):
             if seq.mode is Mode.VERIFIED:
                 if seq.kind == "fast" and seq.margin is not None:
                     self.margin.observe(_clamp(seq.margin))
-            else:   # VERIFIED decode steps come from the stats below, like the reports
+            else:   # VERIFIED decode steps come from the step's counts below, like the reports
                 self.decode_steps.labels(seq.mode.value).inc()
-        for rec in record.stats:
-            self._stats_delta(rec.request_id, rec.stats)
-            if rec.finished:
-                self._seen.pop(rec.request_id, None)
+        counted = record.counted
+        for name, (attr, label) in COUNTED.items():
+            n = getattr(counted, name)
+            if n:
+                counter = getattr(self, attr)
+                (counter.labels(label) if label else counter).inc(n)
         for _, margin in record.mismatches:
             self.mismatch_margin.observe(_clamp(margin))
         if any(seq.replay for seq in record.seqs):
@@ -156,17 +157,6 @@ class Metrics(Observer):
         self.threshold.set(margin_threshold)
         self.window.set(max_window)
 
-    def _stats_delta(self, rid: str, stats) -> None:
-        before = self._seen.get(rid, {})
-        now = {}
-        for name, (attr, label) in COUNTED.items():
-            now[name] = value = getattr(stats, name)
-            delta = value - before.get(name, 0)
-            if delta:
-                counter = getattr(self, attr)
-                (counter.labels(label) if label else counter).inc(delta)
-        self._seen[rid] = now
-
     def on_first_token(self, mode: Mode, seconds: float) -> None:
         self.ttft.labels(mode.value).observe(seconds)
 
@@ -179,7 +169,6 @@ class Metrics(Observer):
         self.retractions.inc()
 
     def on_finish(self, completion, seconds: float) -> None:
-        self._seen.pop(completion.request_id, None)
         self.prompt_tokens.inc(completion.prompt_tokens)
         self.gen_tokens.labels(completion.mode.value).inc(completion.completion_tokens)
         self.success.labels(completion.finish_reason.value).inc()

@@ -32,16 +32,9 @@ class SeqRecord:
 
 
 @dataclass(frozen=True)
-class StatsRecord:
-    request_id: str
-    stats: DeterminismStats       # a copy: cumulative for the (VERIFIED) request
-    finished: bool
-
-
-@dataclass(frozen=True)
 class StepRecord:
     seqs: tuple                   # SeqRecord per scheduled sequence
-    stats: tuple                  # StatsRecord per VERIFIED request touched this step
+    counted: DeterminismStats     # what this step added to the VERIFIED requests' counters, summed
     mismatches: tuple             # (trigger reason, fast margin of the wrong token)
     plan_seconds: dict            # "fast" / "invariant" -> seconds of that plan's pass
     counts: Counts

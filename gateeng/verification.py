@@ -11,7 +11,10 @@ result:
     append the verifier's next token and commit.
 It writes a request's token state (tokens, num_verified, spec_margins,
 pending_verify, eager_len, stop_text_len, stats) and nothing else. The scheduler,
-which owns KV blocks and request status, applies the returned Outcomes.
+which owns KV blocks and request status, applies the returned Outcomes. Every
+increment of a request's DeterminismStats is also added to the step's own
+DeterminismStats (`drain`), so observers and the route policy get the step's
+counts without a copy of every request's counters.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from gateeng import gate, verifier
-from gateeng.request import FinishReason, Mode, Request, StreamPolicy
+from gateeng.request import DeterminismStats, FinishReason, Mode, Request, StreamPolicy
 from gateeng.stopping import StopChecker
 
 SPECULATIVE, DIRECT = "speculative", "direct"   # the routes of a VERIFIED decode
@@ -52,15 +55,18 @@ class VerificationStage:
         self.stop = stop
         # (reason, fast-path margin of the first wrong token) per mismatch; drained per step.
         self.mismatches: list[tuple[str, float]] = []
-        # Speculated tokens and gate triggers this step (the route policy's trigger rate).
-        self.speculated = 0
-        self.triggered = 0
+        self.counted = DeterminismStats()   # this step's increments, over every request
 
     def drain(self) -> tuple:
-        out = (tuple(self.mismatches), self.speculated, self.triggered)
+        """(mismatches, the step's DeterminismStats increments); starts the next step's."""
+        out = (tuple(self.mismatches), self.counted)
         self.mismatches.clear()
-        self.speculated = self.triggered = 0
+        self.counted = DeterminismStats()
         return out
+
+    def _count(self, req: Request, name: str, n: int = 1) -> None:
+        req.stats.add(name, n)
+        self.counted.add(name, n)
 
     def apply(self, plan, outputs: dict) -> list[Outcome]:
         outcomes = []
@@ -88,8 +94,7 @@ class VerificationStage:
     def _speculate(self, req: Request, token: int, margin: float) -> None:
         req.tokens.append(token)
         req.spec_margins.append(margin)
-        req.stats.decode_steps += 1
-        self.speculated += 1
+        self._count(req, "decode_steps")
         would_finish = self.stop.check(req, len(req.tokens) - 1)[0] is not None
         if req.pending_verify is not None:
             req.pending_age += 1       # a margin-triggered replay waiting for company
@@ -97,8 +102,7 @@ class VerificationStage:
             reason = gate.decide(margin, req.num_unverified, would_finish, req.tau, req.window)
             if reason is not None:
                 req.pending_verify = reason
-                req.stats.add(f"triggers_{reason}")
-                self.triggered += 1
+                self._count(req, f"triggers_{reason}")
         # A window or finish trigger cannot wait: W bounds the unverified tokens, and
         # nothing may be decoded past a token that would finish the request.
         req.replay_due = req.pending_verify is not None and (would_finish or req.num_unverified >= req.window)
@@ -111,19 +115,18 @@ class VerificationStage:
         first = seq.start + 1            # index of the first speculated token
         speculated = req.tokens[first:seq.end]
         outcome = verifier.compare(speculated, out.tokens)
-        st = req.stats
         if seq.route == DIRECT:
-            st.direct_steps += 1
+            self._count(req, "direct_steps")
         if speculated:
-            st.verify_passes += 1
-            st.replayed_tokens += seq.num_tokens
+            self._count(req, "verify_passes")
+            self._count(req, "replayed_tokens", seq.num_tokens)
         if outcome.mismatch:
             # The trigger that caught it says how to tune: window or finish catches
             # mean a flip slipped past the margin test (tau too low).
             reason = req.pending_verify or DIRECT
-            st.mismatches += 1
-            st.add(f"mismatches_{reason}")
-            st.rolled_back_tokens += outcome.rolled_back(len(speculated))
+            self._count(req, "mismatches")
+            self._count(req, f"mismatches_{reason}")
+            self._count(req, "rolled_back_tokens", outcome.rolled_back(len(speculated)))
             self.mismatches.append((reason, req.spec_margins[outcome.accepted]))
         req.spec_margins.clear()
         req.truncate(first + outcome.accepted)

@@ -5,7 +5,7 @@ import pytest
 
 from fakes import EOS, FakeRunner, reference_output
 from gateeng.block_manager import BlockManager
-from gateeng.request import (DeterminismParams, FinishReason, Mode, Request, SamplingParams,
+from gateeng.request import (DeterminismParams, DeterminismStats, FinishReason, Mode, Request, SamplingParams,
                              StreamPolicy)
 from gateeng.route import RoutePolicy
 from gateeng.scheduler import Kind, Scheduler
@@ -336,6 +336,30 @@ def test_mismatch_is_attributed_to_the_trigger_that_caught_it(script, tau, windo
     assert st.mismatches == 1 and getattr(st, f"mismatches_{reason}") == 1
     assert st.mismatches_margin + st.mismatches_window + st.mismatches_finish == st.mismatches
     assert sched.stage.mismatches == [(reason, margin)]
+
+
+@pytest.mark.parametrize("route", ["speculative", "direct"])
+def test_the_steps_counts_add_up_to_the_requests_stats(route):
+    # Observers get only each step's increments (metrics, the route policy's trigger
+    # rate); summed over a run they must equal every request's own counters.
+    script = {("a", 2): (47, 0.05), ("a", 7): (truth_at(7), 0.0), ("b", 3): (47, 10.0),
+              ("c", 5): (47, 10.0)}
+    sched = make_scheduler(route=route)
+    for rid, tau, window in (("a", 1.0, 100), ("b", 1.0, 3), ("c", 0.0, 100)):
+        sched.add(make_request(rid, PROMPT, max_tokens=6 if rid == "c" else 10, tau=tau, window=window))
+    sched.add(make_request("off", PROMPT, mode=Mode.OFF))
+    totals = DeterminismStats()
+
+    def drain(sched, plan):
+        for name, value in vars(sched.stage.drain()[1]).items():
+            totals.add(name, value)
+    done = run_all(sched, FakeRunner(script), on_step=drain)
+    want = {name: sum(getattr(r.stats, name) for r in done.values()) for name in vars(totals)}
+    assert vars(totals) == want
+    if route == "speculative":
+        assert totals.mismatches == 3 and totals.triggers_margin >= 2 and totals.decode_steps > 0
+    else:
+        assert totals.direct_steps > 0 and totals.decode_steps == 0
 
 
 @pytest.mark.parametrize("chunk", [4, 0])
