@@ -105,10 +105,48 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 (or below 1e-5) = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None, help="sampling seed (temperature > 0)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="sampling seed (temperature > 0; default: a random one, which the result's "
+                        "reproducibility record names)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--no-chat", action="store_true", help="send the prompt raw, without the chat template")
     p.add_argument("--verified", action="store_true", help="ask for a VERIFIED (bitwise reproducible) decode")
+
+
+# generate's engine options that a request to a server carries as its own settings.
+REQUEST_GATE_OPTIONS = ("margin_threshold", "max_window")
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _generate_options(p: argparse.ArgumentParser) -> None:
+    _sampling_args(p)
+    _add_model_args(p)
+    p.add_argument("--server", default=None, metavar="HOST:PORT",
+                   help="send the request to a running `gateeng serve` instead of loading the model here; "
+                        f"{' and '.join(_flag(d) for d in REQUEST_GATE_OPTIONS)} then go with the request (within "
+                        "the server's bounds), and the options that set up a local engine are refused")
+
+
+def _given(generate_argv: list, dests) -> list:
+    """The options among `dests` that a generate command line sets. argparse fills in
+    a default only where the namespace lacks the attribute, so parsing into one that
+    holds a marker for each leaves the marker where the option was not given. (A value
+    equal to the default still counts: a server's defaults need not be this command's.)"""
+    p = argparse.ArgumentParser(add_help=False)
+    _generate_options(p)
+    unset = object()
+    seen = vars(p.parse_known_args(generate_argv, argparse.Namespace(**dict.fromkeys(dests, unset)))[0])
+    return [d for d in dests if seen[d] is not unset]
+
+
+def _engine_options() -> list:
+    """The dests of the options that configure an engine (_add_model_args)."""
+    p = argparse.ArgumentParser(add_help=False)
+    _add_model_args(p)
+    return list(vars(p.parse_args([])))
 
 
 def cmd_generate(args) -> int:
@@ -119,6 +157,17 @@ def cmd_generate(args) -> int:
     if getattr(args, "server", None):
         from gateeng.client import Client
         import grpc
+        # The server was set up by its own command line: an engine option here would be
+        # silently ignored, so it is refused; tau and W are a request's own to ask for.
+        argv = args.argv[args.argv.index("generate") + 1:]
+        given = _given(argv, _engine_options())
+        local = [d for d in given if d not in REQUEST_GATE_OPTIONS]
+        if local:
+            print(f"error: {', '.join(map(_flag, local))} set up a local engine, and a server runs with its own "
+                  f"settings: drop them, or run without --server", file=sys.stderr)
+            return 2
+        asked = {d: getattr(args, d) for d in REQUEST_GATE_OPTIONS if d in given}
+        det = DeterminismParams(det.mode, **asked)
         with Client(args.server) as client:
             try:
                 res = client.complete(args.prompt, params, det, chat=not args.no_chat)
@@ -269,11 +318,19 @@ def cmd_health(args) -> int:
     return 0 if status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """An option's default in its help, except None: there the help text says what
+    happens when the option is not given."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 class _Parser(argparse.ArgumentParser):
     """Subcommand parsers show each option's default in --help."""
 
     def __init__(self, *args, **kwargs):
-        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        kwargs.setdefault("formatter_class", _DefaultsFormatter)
         super().__init__(*args, **kwargs)
 
 
@@ -282,10 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"gateeng {__version__}")
     sub = parser.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
     g = sub.add_parser("generate", help="generate a completion for one prompt and print it")
-    _sampling_args(g)
-    _add_model_args(g)
-    g.add_argument("--server", default=None, metavar="HOST:PORT",
-                   help="send the request to a running `gateeng serve` instead of loading the model here")
+    _generate_options(g)
     g.set_defaults(func=cmd_generate)
     s = sub.add_parser("serve", help="serve the model over gRPC, with Prometheus metrics")
     _add_model_args(s)
@@ -361,7 +415,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv
     return args.func(args)
 
 

@@ -224,6 +224,21 @@ def test_bad_inputs_table_and_others_unaffected(client):
     assert list(tiny.token_ids) == list(greedy.token_ids) and tiny.text == greedy.text != ""
 
 
+def test_generate_cli_sends_its_gate_settings_with_the_request(server, capsys):
+    from gateeng import cli
+    _, target, mport, _, _ = server
+    before = scrape(mport)
+    base = ["generate", "--server", target, "Count to five.", "--verified", "--max-tokens", "6"]
+    assert cli.main(base + ["--margin-threshold", "2", "--max-window", "4"]) == 0
+    after = scrape(mport)
+    for setting in ("margin_threshold", "max_window"):
+        key = f'gateeng_gate_overrides_total{{setting="{setting}"}}'
+        assert after[key] == before[key] + 1, setting
+    # The server's own checks answer for them (a NaN tau once passed silently as the server default).
+    assert cli.main(base + ["--margin-threshold", "nan"]) == 2
+    assert "INVALID_ARGUMENT" in capsys.readouterr().err
+
+
 def test_admin_requires_token(server, client):
     with Client(server[1]) as anon:
         with pytest.raises(grpc.RpcError) as ei:
