@@ -34,7 +34,7 @@ class SeqRecord:
 @dataclass(frozen=True)
 class StepRecord:
     seqs: tuple                   # SeqRecord per scheduled sequence
-    counted: DeterminismStats     # what this step added to the VERIFIED requests' counters, summed
+    counted: DeterminismStats     # the verification stage's increments to VERIFIED counters this step, summed
     mismatches: tuple             # (trigger reason, fast margin of the wrong token)
     plan_seconds: dict            # "fast" / "invariant" -> seconds of that plan's pass
     counts: Counts
