@@ -176,7 +176,7 @@ class Engine:
         t0 = time.perf_counter()
         pricing.price_plans(self.route.observe_pass, pricing.decode_pass_timer(self.runner, self.blocks, context),
                             rows)
-        log(f"route costs from decode passes at {'/'.join(map(str, rows))} rows, {context} keys "
+        log(f"route costs from decode passes at row counts {'/'.join(map(str, rows))}, {context} keys "
             f"({time.perf_counter() - t0:.1f} s): {self.route.describe()}")
 
     def _layer_weights(self) -> list:
