@@ -72,6 +72,10 @@ class Report:
     machine: dict                         # the reference engine's Reproducibility record
     margins: list = field(repr=False)     # per step, for the plot
     flipped: list = field(repr=False)
+    fast_plan: str = ""                   # the fast plan's matmul, as the engine logs it
+    # The fast plan changes kernel above this many rows and no batch here had more, so
+    # such steps were not measured (None: none left out).
+    untested_above: Optional[int] = None
 
     @property
     def flip_rate(self) -> float:
@@ -131,7 +135,7 @@ def recommend(rows: list, target_miss: float) -> Optional[float]:
 def _reference(loaded, prompts: list, n_tokens: int, dtype: str, progress):
     """(reference token ids per prompt, the invariant plan that made them, the fast
     plan as the engine serves it (packed weights, C++ kernels), the Reproducibility
-    record)."""
+    record, the fast plan's matmul and the row count above which it changes)."""
     from gateeng.config import EngineConfig
     from gateeng.engine import Engine
     from gateeng.request import SamplingParams
@@ -143,7 +147,8 @@ def _reference(loaded, prompts: list, n_tokens: int, dtype: str, progress):
         for h in handles:
             out.append(h.result().token_ids)
             progress.update(1)
-        return out, engine.invariant_plan, engine.runner.plans[Kind.FAST], asdict(engine.reproducibility)
+        return (out, engine.invariant_plan, engine.runner.plans[Kind.FAST], asdict(engine.reproducibility),
+                engine.fast_matmul, engine.model.fast_rowwise_max_rows)
     finally:
         engine.shutdown()
 
@@ -200,7 +205,7 @@ def calibrate(loaded, prompts: list, n_tokens: int = 64, batch_sizes=(1, 8, 32),
     total = len(prompts) + sum(len(g) for g in groups.values())
     with tqdm(total=total, desc="calibrate", unit="batch", file=sys.stderr, disable=not show_progress) as bar:
         bar.set_postfix_str("reference decode")
-        refs, invariant, served, machine = _reference(loaded, prompts, n_tokens, dtype, bar)
+        refs, invariant, served, machine, fast_matmul, switch = _reference(loaded, prompts, n_tokens, dtype, bar)
         model, fast = loaded.model, fast or served
         most = max(sum(-(-(len(prompts[i]) + n_tokens) // block_size) for i in g)
                    for gs in groups.values() for g in gs)
@@ -217,8 +222,12 @@ def calibrate(loaded, prompts: list, n_tokens: int = 64, batch_sizes=(1, 8, 32),
                 steps_by[b] = steps_by.get(b, 0) + len(samples)
                 bar.update(1)
     rows = tau_table(margins, flipped, confidence=confidence)
+    if fast is not served:
+        fast_matmul, switch = "replaced by the caller", None
+    largest = max(len(g) for gs in groups.values() for g in gs)
+    untested = switch if switch is not None and largest <= switch else None
     return Report(len(margins), sum(flipped), flips_by, steps_by, confidence, target_miss,
-                  recommend(rows, target_miss), rows, machine, margins, flipped)
+                  recommend(rows, target_miss), rows, machine, margins, flipped, fast_matmul, untested)
 
 
 # ---- output --------------------------------------------------------------------
@@ -226,10 +235,16 @@ def markdown(report: Report) -> str:
     lines = [f"decode steps {report.steps}, flips {report.flips} ({100 * report.flip_rate:.2f}% of steps); "
              f"flips by batch size: " + ", ".join(f"{b}: {report.flips_by_batch[b]}/{report.steps_by_batch[b]}"
                                                   for b in report.flips_by_batch),
-             "",
-             f"| tau | trigger rate | flips caught at their step | missed flips | miss rate | "
-             f"miss rate {100 * report.confidence:.0f}% upper bound |",
-             "| --- | --- | --- | --- | --- | --- |"]
+             f"fast plan: {report.fast_plan}"]
+    if report.untested_above is not None:
+        lines.append(f"note: the fast plan runs another kernel on steps of more than {report.untested_above} rows, "
+                     "which no batch here reached; a step with more rows (a large batch, or decodes sharing a step "
+                     "with prefill chunks) may flip where these did not: calibrate such batches (--batch-sizes, "
+                     "with as many --prompts) before relying on a small tau there")
+    lines += ["",
+              f"| tau | trigger rate | flips caught at their step | missed flips | miss rate | "
+              f"miss rate {100 * report.confidence:.0f}% upper bound |",
+              "| --- | --- | --- | --- | --- | --- |"]
     for r in report.rows:
         lines.append(f"| {r.tau:g} | {100 * r.trigger_rate:.1f}% | {100 * r.catch_rate:.1f}% | {r.misses} | "
                      f"{r.miss_rate:.2e} | {r.miss_upper:.2e} |")
@@ -248,6 +263,7 @@ def write(report: Report, out_dir: Path, meta: dict) -> tuple[Path, Path]:
             "flips_by_batch": report.flips_by_batch, "steps_by_batch": report.steps_by_batch,
             "confidence": report.confidence, "target_miss": report.target_miss,
             "recommended_tau": report.recommended_tau, "table": [asdict(r) for r in report.rows],
+            "fast_plan": report.fast_plan, "untested_above_rows": report.untested_above,
             "reproducibility": report.machine}
     js = out_dir / "calibration.json"
     js.write_text(json.dumps(data, indent=2))

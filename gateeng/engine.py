@@ -126,8 +126,9 @@ class Engine:
         if cfg.pack_fast_weights and cfg.device == "cpu":
             self.model.pack_weights(kernels)
         fast, self.invariant_plan, sample = self._plans(cfg, mc, kernels)
+        self.fast_matmul = self._fast_matmul(cfg) if cfg.device == "cpu" else "torch matmuls (cuBLAS)"
         if cfg.device == "cpu":
-            log(f"fast plan: {self._fast_matmul(cfg)}, {'C++ kernels' if kernels is not None else 'torch ops'} "
+            log(f"fast plan: {self.fast_matmul}, {'C++ kernels' if kernels is not None else 'torch ops'} "
                 f"for norms, RoPE, SiLU and attention; invariant plan {self.invariant_plan.describe(cfg.dtype)}")
         self.route = RoutePolicy(cfg.verified_route, group_rows=self.invariant_plan.group_rows,
                                  replay_delay=cfg.max_verify_delay)

@@ -54,3 +54,13 @@ def test_calibrate_quick_on_tiny_model_finds_the_flips_it_is_given(tmp_path):
     assert data["flips"] == report.flips and len(data["table"]) == len(cal.TAUS)
     assert data["reproducibility"]["isa"] and png.stat().st_size > 10_000
     assert "recommended tau" in cal.markdown(report)
+
+
+@pytest.mark.parametrize("untested", [None, 128])
+def test_the_report_names_the_fast_plan_and_the_row_counts_it_did_not_measure(untested):
+    rows = cal.tau_table([1.0, 2.0], [False, False], taus=(0.0,))
+    report = cal.Report(2, 0, {1: 0}, {1: 2}, 0.95, 1e-3, 0.0, rows, {}, [1.0, 2.0], [False, False],
+                        "VDPBF16PS packed weights up to 128 rows, another kernel above", untested)
+    text = cal.markdown(report)
+    assert "fast plan: VDPBF16PS packed weights up to 128 rows" in text
+    assert ("more than 128 rows, which no batch here reached" in text) == (untested is not None)
