@@ -49,9 +49,9 @@ def decode_step_ms(loaded, batch: int, steps: int = 8, fast_plan=None, rounds: i
     `steps` steps, since neighbours on a shared host only ever add time.
     `fast_plan` replaces the fast plan."""
     from gateeng.config import EngineConfig
-    from gateeng.engine import Engine
+    from gateeng.engine.client import Engine
     from gateeng.request import DeterminismParams, SamplingParams
-    from gateeng.scheduler import Kind
+    from gateeng.engine.scheduler import Kind
     engine = Engine(EngineConfig(dtype="bfloat16"), loaded=loaded)
     if fast_plan is not None:
         engine.runner.plans[Kind.FAST] = fast_plan

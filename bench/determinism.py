@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import TORCH_OPS, machine, prompt_set, timed  # noqa: E402
 
 from gateeng.config import EngineConfig  # noqa: E402
-from gateeng.engine import Engine  # noqa: E402
-from gateeng.loader import load  # noqa: E402
+from gateeng.engine.client import Engine  # noqa: E402
+from gateeng.model.loader import load  # noqa: E402
 from gateeng.request import DeterminismParams, Mode, SamplingParams  # noqa: E402
 
 VERIFIED = DeterminismParams(Mode.VERIFIED)

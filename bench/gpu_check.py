@@ -136,9 +136,9 @@ def check_sampling(dev):
 
 def check_end_to_end(dev):
     from gateeng.config import EngineConfig, ModelConfig
-    from gateeng.engine import Engine
-    from gateeng.loader import LoadedModel
-    from gateeng.model import LlamaModel
+    from gateeng.engine.client import Engine
+    from gateeng.model.loader import LoadedModel
+    from gateeng.model.llama import LlamaModel
     from gateeng.request import DeterminismParams, Mode, SamplingParams
 
     class Tok:

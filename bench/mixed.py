@@ -44,9 +44,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import TORCH_OPS, machine, prompt_set  # noqa: E402
 
 from gateeng.config import EngineConfig  # noqa: E402
-from gateeng.engine import Engine, Observer  # noqa: E402
-from gateeng.loader import load  # noqa: E402
-from gateeng.output_processor import RequestHandle  # noqa: E402
+from gateeng.engine.client import Engine, Observer  # noqa: E402
+from gateeng.model.loader import load  # noqa: E402
+from gateeng.engine.output_processor import RequestHandle  # noqa: E402
 from gateeng.outputs import Chunk, Completion  # noqa: E402
 from gateeng.request import DeterminismParams, Mode, SamplingParams  # noqa: E402
 
@@ -157,7 +157,7 @@ def lockstep(lanes) -> None:
 def plan_steps_ms(loaded, batch: int, tokens: int, reps: int = 5, **config) -> tuple:
     """(fast, invariant) ms of one decode step over the same `batch` running
     requests, after `tokens` decode steps (the runner alone, both plans in turn)."""
-    from gateeng.scheduler import Kind, ScheduledSeq, StepPlan
+    from gateeng.engine.scheduler import Kind, ScheduledSeq, StepPlan
     e = Engine(EngineConfig(**config), loaded=loaded)
     for p in prompt_set(batch, mixed=True):
         e.scheduler.add(e._make_request(p, SamplingParams(max_tokens=tokens + 256, ignore_eos=True),

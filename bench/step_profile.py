@@ -21,12 +21,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from common import machine, prompt_set, steady_decode  # noqa: E402
 
-from gateeng import plan as plan_module  # noqa: E402
+from gateeng.plans import cpu as plan_module  # noqa: E402
 from gateeng.config import EngineConfig  # noqa: E402
-from gateeng.engine import Engine  # noqa: E402
-from gateeng.loader import load  # noqa: E402
+from gateeng.engine.client import Engine  # noqa: E402
+from gateeng.model.loader import load  # noqa: E402
 from gateeng.request import DeterminismParams, SamplingParams  # noqa: E402
-from gateeng.scheduler import Kind  # noqa: E402
+from gateeng.engine.scheduler import Kind  # noqa: E402
 
 PARTS = {"linear": "projections (q/k/v, o, gate/up, down)", "attention": "attention",
          "rms_norm": "RMSNorm", "add_rms_norm": "residual add + RMSNorm", "rope_store": "RoPE + KV store",
@@ -49,7 +49,7 @@ def profile(loaded, batch: int, steps: int, plan: str = "fast", rounds: int = 3)
     totals = defaultdict(float)
     for name in PARTS:
         setattr(timed_plan, name, timed(getattr(timed_plan, name), totals, name))
-    import gateeng.runner as runner_module
+    import gateeng.plans.runner as runner_module
     runner_module.choose = timed(plan_module.choose, totals, "lm_head")
     for p in prompt_set(batch, False):
         engine.scheduler.add(engine._make_request(p, SamplingParams(max_tokens=160, ignore_eos=True),

@@ -23,10 +23,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import decode_step_ms, machine, prompt_set, timed  # noqa: E402
 
-from gateeng import cpu_ops  # noqa: E402
+from gateeng.plans import cpu_ops  # noqa: E402
 from gateeng.config import EngineConfig  # noqa: E402
-from gateeng.engine import Engine  # noqa: E402
-from gateeng.loader import default_model_path, ensure_hf_dir, load  # noqa: E402
+from gateeng.engine.client import Engine  # noqa: E402
+from gateeng.model.loader import default_model_path, ensure_hf_dir, load  # noqa: E402
 from gateeng.request import SamplingParams  # noqa: E402
 
 
@@ -77,7 +77,7 @@ def matmul_peak_gflops() -> float:
     """bf16 matmul throughput at a large shape (compute bound), best of 5, of the
     faster of torch's and the row-invariant C++ kernel: with the weight read, the
     other floor a decode step cannot beat."""
-    from gateeng import cpu_linear
+    from gateeng.plans import cpu_linear
     x, w = torch.randn(1024, 4096).to(torch.bfloat16), torch.randn(4096, 4096).to(torch.bfloat16)
     fns = [lambda a: torch.nn.functional.linear(a, w), cpu_linear.pack_rowwise(w, cpu_ops.load())]
     best = float("inf")

@@ -142,7 +142,7 @@ class EngineConfig:
             raise ValueError(f"plan must be 'fast' or 'invariant', got {self.plan!r}")
         if self.attention_split % self.block_size:
             raise ValueError("attention_split must be a multiple of block_size")
-        from gateeng.route import ROUTES
+        from gateeng.engine.route import ROUTES
         if self.verified_route not in ROUTES:
             raise ValueError(f"verified_route must be one of {', '.join(ROUTES)}, got {self.verified_route!r}")
         if self.max_verify_delay < 0:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Optional
 from gateeng.config import validate_threshold, validate_window
 
 if TYPE_CHECKING:
-    from gateeng.detokenizer import IncrementalText
+    from gateeng.engine.detokenizer import IncrementalText
 
 
 class Mode(str, enum.Enum):

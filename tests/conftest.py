@@ -10,7 +10,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 @pytest.fixture(scope="session")
 def smollm():
     """The embedded SmolLM2 model, loaded once per session in bf16 and float32."""
-    from gateeng import loader
+    from gateeng.model import loader
     cache = {}
 
     def get(dtype="bfloat16"):
@@ -24,5 +24,5 @@ def smollm():
 def cpu_kernels():
     """Build the fast plan's CPU kernels once, before any test starts a server
     subprocess whose start-up timeout would otherwise include the build."""
-    from gateeng import cpu_ops
+    from gateeng.plans import cpu_ops
     return cpu_ops.load()

@@ -1,6 +1,6 @@
 import pytest
 
-from gateeng.block_manager import BlockManager
+from gateeng.engine.block_manager import BlockManager
 
 
 @pytest.fixture

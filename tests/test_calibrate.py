@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from gateeng import calibrate as cal
-from gateeng.plan import FastPlan
+from gateeng.tools import calibrate as cal
+from gateeng.plans.cpu import FastPlan
 from tiny import tiny_loaded
 
 

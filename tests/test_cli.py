@@ -1,7 +1,7 @@
 """The `gateeng` command line, without a model."""
 import pytest
 
-from gateeng import cli
+from gateeng.tools import cli
 
 ENGINE = cli._engine_options()
 

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from gateeng import cpu_ops
+from gateeng.plans import cpu_ops
 from gateeng.kernels import reference as ref
 
 

@@ -42,8 +42,8 @@ def test_every_recording_rule_and_alert_has_a_passing_unit_test():
 def exported_names() -> set:
     """Sample names a serving engine exports after OFF and VERIFIED traffic (tiny model)."""
     from gateeng.config import EngineConfig
-    from gateeng.engine import Engine
-    from gateeng.metrics import Metrics
+    from gateeng.engine.client import Engine
+    from gateeng.serving.metrics import Metrics
     from gateeng.request import DeterminismParams, Mode, SamplingParams
     from tiny import tiny_loaded
     engine = Engine(EngineConfig(dtype="float32", num_kv_blocks=32, max_model_len=128, block_size=4,
@@ -87,7 +87,7 @@ def k8s_docs() -> list:
 
 
 def serve_args_accepted(args: list) -> None:
-    from gateeng.cli import build_parser
+    from gateeng.tools.cli import build_parser
     parsed = build_parser().parse_args(["serve", *args])
     assert parsed.func.__name__ == "cmd_serve"
 

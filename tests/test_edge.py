@@ -1,9 +1,9 @@
 """Edge checks without a model: parsing, unknown values, sizes, gate bounds."""
 import pytest
 
-from gateeng import edge
+from gateeng.serving import edge
 from gateeng.config import GateBounds
-from gateeng.edge import BadRequest
+from gateeng.serving.edge import BadRequest
 from gateeng.request import Mode
 from gateeng.v1 import engine_pb2 as pb
 

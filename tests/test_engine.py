@@ -5,9 +5,9 @@ import math
 import pytest
 
 from gateeng.config import EngineConfig
-from gateeng.engine import Engine
+from gateeng.engine.client import Engine
 from gateeng.outputs import Chunk, Completion
-from gateeng.plan import InvariantPlan
+from gateeng.plans.cpu import InvariantPlan
 from gateeng.request import DeterminismParams, FinishReason, Mode, SamplingParams
 from tiny import tiny_loaded
 
@@ -133,7 +133,7 @@ def test_verified_equals_reference_on_tiny_model(engine):
 
 
 def test_queue_full_is_backpressure_not_memory():
-    from gateeng.engine import QueueFull
+    from gateeng.engine.client import QueueFull
     e = Engine(EngineConfig(dtype="float32", num_kv_blocks=64, max_model_len=128, block_size=4, attention_split=8,
                             invariant_rows=8, max_num_batched_tokens=64, max_queue=2, max_num_seqs=2),
                loaded=tiny_loaded("float32"))
@@ -146,8 +146,8 @@ def test_queue_full_is_backpressure_not_memory():
 
 
 def test_verified_refused_when_self_check_failed(engine):
-    from gateeng.engine import DeterminismUnavailable
-    from gateeng.selfcheck import SelfCheckResult
+    from gateeng.engine.client import DeterminismUnavailable
+    from gateeng.plans.selfcheck import SelfCheckResult
     real = engine.selfcheck
     engine.selfcheck = SelfCheckResult(False, ["matmul: alone vs batch"])
     try:
@@ -160,7 +160,7 @@ def test_verified_refused_when_self_check_failed(engine):
 
 def test_selfcheck_detects_a_batch_dependent_plan():
     """The start-up check must fail for a plan whose matmul depends on the batch."""
-    from gateeng.selfcheck import run_selfcheck
+    from gateeng.plans.selfcheck import run_selfcheck
 
     class Leaky(InvariantPlan):
         @staticmethod
@@ -216,7 +216,7 @@ def test_only_the_row_invariant_matmul_with_the_kernels_drops_the_row_groups():
     (128, 24, "does not fit the KV cache"),
 ])
 def test_max_model_len_is_checked_against_the_model_and_the_kv_cache(max_model_len, kv_blocks, want):
-    from gateeng.engine import resolve_max_model_len
+    from gateeng.engine.client import resolve_max_model_len
     cfg = EngineConfig(max_model_len=max_model_len, num_kv_blocks=kv_blocks, block_size=4)
     mc = tiny_loaded("float32").config
     if isinstance(want, int):
@@ -228,7 +228,7 @@ def test_max_model_len_is_checked_against_the_model_and_the_kv_cache(max_model_l
 
 def test_a_sliding_window_caps_the_context_so_full_attention_stays_exact():
     import dataclasses
-    from gateeng.engine import resolve_max_model_len
+    from gateeng.engine.client import resolve_max_model_len
     mc = dataclasses.replace(tiny_loaded("float32").config, sliding_window=64)
     assert resolve_max_model_len(EngineConfig(num_kv_blocks=1024, block_size=4), mc) == 64
     with pytest.raises(ValueError, match="sliding window"):

@@ -2,7 +2,8 @@ import math
 
 import pytest
 
-from gateeng import gate, verifier
+from gateeng.engine import gate
+from gateeng.engine import verifier
 
 
 @pytest.mark.parametrize("margin, unverified, finishing, tau, window, expect", [

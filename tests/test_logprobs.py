@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gateeng.config import EngineConfig
-from gateeng.engine import Engine
+from gateeng.engine.client import Engine
 from gateeng.request import DeterminismParams, Mode, SamplingParams
 from tiny import hf_family, tiny_loaded
 
@@ -126,7 +126,7 @@ def test_off_logprobs_of_the_embedded_model_match_float32_transformers(smollm):
     (In bf16 they differ by up to ~0.2 from float32 transformers: bf16 precision.)"""
     from transformers import AutoModelForCausalLM
 
-    from gateeng.loader import default_model_path, ensure_hf_dir
+    from gateeng.model.loader import default_model_path, ensure_hf_dir
     hf = AutoModelForCausalLM.from_pretrained(ensure_hf_dir(default_model_path()), dtype=torch.float32).eval()
     engine = Engine(EngineConfig(dtype="float32"), loaded=smollm("float32"))
     try:

@@ -4,8 +4,8 @@ import pytest
 from prometheus_client import generate_latest
 
 from gateeng.config import EngineConfig
-from gateeng.engine import Engine
-from gateeng.metrics import MARGINS, Metrics
+from gateeng.engine.client import Engine
+from gateeng.serving.metrics import MARGINS, Metrics
 from gateeng.request import DeterminismParams, Mode, SamplingParams
 from tiny import tiny_loaded
 

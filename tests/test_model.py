@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from gateeng.model import KVCache
-from gateeng.plan import FastPlan, InvariantPlan, Rows
+from gateeng.model.llama import KVCache
+from gateeng.plans.cpu import FastPlan, InvariantPlan, Rows
 from tiny import hf_tiny, tiny_loaded
 
 BS = 4
@@ -38,7 +38,7 @@ def prefill_logits(loaded, plan, seqs, chunk=None):
 
 
 def cpu_kernels():
-    from gateeng import cpu_ops
+    from gateeng.plans import cpu_ops
     kernels = cpu_ops.load()
     if kernels is None:
         pytest.skip("the CPU kernels could not be built here (a C++ compiler is needed; see the log)")
@@ -143,7 +143,7 @@ def _head(vocab: int, hidden_size: int = 64, packed: bool = False, seed: int = 0
     packed bf16 head the fast plan would pass (None: the plain weight)."""
     from types import SimpleNamespace
 
-    from gateeng import cpu_linear
+    from gateeng.plans import cpu_linear
     gen = torch.Generator().manual_seed(seed)
     w = (torch.randn(vocab, hidden_size, generator=gen) * 0.2).to(torch.bfloat16)
     f32 = w.float()
@@ -158,7 +158,7 @@ def test_greedy_top2_equals_the_dense_greedy_path(vocab, packed, search):
     and margin the sampler takes from greedy_logits, near-ties and exact ties
     included, and the float32 argmax."""
     from gateeng.kernels.reference import argmax_margin
-    from gateeng.plan import greedy_logits, greedy_top2
+    from gateeng.plans.cpu import greedy_logits, greedy_top2
     kernels = cpu_kernels() if search == "kernel" else None
     if search == "kernel" and kernels is None:
         pytest.skip("the CPU kernels could not be built here")
@@ -184,8 +184,8 @@ def test_greedy_top2_equals_the_dense_greedy_path(vocab, packed, search):
 
 
 def test_choose_mixes_greedy_and_sampled_rows_as_the_dense_sampler_does():
-    from gateeng import sampler
-    from gateeng.plan import choose
+    from gateeng.plans import sampler
+    from gateeng.plans.cpu import choose
     from gateeng.request import SamplingParams
     model = tiny_loaded("bfloat16").model
     gen = torch.Generator().manual_seed(2)
@@ -200,12 +200,12 @@ def test_choose_mixes_greedy_and_sampled_rows_as_the_dense_sampler_does():
 
 @pytest.mark.parametrize("chunk,kernel_work", [(1, None), (3, None), (3, 0), (None, 80)])
 def test_fast_plan_with_cpu_kernels_matches_transformers(chunk, kernel_work, monkeypatch):
-    """RMSNorm and attention from gateeng.cpu_ops: float32 logits as close to
+    """RMSNorm and attention from gateeng.plans.cpu_ops: float32 logits as close to
     transformers as the torch ops give, in pure decode steps (chunk 1), in steps that
     mix decode rows with prefill chunks the kernel attends row by row (chunk 3), with
     SDPA taking every chunk (work limit 0), and in one step whose 17- and 11-token
     prompts go to SDPA while the 7-token one (49 <= 80) goes to the kernel."""
-    from gateeng import plan as plan_mod
+    from gateeng.plans import cpu as plan_mod
     if kernel_work is not None:
         monkeypatch.setattr(plan_mod, "KERNEL_PREFILL_WORK", kernel_work)
     kernels = cpu_kernels()

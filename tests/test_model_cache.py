@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from gateeng import model_cache
+from gateeng.model import cache as model_cache
 
 
 class FakeConverter:
@@ -93,7 +93,7 @@ def test_killed_conversion_leaves_no_cache_and_is_cleaned_up(cache):
     script = textwrap.dedent(f"""
         import os, time
         from pathlib import Path
-        from gateeng import model_cache
+        from gateeng.model import cache as model_cache
         def slow(gguf, out):
             (out / "model.safetensors").write_bytes(os.urandom(1 << 20))
             time.sleep(60)
@@ -117,10 +117,10 @@ def test_killed_real_conversion_then_load(tmp_path, monkeypatch):
     """The user's case: the server is killed during its first conversion of the
     embedded model; the next start converts again and serves, and the cache holds
     one copy."""
-    from gateeng.loader import load
+    from gateeng.model.loader import load
     root = tmp_path / "cache"
     env = dict(os.environ, GATEENG_CACHE=str(root))
-    proc = subprocess.Popen([sys.executable, "-c", "from gateeng.loader import load; load(None)"], env=env)
+    proc = subprocess.Popen([sys.executable, "-c", "from gateeng.model.loader import load; load(None)"], env=env)
     deadline = time.time() + 300
     while time.time() < deadline and not list(root.glob("*.tmp-*/model.safetensors")):
         assert proc.poll() is None, "conversion finished before it could be interrupted"
@@ -139,7 +139,7 @@ def test_killed_real_conversion_then_load(tmp_path, monkeypatch):
 def test_model_dir_prints_the_converted_directory_with_its_tokenizer(capsys):
     from pathlib import Path
 
-    from gateeng.cli import main
+    from gateeng.tools.cli import main
     assert main(["model-dir"]) == 0
     out = Path(capsys.readouterr().out.strip())
     assert (out / "tokenizer.json").is_file() and (out / "config.json").is_file()

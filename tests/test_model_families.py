@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from gateeng.config import EngineConfig, ModelConfig
-from gateeng.engine import Engine
-from gateeng.plan import FastPlan, InvariantPlan
+from gateeng.engine.client import Engine
+from gateeng.plans.cpu import FastPlan, InvariantPlan
 from gateeng.request import DeterminismParams, Mode, SamplingParams
 from test_model import prefill_logits
 from tiny import FAMILIES, hf_family, tiny_loaded
@@ -76,7 +76,7 @@ def test_verified_in_a_batch_equals_the_reference_in_bf16(family):
 
 def test_a_saved_model_directory_loads_through_model_flag_path(family, tmp_path):
     """`--model DIR`: the loader accepts every family and the engine serves it."""
-    from gateeng.loader import load
+    from gateeng.model.loader import load
     from tiny import save_family
     name, hf = family
     save_family(name, tmp_path)

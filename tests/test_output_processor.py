@@ -3,11 +3,11 @@ import random
 
 import pytest
 
-from gateeng.detokenizer import IncrementalText
-from gateeng.output_processor import OutputProcessor, RequestHandle
+from gateeng.engine.detokenizer import IncrementalText
+from gateeng.engine.output_processor import OutputProcessor, RequestHandle
 from gateeng.outputs import Chunk, Rollback
 from gateeng.request import DeterminismParams, FinishReason, Mode, Request, SamplingParams, StreamPolicy
-from gateeng.stopping import StopChecker
+from gateeng.engine.stopping import StopChecker
 from tests.tiny import ByteTokenizer
 
 TOK = ByteTokenizer()

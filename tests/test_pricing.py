@@ -4,11 +4,11 @@ left as it was."""
 import pytest
 
 from gateeng.config import EngineConfig
-from gateeng.engine import Engine
+from gateeng.engine.client import Engine
 from gateeng.request import DeterminismParams, Mode, SamplingParams
-from gateeng.pricing import PRICE_ROWS, REPEATS, price_plans
-from gateeng.route import RoutePolicy
-from gateeng.scheduler import Kind
+from gateeng.engine.pricing import PRICE_ROWS, REPEATS, price_plans
+from gateeng.engine.route import RoutePolicy
+from gateeng.engine.scheduler import Kind
 from tiny import tiny_loaded
 
 STEADY = {Kind.FAST: (0.010, 0.001), Kind.INVARIANT: (0.010, 0.002)}   # seconds: base, per row

@@ -16,7 +16,7 @@ import urllib.request
 
 import pytest
 
-from gateeng.client import Client
+from gateeng.serving.client import Client
 from gateeng.request import DeterminismParams, Mode, SamplingParams
 from promql import DEPLOY, expressions, readme_trigger_rate
 from test_server import ADMIN, free_port, start_server, wait_health
@@ -135,7 +135,7 @@ def test_every_shipped_expression_evaluates_on_live_data(stack):
 def test_calibrate_quick_applies_tau_to_the_live_server(stack, tmp_path):
     target, base = stack
     env = dict(os.environ, GATEENG_ADMIN_TOKEN=ADMIN)
-    res = subprocess.run([sys.executable, "-m", "gateeng.cli", "calibrate", "--quick", "--target-miss", "0.05",
+    res = subprocess.run([sys.executable, "-m", "gateeng.tools.cli", "calibrate", "--quick", "--target-miss", "0.05",
                           "--out", str(tmp_path), "--apply", target], env=env, capture_output=True, text=True,
                          timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr

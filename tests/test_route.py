@@ -4,9 +4,9 @@ import random
 import pytest
 
 from fakes import FakeRunner, reference_output
-from gateeng.route import CostModel, GroupCost, RoutePolicy
+from gateeng.engine.route import CostModel, GroupCost, RoutePolicy
 from gateeng.request import Mode
-from gateeng.scheduler import Kind
+from gateeng.engine.scheduler import Kind
 from test_scheduler import PROMPT, make_request, make_scheduler, run_all
 
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from gateeng.request import GREEDY_TEMPERATURE, SamplingParams
-from gateeng.sampler import RowSpec, sample
+from gateeng.plans.sampler import RowSpec, sample
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1e-38, 1e-37, 1e-6])

@@ -4,13 +4,13 @@ import random
 import pytest
 
 from fakes import EOS, FakeRunner, reference_output
-from gateeng.block_manager import BlockManager
+from gateeng.engine.block_manager import BlockManager
 from gateeng.request import (DeterminismParams, DeterminismStats, FinishReason, Mode, Request, SamplingParams,
                              StreamPolicy)
-from gateeng.route import RoutePolicy
-from gateeng.scheduler import Kind, Scheduler
-from gateeng.stopping import StopChecker
-from gateeng.verification import VerificationStage
+from gateeng.engine.route import RoutePolicy
+from gateeng.engine.scheduler import Kind, Scheduler
+from gateeng.engine.stopping import StopChecker
+from gateeng.engine.verification import VerificationStage
 
 
 def make_scheduler(num_blocks=64, block_size=4, budget=32, max_seqs=8, route="speculative", delay=0):

@@ -9,7 +9,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateeng.config import EngineConfig, ServerConfig
-from gateeng.server import REQUEST_ID_HEADER, Server
+from gateeng.serving.server import REQUEST_ID_HEADER, Server
 from gateeng.v1 import engine_pb2 as pb
 from gateeng.v1 import engine_pb2_grpc as pb_grpc
 from tests.tiny import tiny_loaded
@@ -203,7 +203,7 @@ def test_engine_death_turns_health_not_serving_and_exits_nonzero(monkeypatch):
 
 def test_a_server_that_owns_its_process_freezes_the_start_up_heap_once_the_engine_is_up(monkeypatch):
     import gc
-    from gateeng import cli
+    from gateeng.tools import cli
     froze = []
     # The real gc.freeze would exempt this test process's objects for good.
     monkeypatch.setattr(gc, "freeze", lambda: froze.append(True))

@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from gateeng.config import EngineConfig
-from gateeng.engine import Engine
-from gateeng.loader import default_model_path, ensure_hf_dir
+from gateeng.engine.client import Engine
+from gateeng.model.loader import default_model_path, ensure_hf_dir
 from gateeng.request import SamplingParams
 
 pytestmark = pytest.mark.model
@@ -32,7 +32,7 @@ def engine(smollm):
 
 
 def test_logits_match_hf_at_every_position(engine, hf_model):
-    from gateeng.plan import FastPlan
+    from gateeng.plans.cpu import FastPlan
     from test_model import prefill_logits
     tok = engine.tokenizer
     seqs = [tok.encode(p) for p in PROMPTS]

@@ -5,8 +5,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from gateeng.config import ModelConfig
-from gateeng.loader import DTYPES, LoadedModel
-from gateeng.model import LlamaModel
+from gateeng.model.loader import DTYPES, LoadedModel
+from gateeng.model.llama import LlamaModel
 
 
 class ByteTokenizer:

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from gateeng.plan import InvariantAttnMeta, InvariantPlan, exact_logits
+from gateeng.plans.cpu import InvariantAttnMeta, InvariantPlan, exact_logits
 
 
 @dataclass

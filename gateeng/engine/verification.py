@@ -21,9 +21,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from gateeng import gate, verifier
+from gateeng.engine import gate
+from gateeng.engine import verifier
 from gateeng.request import DeterminismStats, FinishReason, Mode, Request, StreamPolicy
-from gateeng.stopping import StopChecker
+from gateeng.engine.stopping import StopChecker
 
 SPECULATIVE, DIRECT = "speculative", "direct"   # the routes of a VERIFIED decode
 # A mismatch is attributed to the trigger that caught it, or to the direct route

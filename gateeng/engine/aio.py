@@ -12,7 +12,7 @@ import asyncio
 from concurrent.futures import Executor
 from typing import AsyncIterator
 
-from gateeng.engine import Engine, EngineDead
+from gateeng.engine.client import Engine, EngineDead
 from gateeng.outputs import Completion
 
 

@@ -42,11 +42,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
-from gateeng import aio, edge
+from gateeng.engine import aio
+from gateeng.serving import edge
 from gateeng.config import EngineConfig, ServerConfig, validate_threshold, validate_window
-from gateeng.edge import BadRequest
-from gateeng.engine import DeterminismUnavailable, Engine, EngineDead, QueueFull
-from gateeng.metrics import Metrics
+from gateeng.serving.edge import BadRequest
+from gateeng.engine.client import DeterminismUnavailable, Engine, EngineDead, QueueFull
+from gateeng.serving.metrics import Metrics
 from gateeng.outputs import Chunk, Completion, Rollback
 from gateeng.reproducibility import Reproducibility
 from gateeng.request import FinishReason
@@ -343,7 +344,7 @@ class Server:
         await server.start()
         log.info("listening on port %d (health NOT_SERVING while the model loads)", self.port)
         if self.settings.http_port is not None:
-            from gateeng.http_api import HttpServer, OpenAIFront
+            from gateeng.serving.http_api import HttpServer, OpenAIFront
             self.http = HttpServer(OpenAIFront(self, self.settings.served_model_name), self.host,
                                    self.settings.http_port)
             self.http.start()

@@ -19,8 +19,8 @@ import torch
 
 from gateeng.config import ModelConfig
 from gateeng.logs import log
-from gateeng.model import LlamaModel
-from gateeng.model_cache import converted, fingerprint
+from gateeng.model.llama import LlamaModel
+from gateeng.model.cache import converted, fingerprint
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "smollm")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}

@@ -24,9 +24,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-from gateeng import gate
+from gateeng.engine import gate
 from gateeng.kernels import reference as ref
-from gateeng.plan import Rows
+from gateeng.plans.cpu import Rows
 
 TAUS = (0.0, 0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0)
 BUILTIN_PROMPTS = [
@@ -137,9 +137,9 @@ def _reference(loaded, prompts: list, n_tokens: int, dtype: str, progress):
     plan as the engine serves it (packed weights, C++ kernels), the Reproducibility
     record, the fast plan's matmul and the row count above which it changes)."""
     from gateeng.config import EngineConfig
-    from gateeng.engine import Engine
+    from gateeng.engine.client import Engine
     from gateeng.request import SamplingParams
-    from gateeng.scheduler import Kind
+    from gateeng.engine.scheduler import Kind
     engine = Engine(EngineConfig(plan="invariant", dtype=dtype), loaded=loaded)
     try:
         handles = engine.submit_many(prompts, SamplingParams(max_tokens=n_tokens, ignore_eos=True))
@@ -198,7 +198,7 @@ def calibrate(loaded, prompts: list, n_tokens: int = 64, batch_sizes=(1, 8, 32),
     `fast` replaces the fast plan (tests use a noisy one to make flips)."""
     from tqdm import tqdm
 
-    from gateeng.model import KVCache
+    from gateeng.model.llama import KVCache
 
     groups = {b: [list(range(i, min(i + b, len(prompts)))) for i in range(0, len(prompts), b)]
               for b in batch_sizes}

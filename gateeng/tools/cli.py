@@ -8,7 +8,7 @@ import sys
 from gateeng import __version__
 from gateeng.config import EngineConfig, GateBounds, ServerConfig
 from gateeng.request import DEFAULT_MAX_TOKENS
-from gateeng.route import ROUTES
+from gateeng.engine.route import ROUTES
 
 DEFAULTS = EngineConfig()
 SERVER = ServerConfig()
@@ -155,7 +155,7 @@ def cmd_generate(args) -> int:
                             seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop))
     det = DeterminismParams(mode=Mode.VERIFIED if args.verified else Mode.OFF)
     if getattr(args, "server", None):
-        from gateeng.client import Client
+        from gateeng.serving.client import Client
         import grpc
         # The server was set up by its own command line: an engine option here would be
         # silently ignored, so it is refused; tau and W are a request's own to ask for.
@@ -180,7 +180,7 @@ def cmd_generate(args) -> int:
                   f"{d.triggers_margin + d.triggers_window + d.triggers_finish}, rollbacks={d.rollbacks}]",
                   file=sys.stderr)
             return 0
-    from gateeng.engine import DeterminismUnavailable, Engine
+    from gateeng.engine.client import DeterminismUnavailable, Engine
     try:
         engine = Engine(_engine_config(args))
         res = engine.generate(args.prompt, params, det, chat=not args.no_chat)
@@ -209,7 +209,7 @@ def cmd_serve(args) -> int:
     import asyncio
     import logging
 
-    from gateeng.server import Server
+    from gateeng.serving.server import Server
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="[gateeng] %(levelname)s %(message)s")
     try:
         cfg = _engine_config(args)
@@ -225,9 +225,9 @@ def cmd_serve(args) -> int:
 def cmd_calibrate(args) -> int:
     from pathlib import Path
 
-    from gateeng import calibrate as cal
-    from gateeng.engine import encode_prompt
-    from gateeng.loader import load
+    from gateeng.tools import calibrate as cal
+    from gateeng.engine.client import encode_prompt
+    from gateeng.model.loader import load
     try:
         texts = cal.read_prompts(Path(args.prompts)) if args.prompts else list(cal.BUILTIN_PROMPTS)
         if args.quick:
@@ -263,7 +263,7 @@ def cmd_calibrate(args) -> int:
 def _update_gate(target: str, token, tau, window) -> int:
     import grpc
 
-    from gateeng.client import Client
+    from gateeng.serving.client import Client
     setting = tau is not None or window is not None
     if setting and not token:
         print(f"error: the admin token is missing: pass --admin-token-file or set ${ADMIN_ENV}", file=sys.stderr)
@@ -293,7 +293,7 @@ def cmd_model_dir(args) -> int:
     and cached): the tokenizer path tools such as lm-eval-harness take."""
     from pathlib import Path
 
-    from gateeng.loader import default_model_path, ensure_hf_dir
+    from gateeng.model.loader import default_model_path, ensure_hf_dir
     try:
         print(ensure_hf_dir(Path(args.model) if args.model else default_model_path()))
     except (ValueError, OSError) as e:

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from gateeng import cpu_linear
+from gateeng.plans import cpu_linear
 from gateeng.config import ModelConfig
 
 

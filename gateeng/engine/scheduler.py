@@ -24,11 +24,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
-from gateeng.block_manager import BlockManager
+from gateeng.engine.block_manager import BlockManager
 from gateeng.config import KERNEL_PREFILL_WORK
 from gateeng.request import FinishReason, Mode, Request, Status
-from gateeng.route import RoutePolicy
-from gateeng.verification import DIRECT, SPECULATIVE, Outcome, discard_speculation
+from gateeng.engine.route import RoutePolicy
+from gateeng.engine.verification import DIRECT, SPECULATIVE, Outcome, discard_speculation
 
 
 class Kind(enum.Enum):

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from gateeng.config import KERNEL_PREFILL_WORK
-from gateeng.cpu_linear import ROWWISE_MATMULS
+from gateeng.plans.cpu_linear import ROWWISE_MATMULS
 from gateeng.kernels import reference as ref
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from gateeng.kernels import reference as ref
-from gateeng.plan import FastPlan, InvariantAttnMeta, InvariantPlan, Rows, seq_block_tables
+from gateeng.plans.cpu import FastPlan, InvariantAttnMeta, InvariantPlan, Rows, seq_block_tables
 
 
 class TritonInvariantPlan(InvariantPlan):
@@ -93,7 +93,7 @@ class FlashInferFastPlan(FastPlan):
 def gpu_sample(logits: torch.Tensor, specs: list):
     """Greedy and plain seeded rows through the Triton sampling kernel (fixed order on
     the GPU); rows with top-k / top-p use the torch sampler."""
-    from gateeng import sampler
+    from gateeng.plans import sampler
     from gateeng.kernels import triton_sampling
     n = logits.shape[0]
     tokens, margins = [0] * n, [0.0] * n

@@ -14,25 +14,28 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from gateeng import __version__, cpu_linear, cpu_ops, pricing, reproducibility
-from gateeng import chat as chat_template
-from gateeng.block_manager import BlockManager
+from gateeng import __version__, reproducibility
+from gateeng.plans import cpu_linear
+from gateeng.plans import cpu_ops
+from gateeng.engine import pricing
+from gateeng.model import chat as chat_template
+from gateeng.engine.block_manager import BlockManager
 from gateeng.config import EngineConfig, validate_threshold, validate_window
-from gateeng.loader import DTYPES, LoadedModel, load, log
-from gateeng.sampler import sample as sample_rows
-from gateeng.model import KVCache
-from gateeng.detokenizer import IncrementalText
-from gateeng.output_processor import OutputProcessor, RequestHandle
+from gateeng.model.loader import DTYPES, LoadedModel, load, log
+from gateeng.plans.sampler import sample as sample_rows
+from gateeng.model.llama import KVCache
+from gateeng.engine.detokenizer import IncrementalText
+from gateeng.engine.output_processor import OutputProcessor, RequestHandle
 from gateeng.outputs import Completion
-from gateeng.plan import FastPlan, InvariantPlan, default_invariant_rows
-from gateeng.records import Counts, SeqRecord, StepRecord
+from gateeng.plans.cpu import FastPlan, InvariantPlan, default_invariant_rows
+from gateeng.engine.records import Counts, SeqRecord, StepRecord
 from gateeng.request import DeterminismParams, DeterminismStats, Mode, Request, SamplingParams
-from gateeng.route import RoutePolicy
-from gateeng.runner import ModelRunner
-from gateeng.scheduler import Scheduler, StepPlan
-from gateeng.verification import VerificationStage
-from gateeng.selfcheck import run_selfcheck
-from gateeng.stopping import StopChecker
+from gateeng.engine.route import RoutePolicy
+from gateeng.plans.runner import ModelRunner
+from gateeng.engine.scheduler import Scheduler, StepPlan
+from gateeng.engine.verification import VerificationStage
+from gateeng.plans.selfcheck import run_selfcheck
+from gateeng.engine.stopping import StopChecker
 
 
 # One tokenization at a time: a fast tokenizer's encode with split_special_tokens
@@ -209,7 +212,7 @@ class Engine:
             return (FastPlan(cfg.fast_logit_noise, m.packed if cfg.pack_fast_weights else {}, kernels),
                     InvariantPlan(rows, cfg.attention_split, inv_packed, kernels, cfg.block_size, matmul),
                     sample_rows)
-        from gateeng.gpu import FlashInferFastPlan, TritonInvariantPlan, gpu_sample
+        from gateeng.plans.gpu import FlashInferFastPlan, TritonInvariantPlan, gpu_sample
         try:
             fast = FlashInferFastPlan(mc.num_heads, mc.num_kv_heads, mc.head_dim, DTYPES[cfg.dtype], cfg.device,
                                       cfg.fast_logit_noise)
@@ -264,7 +267,7 @@ class Engine:
         """Async iterator of Chunk / Rollback events, ending with the Completion.
         Events reach the event loop without blocking it; cancelling the iterator
         aborts the request."""
-        from gateeng.aio import Submitted, stream_request   # aio builds on this module
+        from gateeng.engine.aio import Submitted, stream_request   # aio builds on this module
         async for ev in stream_request(self, None, prompt, params, determinism, request_id, chat):
             if not isinstance(ev, Submitted):
                 yield ev

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
-from gateeng.engine import Engine, Observer
-from gateeng.gate import REASONS
-from gateeng.verification import MISMATCH_REASONS
-from gateeng.records import Counts, StepRecord
+from gateeng.engine.client import Engine, Observer
+from gateeng.engine.gate import REASONS
+from gateeng.engine.verification import MISMATCH_REASONS
+from gateeng.engine.records import Counts, StepRecord
 from gateeng.request import Mode
 
 LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)

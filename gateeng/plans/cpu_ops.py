@@ -68,7 +68,7 @@ def _digest() -> str:
 
 
 def _build_dir(digest: str) -> Path:
-    from gateeng.model_cache import cache_root
+    from gateeng.model.cache import cache_root
     key = hashlib.sha256(digest.encode() + _cpu_flags().encode()).hexdigest()[:16]
     return cache_root() / "cpu_ops" / key
 

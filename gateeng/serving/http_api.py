@@ -36,9 +36,10 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from gateeng import aio, edge
+from gateeng.engine import aio
+from gateeng.serving import edge
 from gateeng.config import GateBounds
-from gateeng.engine import DeterminismUnavailable, Engine, EngineDead, QueueFull
+from gateeng.engine.client import DeterminismUnavailable, Engine, EngineDead, QueueFull
 from gateeng.outputs import Chunk, Completion
 from gateeng.request import DeterminismParams, FinishReason, Mode, SamplingParams, StreamPolicy
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import time
 
-from gateeng import sampler
-from gateeng.model import KVCache, LlamaModel
-from gateeng.plan import FastPlan, InvariantPlan, Rows, choose
-from gateeng.scheduler import Kind, SeqOutput, StepPlan
+from gateeng.plans import sampler
+from gateeng.model.llama import KVCache, LlamaModel
+from gateeng.plans.cpu import FastPlan, InvariantPlan, Rows, choose
+from gateeng.engine.scheduler import Kind, SeqOutput, StepPlan
 
 
 class ModelRunner:
