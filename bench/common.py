@@ -49,15 +49,13 @@ def decode_step_ms(loaded, batch: int, steps: int = 8, fast_plan=None, rounds: i
     `steps` steps, since neighbours on a shared host only ever add time.
     `fast_plan` replaces the fast plan."""
     from gateeng.config import EngineConfig
-    from gateeng.engine.client import Engine
-    from gateeng.request import DeterminismParams, SamplingParams
-    from gateeng.engine.scheduler import Kind
-    engine = Engine(EngineConfig(dtype="bfloat16"), loaded=loaded)
+    from gateeng.engine.core import EngineCore
+    from gateeng.request import SamplingParams
+    engine = EngineCore(EngineConfig(dtype="bfloat16"), loaded=loaded)
     if fast_plan is not None:
-        engine.runner.plans[Kind.FAST] = fast_plan
+        engine.replace_fast_plan(fast_plan)
     for p in prompt_set(batch, False):
-        engine.scheduler.add(engine._make_request(p, SamplingParams(max_tokens=160, ignore_eos=True),
-                                                  DeterminismParams(), None, True))
+        engine.add_request(engine.new_request(p, SamplingParams(max_tokens=160, ignore_eos=True), chat=True))
     steady_decode(engine)
     best = float("inf")
     for _ in range(rounds):
@@ -71,9 +69,9 @@ def decode_step_ms(loaded, batch: int, steps: int = 8, fast_plan=None, rounds: i
 def steady_decode(engine, extra: int = 2) -> None:
     """Step until every request has finished its prompt (prefill is chunked and
     interleaved with decodes, so at 32 prompts that takes tens of steps), then
-    `extra` decode steps more: what follows are pure decode steps."""
-    sched = engine.scheduler
-    while sched.waiting or any(r.num_computed < r.num_prompt for r in sched.running):
+    `extra` decode steps more: what follows are pure decode steps. `engine`: an
+    EngineCore stepped by hand."""
+    while not engine.prefilled():
         engine.step()
     for _ in range(extra):
         engine.step()

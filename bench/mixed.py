@@ -43,10 +43,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from common import TORCH_OPS, machine, prompt_set  # noqa: E402
 
-from gateeng.config import EngineConfig  # noqa: E402
-from gateeng.engine.client import Engine, Observer  # noqa: E402
+from gateeng.config import ADAPTIVE, SPECULATIVE, EngineConfig  # noqa: E402
+from gateeng.engine.client import Engine  # noqa: E402
+from gateeng.engine.core import EngineCore, Observer  # noqa: E402
 from gateeng.model.loader import load  # noqa: E402
-from gateeng.engine.output_processor import RequestHandle  # noqa: E402
 from gateeng.outputs import Chunk, Completion  # noqa: E402
 from gateeng.request import DeterminismParams, Mode, SamplingParams  # noqa: E402
 
@@ -107,10 +107,11 @@ class Lane:
     """One mode's engine, stepped by hand in turn with the other modes' (lockstep).
     Its clock advances only while its own step runs, and a token's time is the
     clock after the step that streamed it. The requests go straight to the
-    scheduler, with handles whose sink records events, since the engine thread
-    must not run: it would step the engine too."""
+    EngineCore, with sinks that record events, since the engine thread must not
+    run: it would step the engine too."""
 
     def __init__(self, engine, prompts, params, dets):
+        engine = engine.core   # a shut-down Engine's: its thread no longer steps it
         self.engine, self.clock = engine, 0.0
         self.counter = PassCounter()
         engine.set_observer(self.counter)
@@ -118,15 +119,13 @@ class Lane:
         self.done = [None] * len(prompts)
         self._events = []
         for i, (prompt, det) in enumerate(zip(prompts, dets)):
-            req = engine._make_request(prompt, params, det or DeterminismParams(), None, True)
-            engine._handles[req.request_id] = RequestHandle(req.request_id, sink=partial(self._event, i))
-            engine.scheduler.add(req)
+            engine.add_request(engine.new_request(prompt, params, det, chat=True), sink=partial(self._event, i))
 
     def _event(self, i, ev):
         self._events.append((i, ev))
 
     def busy(self) -> bool:
-        return self.engine.scheduler.has_work()
+        return self.engine.has_work()
 
     def step(self) -> None:
         t0 = time.perf_counter()
@@ -157,19 +156,18 @@ def lockstep(lanes) -> None:
 def plan_steps_ms(loaded, batch: int, tokens: int, reps: int = 5, **config) -> tuple:
     """(fast, invariant) ms of one decode step over the same `batch` running
     requests, after `tokens` decode steps (the runner alone, both plans in turn)."""
-    from gateeng.engine.scheduler import Kind, ScheduledSeq, StepPlan
-    e = Engine(EngineConfig(**config), loaded=loaded)
+    from gateeng.step import Kind, ScheduledSeq, StepPlan
+    e = EngineCore(EngineConfig(**config), loaded=loaded)
     for p in prompt_set(batch, mixed=True):
-        e.scheduler.add(e._make_request(p, SamplingParams(max_tokens=tokens + 256, ignore_eos=True),
-                                        DeterminismParams(), None, True))
-    while len(e.scheduler.running) < batch or any(r.num_computed < r.num_prompt for r in e.scheduler.running):
+        e.add_request(e.new_request(p, SamplingParams(max_tokens=tokens + 256, ignore_eos=True), chat=True))
+    while not e.prefilled():
         e.step()   # every prompt prefilled (in budgeted chunks) before the decode steps count
     for _ in range(tokens):
         e.step()
     running = e.scheduler.running
     assert len(running) == batch and all(r.num_computed == len(r.tokens) - 1 for r in running)
     for r in running:
-        e.scheduler._reserve(r, len(r.tokens))   # the slot of the token each decode writes
+        e.scheduler.reserve(r, len(r.tokens))   # the slot of the token each decode writes
     out = []
     for kind in (Kind.FAST, Kind.INVARIANT):
         step = StepPlan([ScheduledSeq.plan(r, len(r.tokens) - 1, len(r.tokens), kind) for r in running])
@@ -274,7 +272,7 @@ def main():
           flush=True)
     base.shutdown()
     gates = (("margin gate", None, None), ("window-only", 0.0, 64), ("always-verify", None, 1))
-    routes = ("adaptive", "speculative")
+    routes = (ADAPTIVE, SPECULATIVE)
     runs = {}       # mode name -> per round: (wall, rows, completions)
     latency = {}    # (route, gate name) -> per round: (increment s, OFF TPOT ratio, replayed, rollbacks)
     same = True

@@ -21,12 +21,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from common import machine, prompt_set, steady_decode  # noqa: E402
 
-from gateeng.plans import cpu as plan_module  # noqa: E402
+from gateeng.plans import head as head_module  # noqa: E402
 from gateeng.config import EngineConfig  # noqa: E402
-from gateeng.engine.client import Engine  # noqa: E402
+from gateeng.engine.core import EngineCore  # noqa: E402
 from gateeng.model.loader import load  # noqa: E402
-from gateeng.request import DeterminismParams, SamplingParams  # noqa: E402
-from gateeng.engine.scheduler import Kind  # noqa: E402
+from gateeng.request import SamplingParams  # noqa: E402
 
 PARTS = {"linear": "projections (q/k/v, o, gate/up, down)", "attention": "attention",
          "rms_norm": "RMSNorm", "add_rms_norm": "residual add + RMSNorm", "rope_store": "RoPE + KV store",
@@ -44,16 +43,15 @@ def timed(fn, totals, key):
 
 
 def profile(loaded, batch: int, steps: int, plan: str = "fast", rounds: int = 3) -> dict:
-    engine = Engine(EngineConfig(dtype="bfloat16", plan=plan), loaded=loaded)
-    timed_plan = engine.runner.plans[Kind.FAST if plan == "fast" else Kind.INVARIANT]
+    engine = EngineCore(EngineConfig(dtype="bfloat16", plan=plan), loaded=loaded)
+    timed_plan = engine.fast_plan if plan == "fast" else engine.invariant_plan
     totals = defaultdict(float)
     for name in PARTS:
         setattr(timed_plan, name, timed(getattr(timed_plan, name), totals, name))
     import gateeng.plans.runner as runner_module
-    runner_module.choose = timed(plan_module.choose, totals, "lm_head")
+    runner_module.choose = timed(head_module.choose, totals, "lm_head")
     for p in prompt_set(batch, False):
-        engine.scheduler.add(engine._make_request(p, SamplingParams(max_tokens=160, ignore_eos=True),
-                                                  DeterminismParams(), None, True))
+        engine.add_request(engine.new_request(p, SamplingParams(max_tokens=160, ignore_eos=True), chat=True))
     steady_decode(engine)
     best = None
     for _ in range(rounds):
@@ -64,7 +62,7 @@ def profile(loaded, batch: int, steps: int, plan: str = "fast", rounds: int = 3)
         wall = (time.perf_counter() - t0) / steps * 1000
         if best is None or wall < best["step"]:
             best = {"step": wall, **{k: v / steps * 1000 for k, v in totals.items()}}
-    runner_module.choose = plan_module.choose
+    runner_module.choose = head_module.choose
     return best
 
 

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 # The largest prefill chunk (its queries x its keys) the fast plan's C++ kernels
@@ -13,6 +15,16 @@ from typing import Optional
 # invariant pass: beyond it the fast plan's attention is the faster one, which the
 # route cost model, fitted on decode passes, would not see.
 KERNEL_PREFILL_WORK = 128 * 128
+
+# The routes of a VERIFIED decode, and the policies that choose them (--verified-route):
+# adaptive picks a route per step from measured plan costs (engine/route.py).
+SPECULATIVE, DIRECT, ADAPTIVE = "speculative", "direct", "adaptive"
+ROUTE_POLICIES = (ADAPTIVE, SPECULATIVE, DIRECT)
+
+
+def cache_root() -> Path:
+    """Where gateeng keeps what it builds once: converted models, compiled kernels."""
+    return Path(os.environ.get("GATEENG_CACHE", "~/.cache/gateeng")).expanduser()
 
 
 @dataclass(frozen=True)
@@ -125,7 +137,7 @@ class EngineConfig:
     margin_threshold: float = 0.3
     max_window: int = 32
     # VERIFIED decode route: adaptive (per step, from measured plan costs) | speculative | direct.
-    verified_route: str = "adaptive"
+    verified_route: str = ADAPTIVE
     # Steps a margin-triggered replay may wait for an invariant pass to join (0 = at once).
     max_verify_delay: int = 8
     max_queue: int = 256
@@ -142,9 +154,8 @@ class EngineConfig:
             raise ValueError(f"plan must be 'fast' or 'invariant', got {self.plan!r}")
         if self.attention_split % self.block_size:
             raise ValueError("attention_split must be a multiple of block_size")
-        from gateeng.engine.route import ROUTES
-        if self.verified_route not in ROUTES:
-            raise ValueError(f"verified_route must be one of {', '.join(ROUTES)}, got {self.verified_route!r}")
+        if self.verified_route not in ROUTE_POLICIES:
+            raise ValueError(f"verified_route must be one of {', '.join(ROUTE_POLICIES)}, got {self.verified_route!r}")
         if self.max_verify_delay < 0:
             raise ValueError(f"max_verify_delay must be >= 0, got {self.max_verify_delay}")
         if self.prefill_chunk < 0:

@@ -2,7 +2,7 @@
 can be tested without a model."""
 from __future__ import annotations
 
-from gateeng.engine.scheduler import Kind, SeqOutput, StepPlan
+from gateeng.step import Kind, SeqOutput, StepPlan
 
 VOCAB = 50
 EOS = 49

@@ -54,7 +54,7 @@ def test_prompts_encoded_from_many_threads_equal_those_encoded_one_at_a_time(tok
     out different from the same prompt sent alone."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from gateeng.engine.client import encode_prompt
+    from gateeng.model.chat import encode_prompt
     texts = [f"Question {i}: what is {i} times {i + 3}? Answer in one sentence." for i in range(16)]
     want = [encode_prompt(tok, t, chat=True) for t in texts]
     with ThreadPoolExecutor(8) as pool:

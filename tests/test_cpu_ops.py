@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from gateeng.plans import cpu_ops
+from gateeng.plans.kernel_names import ROWWISE_MATMULS
 from gateeng.kernels import reference as ref
 
 
@@ -118,7 +119,7 @@ def test_rope_store_rotates_and_stores_like_the_torch_ops(ops, dtype):
         ops.rope_store(qkv, cos, sin, k_cache, v_cache, torch.full((rows,), nb * bs), hq)
 
 
-ROWWISE = {"dpbf16": ("pack_dpbf16", "linear_dpbf16"), "fma8": ("pack_fma8", "linear_fma8")}
+ROWWISE = {m.symbol: ("pack_" + m.symbol, "linear_" + m.symbol) for m in ROWWISE_MATMULS.values()}
 
 
 def _rowwise(ops, kernel):

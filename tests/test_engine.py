@@ -19,7 +19,7 @@ def engine():
                loaded=tiny_loaded("float32"))
     yield e
     e.shutdown()
-    e.blocks.check_integrity()
+    e.core.blocks.check_integrity()
 
 
 GOOD = SamplingParams(max_tokens=8, ignore_eos=True)
@@ -82,7 +82,7 @@ def test_abort_mid_generation_frees_kv(engine):
     c = h.result(timeout=30)
     assert c.finish_reason is FinishReason.ABORT
     engine.generate([4, 4], GOOD)   # engine still serves
-    assert engine.blocks.num_free == engine.blocks.num_blocks, "KV blocks leaked"
+    assert engine.core.blocks.num_free == engine.core.blocks.num_blocks, "KV blocks leaked"
 
 
 def test_seeded_sampling_repeats_and_seeds_differ(engine):
@@ -133,7 +133,7 @@ def test_verified_equals_reference_on_tiny_model(engine):
 
 
 def test_queue_full_is_backpressure_not_memory():
-    from gateeng.engine.client import QueueFull
+    from gateeng.engine.errors import QueueFull
     e = Engine(EngineConfig(dtype="float32", num_kv_blocks=64, max_model_len=128, block_size=4, attention_split=8,
                             invariant_rows=8, max_num_batched_tokens=64, max_queue=2, max_num_seqs=2),
                loaded=tiny_loaded("float32"))
@@ -146,16 +146,16 @@ def test_queue_full_is_backpressure_not_memory():
 
 
 def test_verified_refused_when_self_check_failed(engine):
-    from gateeng.engine.client import DeterminismUnavailable
+    from gateeng.engine.errors import DeterminismUnavailable
     from gateeng.plans.selfcheck import SelfCheckResult
     real = engine.selfcheck
-    engine.selfcheck = SelfCheckResult(False, ["matmul: alone vs batch"])
+    engine.core.selfcheck = SelfCheckResult(False, ["matmul: alone vs batch"])
     try:
         with pytest.raises(DeterminismUnavailable, match="self-check FAILED"):
             engine.submit([1, 2], GOOD, DeterminismParams(Mode.VERIFIED))
         assert engine.generate([1, 2], GOOD).completion_tokens == 8   # OFF still served
     finally:
-        engine.selfcheck = real
+        engine.core.selfcheck = real
 
 
 def test_selfcheck_detects_a_batch_dependent_plan():
@@ -216,7 +216,7 @@ def test_only_the_row_invariant_matmul_with_the_kernels_drops_the_row_groups():
     (128, 24, "does not fit the KV cache"),
 ])
 def test_max_model_len_is_checked_against_the_model_and_the_kv_cache(max_model_len, kv_blocks, want):
-    from gateeng.engine.client import resolve_max_model_len
+    from gateeng.engine.core import resolve_max_model_len
     cfg = EngineConfig(max_model_len=max_model_len, num_kv_blocks=kv_blocks, block_size=4)
     mc = tiny_loaded("float32").config
     if isinstance(want, int):
@@ -228,7 +228,7 @@ def test_max_model_len_is_checked_against_the_model_and_the_kv_cache(max_model_l
 
 def test_a_sliding_window_caps_the_context_so_full_attention_stays_exact():
     import dataclasses
-    from gateeng.engine.client import resolve_max_model_len
+    from gateeng.engine.core import resolve_max_model_len
     mc = dataclasses.replace(tiny_loaded("float32").config, sliding_window=64)
     assert resolve_max_model_len(EngineConfig(num_kv_blocks=1024, block_size=4), mc) == 64
     with pytest.raises(ValueError, match="sliding window"):

@@ -27,7 +27,7 @@ def test_64_requests_on_small_cache_all_complete_and_verified_ones_are_the_refer
     # 24 blocks x 16 tokens = 384 KV slots for 64 requests of ~40 tokens each.
     tight = Engine(EngineConfig(dtype="float32", num_kv_blocks=24), loaded=loaded)
     got = tight.generate(ps, params, [VERIFIED if i in want else None for i in range(64)])
-    assert tight.scheduler.num_preemptions > 0
+    assert tight.core.scheduler.num_preemptions > 0
     # Preemption and recompute must lose nothing: every request runs to its length...
     for p, c in zip(params, got):
         assert c.finish_reason is FinishReason.LENGTH and c.completion_tokens == p.max_tokens
@@ -35,5 +35,5 @@ def test_64_requests_on_small_cache_all_complete_and_verified_ones_are_the_refer
     for i, tokens in want.items():
         assert got[i].token_ids == tokens, f"VERIFIED request {i} differs from the reference"
     tight.shutdown()
-    tight.blocks.check_integrity()
-    assert tight.blocks.num_free == tight.blocks.num_blocks
+    tight.core.blocks.check_integrity()
+    assert tight.core.blocks.num_free == tight.core.blocks.num_blocks

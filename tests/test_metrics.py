@@ -60,7 +60,7 @@ def test_verifier_counters_equal_the_reports(served):
 def test_gauges_return_to_idle_and_gate_config_is_tracked(served):
     engine, m, _ = served
     assert value(m, "gateeng_requests_running") == 0 and value(m, "gateeng_requests_waiting") == 0
-    assert value(m, "gateeng_kv_cache_usage_ratio") == engine.blocks.usage
+    assert value(m, "gateeng_kv_cache_usage_ratio") == engine.core.blocks.usage
     engine.set_margin_threshold(0.7)
     engine.set_max_window(9)
     assert value(m, "gateeng_margin_threshold") == 0.7 and value(m, "gateeng_max_window") == 9

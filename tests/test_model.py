@@ -3,7 +3,9 @@ import pytest
 import torch
 
 from gateeng.model.llama import KVCache
-from gateeng.plans.cpu import FastPlan, InvariantPlan, Rows
+from gateeng.plans import kernel_names
+from gateeng.plans.cpu import FastPlan, InvariantPlan
+from gateeng.plans.rows import Rows
 from tiny import hf_tiny, tiny_loaded
 
 BS = 4
@@ -107,7 +109,8 @@ def test_invariant_plan_is_batch_and_chunk_invariant_in_bf16(plan_name):
     if plan_name == "invariant-kernels":
         assert "matmul=onednn_packed" in plan.describe() or not loaded.model.packed
     if plan_name.startswith("invariant-rowwise-"):   # unpadded: every op row-invariant at any row count
-        want = {"dpbf16": "cpu_dpbf16", "fma8": "cpu_fma"}[plan_name.rsplit("-", 1)[1]]
+        symbol = plan_name.rsplit("-", 1)[1]
+        want = next(name for name, m in kernel_names.ROWWISE_MATMULS.items() if m.symbol == symbol)
         assert f"matmul={want}" in plan.describe() and plan.group_rows == 0
     target = list(range(30, 60))
     alone = prefill_logits(loaded, plan, [target])[0]
@@ -158,7 +161,7 @@ def test_greedy_top2_equals_the_dense_greedy_path(vocab, packed, search):
     and margin the sampler takes from greedy_logits, near-ties and exact ties
     included, and the float32 argmax."""
     from gateeng.kernels.reference import argmax_margin
-    from gateeng.plans.cpu import greedy_logits, greedy_top2
+    from gateeng.plans.head import greedy_logits, greedy_top2
     kernels = cpu_kernels() if search == "kernel" else None
     if search == "kernel" and kernels is None:
         pytest.skip("the CPU kernels could not be built here")
@@ -185,7 +188,7 @@ def test_greedy_top2_equals_the_dense_greedy_path(vocab, packed, search):
 
 def test_choose_mixes_greedy_and_sampled_rows_as_the_dense_sampler_does():
     from gateeng.plans import sampler
-    from gateeng.plans.cpu import choose
+    from gateeng.plans.head import choose
     from gateeng.request import SamplingParams
     model = tiny_loaded("bfloat16").model
     gen = torch.Generator().manual_seed(2)

@@ -8,7 +8,7 @@ from gateeng.engine.client import Engine
 from gateeng.request import DeterminismParams, Mode, SamplingParams
 from gateeng.engine.pricing import PRICE_ROWS, REPEATS, price_plans
 from gateeng.engine.route import RoutePolicy
-from gateeng.engine.scheduler import Kind
+from gateeng.step import Kind
 from tiny import tiny_loaded
 
 STEADY = {Kind.FAST: (0.010, 0.001), Kind.INVARIANT: (0.010, 0.002)}   # seconds: base, per row
@@ -70,11 +70,11 @@ def engine_with(**overrides):
 
 def test_the_engine_prices_both_plans_at_start_up_and_leaves_the_kv_cache_as_it_was():
     e = engine_with()
-    assert e.route.fast.seen == len(PRICE_ROWS)
-    assert e.route.invariant.seen == len(PRICE_ROWS)
-    assert e.blocks.num_free == e.blocks.num_blocks and not e.blocks.cache
-    e.blocks.check_integrity()
-    assert all(b.ref_count == 0 for b in e.blocks.blocks)
+    assert e.core.route.fast.seen == len(PRICE_ROWS)
+    assert e.core.route.invariant.seen == len(PRICE_ROWS)
+    assert e.core.blocks.num_free == e.core.blocks.num_blocks and not e.core.blocks.cache
+    e.core.blocks.check_integrity()
+    assert all(b.ref_count == 0 for b in e.core.blocks.blocks)
     out = e.generate("hello there", SamplingParams(max_tokens=4), DeterminismParams(Mode.VERIFIED))
     assert len(out.token_ids) == 4
     e.shutdown()
@@ -83,13 +83,13 @@ def test_the_engine_prices_both_plans_at_start_up_and_leaves_the_kv_cache_as_it_
 @pytest.mark.parametrize("overrides", [{"verified_route": "direct"}, {"plan": "invariant"}])
 def test_engines_that_never_choose_a_route_do_not_price(overrides):
     e = engine_with(**overrides)
-    assert e.route.fast.seen == 0
+    assert e.core.route.fast.seen == 0
     e.shutdown()
 
 
 def test_a_small_cache_prices_fewer_rows():
     e = engine_with(num_kv_blocks=7 + 4)   # 7 shared blocks of 16 for 128 keys, 4 rows
-    assert e.route.fast.seen == 2 and e.route.fast.cost(1) > 0   # 1 and 4 rows
-    assert e.blocks.num_free == e.blocks.num_blocks
+    assert e.core.route.fast.seen == 2 and e.core.route.fast.cost(1) > 0   # 1 and 4 rows
+    assert e.core.blocks.num_free == e.core.blocks.num_blocks
     e.shutdown()
 

@@ -6,7 +6,7 @@ import pytest
 from fakes import FakeRunner, reference_output
 from gateeng.engine.route import CostModel, GroupCost, RoutePolicy
 from gateeng.request import Mode
-from gateeng.engine.scheduler import Kind
+from gateeng.step import Kind
 from test_scheduler import PROMPT, make_request, make_scheduler, run_all
 
 

@@ -8,7 +8,8 @@ from gateeng.engine.block_manager import BlockManager
 from gateeng.request import (DeterminismParams, DeterminismStats, FinishReason, Mode, Request, SamplingParams,
                              StreamPolicy)
 from gateeng.engine.route import RoutePolicy
-from gateeng.engine.scheduler import Kind, Scheduler
+from gateeng.engine.scheduler import Scheduler
+from gateeng.step import Kind
 from gateeng.engine.stopping import StopChecker
 from gateeng.engine.verification import VerificationStage
 

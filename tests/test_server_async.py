@@ -192,7 +192,7 @@ def test_engine_death_turns_health_not_serving_and_exits_nonzero(monkeypatch):
 
     def broken(plan):
         raise RuntimeError("injected fault")
-    monkeypatch.setattr(engine.runner, "run", broken)
+    monkeypatch.setattr(engine.core.runner, "run", broken)
     with pytest.raises(grpc.RpcError) as ei:
         stub.Complete(request(4), timeout=60)
     assert ei.value.code() == grpc.StatusCode.INTERNAL and "injected fault" in ei.value.details()

@@ -51,7 +51,7 @@ def engine(loaded):
     e = Engine(EngineConfig(), loaded=loaded)
     yield e
     e.shutdown()
-    e.blocks.check_integrity()
+    e.core.blocks.check_integrity()
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +70,7 @@ def torch_engines(loaded):
     yield e, r
     e.shutdown()
     r.shutdown()
-    e.blocks.check_integrity()
+    e.core.blocks.check_integrity()
 
 
 def run_in_batch(engine, size, det, seed=0, params=GREEDY):
@@ -129,7 +129,7 @@ def test_3_prefix_cache_and_chunk_budgets(loaded, ref_engine):
         assert [c.token_ids for c in cold] == want, f"cold, budget {budget}"
         assert [c.token_ids for c in warm] == want, f"warm, budget {budget}"
         e.shutdown()
-        e.blocks.check_integrity()
+        e.core.blocks.check_integrity()
 
 
 def test_4_seeded_sampling(engine, ref_engine):
@@ -179,7 +179,7 @@ def test_6_rollback_with_a_known_cause(loaded, reference):
     events = collect_stream(e, TARGETS[2], params, eager)
     assert events[-1].token_ids == reference[2][:n]
     e.shutdown()
-    e.blocks.check_integrity()
+    e.core.blocks.check_integrity()
 
 
 def test_window_only_mode_tau_zero(engine, reference):
@@ -197,7 +197,7 @@ def test_7_every_verified_route_gives_the_reference(loaded, reference, route):
     e = Engine(EngineConfig(fast_logit_noise=2.0, verified_route="adaptive" if route == "switching" else route),
                loaded=loaded)
     if route == "switching":
-        e.scheduler.route = Switching(3)
+        e.core.scheduler.route = Switching(3)
     params = SamplingParams(max_tokens=n, ignore_eos=True)
     prompts = TARGETS[:2] + fillers(4, 11)
     res = e.generate(prompts, params, [VERIFIED] * 2 + [None] * 4, chat=True)
@@ -208,5 +208,5 @@ def test_7_every_verified_route_gives_the_reference(loaded, reference, route):
         if route == "switching":
             assert r.stats.decode_steps > 0 and r.stats.direct_steps > 0
     e.shutdown()
-    e.blocks.check_integrity()
+    e.core.blocks.check_integrity()
 

@@ -12,7 +12,7 @@ import asyncio
 from concurrent.futures import Executor
 from typing import AsyncIterator
 
-from gateeng.engine.client import Engine, EngineDead
+from gateeng.engine.errors import EngineDead
 from gateeng.outputs import Completion
 
 
@@ -23,9 +23,10 @@ class Submitted:
         self.request_id = request_id
 
 
-async def stream_request(engine: Engine, pool: Executor, prompt, sampling, determinism, request_id: str,
+async def stream_request(engine, pool: Executor, prompt, sampling, determinism, request_id: str,
                          chat: bool = False) -> AsyncIterator:
-    """Yields Submitted, then Chunk / Rollback events, then the Completion. Raises
+    """`engine`: an Engine (client.py), whose submit and abort this calls.
+    Yields Submitted, then Chunk / Rollback events, then the Completion. Raises
     what `Engine.submit` raises (ValueError, QueueFull, DeterminismUnavailable,
     EngineDead) before anything is yielded, and EngineDead if the loop dies."""
     loop = asyncio.get_running_loop()

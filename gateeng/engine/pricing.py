@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Callable
 
 from gateeng.request import DeterminismParams, Request, SamplingParams
-from gateeng.engine.scheduler import Kind, ScheduledSeq, StepPlan
+from gateeng.step import Kind, ScheduledSeq, StepPlan
 
 PRICE_ROWS = (1, 8, 32)   # spans the decode batches the fit is asked about
 REPEATS = 3               # timed passes per plan and row count, after the discarded one

@@ -28,7 +28,7 @@ class SeqRecord:
     replay: bool
     decode: bool                  # sampled one new token after the prompt
     margin: Optional[float]       # the sampled token's margin (last row)
-    route: Optional[str] = None   # VERIFIED decodes: "speculative" | "direct"
+    route: Optional[str] = None   # VERIFIED decodes: config.SPECULATIVE | config.DIRECT
 
 
 @dataclass(frozen=True)

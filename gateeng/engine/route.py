@@ -24,7 +24,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-ROUTES = ("adaptive", "speculative", "direct")
+from gateeng.config import ADAPTIVE, DIRECT, ROUTE_POLICIES, SPECULATIVE
+
 DIRECT_PREFERENCE = 0.05   # relative cost margin within which direct is preferred
 
 
@@ -144,12 +145,12 @@ class PassCost(CostModel):
 
 
 class RoutePolicy:
-    def __init__(self, mode: str = "adaptive", group_rows: int = 1, fast: Optional[CostModel] = None,
+    def __init__(self, mode: str = ADAPTIVE, group_rows: int = 1, fast: Optional[CostModel] = None,
                  invariant=None, trigger_rate: float = 0.15, replay_delay: int = 0):
         """group_rows: the invariant plan's padded row group, or 0 when it runs on
         its real rows only (then its passes are priced as base + per row)."""
-        if mode not in ROUTES:
-            raise ValueError(f"verified route must be one of {', '.join(ROUTES)}, got {mode!r}")
+        if mode not in ROUTE_POLICIES:
+            raise ValueError(f"verified route must be one of {', '.join(ROUTE_POLICIES)}, got {mode!r}")
         self.mode = mode
         self.group_rows = max(0, group_rows)
         # Priors until the first passes are measured. An invariant pass is assumed to
@@ -209,7 +210,7 @@ class RoutePolicy:
 
     def _off_move(self, fast_rows: int, inv_rows: int, off_rows: tuple) -> tuple:
         """off_to_move's count, and the rows those sequences take along."""
-        if self.mode != "adaptive" or not inv_rows or not off_rows:
+        if self.mode != ADAPTIVE or not inv_rows or not off_rows:
             return 0, 0
         room, fit, used = self.invariant.room(inv_rows), 0, 0
         while fit < len(off_rows) and used + off_rows[fit] <= room:
@@ -239,7 +240,7 @@ class RoutePolicy:
         budget: token budget left this step.
         """
         n = len(direct_rows)
-        if self.mode == "speculative" or not n:
+        if self.mode == SPECULATIVE or not n:
             return [False] * n
         order = sorted(range(n), key=lambda i: direct_rows[i])
         moved = [0]   # rows the k shortest candidates take onto the invariant plan
@@ -264,7 +265,7 @@ class RoutePolicy:
             if extra > budget:
                 break
             costs.append(cost(len(costs)))
-        if self.mode == "direct":
+        if self.mode == DIRECT:
             best_k = len(costs) - 1
         else:
             cheapest = min(costs)

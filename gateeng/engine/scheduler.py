@@ -19,73 +19,15 @@ replay, planned at once). Rollback is truncating `tokens` and the block table.
 """
 from __future__ import annotations
 
-import enum
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Optional
 
 from gateeng.engine.block_manager import BlockManager
 from gateeng.config import KERNEL_PREFILL_WORK
 from gateeng.request import FinishReason, Mode, Request, Status
 from gateeng.engine.route import RoutePolicy
-from gateeng.engine.verification import DIRECT, SPECULATIVE, Outcome, discard_speculation
-
-
-class Kind(enum.Enum):
-    FAST = "fast"
-    INVARIANT = "invariant"
-
-
-@dataclass(frozen=True)
-class ScheduledSeq:
-    """One request's share of a step, fixed when the step is planned (later updates
-    to the request do not change it)."""
-    request: Request
-    start: int           # first position to compute
-    end: int             # one past the last position
-    kind: Kind
-    replay: bool = False  # verify pass: a prediction for every row
-    sample_rows: tuple = ()   # row offsets within the chunk that need a sampled token
-    route: Optional[str] = None   # VERIFIED decodes: SPECULATIVE or DIRECT
-
-    @classmethod
-    def plan(cls, req: Request, start: int, end: int, kind: Kind, replay: bool = False,
-             route: Optional[str] = None) -> "ScheduledSeq":
-        if replay:
-            rows = tuple(range(end - start))
-        else:
-            rows = (end - start - 1,) if end == len(req.tokens) else ()
-        if route is None and req.mode is Mode.VERIFIED and kind is Kind.FAST and rows:
-            route = SPECULATIVE
-        return cls(req, start, end, kind, replay, rows, route)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.end - self.start
-
-    @property
-    def decode(self) -> bool:
-        """Samples one new token after the prompt (not a prefill chunk, not a replay)."""
-        return bool(self.sample_rows) and not self.replay and self.start >= self.request.num_prompt
-
-
-@dataclass
-class StepPlan:
-    seqs: list = field(default_factory=list)
-
-    def of_kind(self, kind: Kind) -> list:
-        return [s for s in self.seqs if s.kind is kind]
-
-
-@dataclass(frozen=True)
-class SeqOutput:
-    """What the runner returns for one scheduled sequence: immutable, so observers
-    may keep it. logprobs: a sampler.Logprobs per token where the request asked
-    for them, else empty."""
-    tokens: tuple
-    margins: tuple
-    logprobs: tuple = ()
-    prompt_logprobs: tuple = ()   # for prompt tokens this chunk predicts, in order
+from gateeng.engine.verification import Outcome, discard_speculation
+from gateeng.step import DIRECT, SPECULATIVE, Kind, ScheduledSeq, StepPlan
 
 
 class Scheduler:
@@ -141,7 +83,7 @@ class Scheduler:
             if seq is None:
                 i += 1
                 continue
-            if self._reserve(req, seq.end):
+            if self.reserve(req, seq.end):
                 plan.seqs.append(seq)
                 budget -= seq.num_tokens
                 self._count_prefill(seq)
@@ -154,7 +96,7 @@ class Scheduler:
             req = self.waiting[0]
             self._match_prefix(req)
             seq = self._next_chunk(req, budget)
-            if seq is None or not self._reserve(req, seq.end):
+            if seq is None or not self.reserve(req, seq.end):
                 # A waiting request holds no blocks: the match goes back (its blocks
                 # stay cached), so only running requests ever keep this one out.
                 self._unmatch(req)
@@ -253,7 +195,9 @@ class Scheduler:
         if not seq.replay and seq.num_tokens > 1:
             self._prefill_left -= seq.num_tokens
 
-    def _reserve(self, req: Request, end: int) -> bool:
+    def reserve(self, req: Request, end: int) -> bool:
+        """Blocks for positions [0, end) of `req`, from the free list; False (and
+        nothing taken) when it cannot cover them."""
         need = self.blocks.blocks_needed(end) - len(req.block_table)
         if need > self.blocks.num_free:
             return False

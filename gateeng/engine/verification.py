@@ -24,9 +24,9 @@ from typing import Optional
 from gateeng.engine import gate
 from gateeng.engine import verifier
 from gateeng.request import DeterminismStats, FinishReason, Mode, Request, StreamPolicy
+from gateeng.config import DIRECT, SPECULATIVE
 from gateeng.engine.stopping import StopChecker
 
-SPECULATIVE, DIRECT = "speculative", "direct"   # the routes of a VERIFIED decode
 # A mismatch is attributed to the trigger that caught it, or to the direct route
 # when the policy moved a request with unverified tokens onto the invariant plan.
 MISMATCH_REASONS = gate.REASONS + (DIRECT,)

@@ -28,13 +28,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Optional
 
+from gateeng.config import cache_root
 from gateeng.logs import log
 
 MANIFEST = "gateeng.json"
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("GATEENG_CACHE", "~/.cache/gateeng")).expanduser()
 
 
 def sha256_file(path: Path) -> str:

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from gateeng.plans import cpu_linear
+from gateeng.plans import cpu_linear, kernel_names
 from gateeng.config import ModelConfig
 
 
@@ -120,7 +120,7 @@ class LlamaModel(torch.nn.Module):
         self.lm_head_max_norm = float(self.lm_head_f32.norm(dim=-1).max())   # bounds the bf16 lm_head's error
         self.packed = {}   # id(weight) -> x @ weight.T on a packed copy, for the fast plan (pack_weights)
         self.invariant_packed = {}   # the same for the invariant plan, whose bits depend on the kernel:
-        self.invariant_matmul = "torch_mm"   # its name in kernel_plan
+        self.invariant_matmul = kernel_names.TORCH_MM   # its name in kernel_plan
         # pack_weights' probe: the fast plan takes the row-invariant kernel up to this many
         # rows and the other one above (None: the row-invariant kernel at every row count).
         self.fast_rowwise_max_rows = None
@@ -160,7 +160,7 @@ class LlamaModel(torch.nn.Module):
             self.invariant_packed = {id(w): rowwise[id(w)] for w in weights if id(w) in rowwise}
             self.invariant_matmul = cpu_linear.rowwise_kernel(kernels)
         elif self.packed:
-            self.invariant_packed, self.invariant_matmul = dict(self.packed), "onednn_packed"
+            self.invariant_packed, self.invariant_matmul = dict(self.packed), kernel_names.ONEDNN_PACKED
 
     def logits(self, hidden: torch.Tensor, plan) -> torch.Tensor:
         return plan.linear(hidden.float(), self.lm_head_f32)

@@ -15,200 +15,17 @@ canonical reference well defined.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from gateeng.config import KERNEL_PREFILL_WORK
-from gateeng.plans.cpu_linear import ROWWISE_MATMULS
+from gateeng.plans.kernel_names import ONEDNN_PACKED, ROWWISE_MATMULS, TORCH_MM
 from gateeng.kernels import reference as ref
-
-
-@dataclass
-class Rows:
-    """The rows of one forward pass, as plain lists (built by the runner)."""
-    input_ids: list
-    positions: list
-    slots: list
-    seqs: list          # (row_start, row_end, block_table) per sequence, rows contiguous
-    sample_rows: list   # rows whose logits are wanted, in order
-    greedy: list = field(default_factory=list)   # per sample row; empty = none known greedy
-    extra_rows: list = field(default_factory=list)   # rows wanted for logprobs only (prompt logprobs)
-
-    def __len__(self):
-        return len(self.input_ids)
-
-
-def _slot_tensor(block_table: list, length: int, block_size: int, device) -> torch.Tensor:
-    blocks = torch.tensor(block_table, dtype=torch.int64, device=device)
-    slots = (blocks[:, None] * block_size + torch.arange(block_size, device=device)).view(-1)
-    return slots[:length]
-
-
-def seq_block_tables(seqs: list, num_rows: int, width: int) -> torch.Tensor:
-    """[num_rows, width] block ids, one row per query row: each of a sequence's rows
-    (Rows.seqs: row_start, row_end, block_table) gets its table, one copy per
-    sequence; zeros past a table's end (those keys are masked by position) and for
-    rows of no sequence (padding)."""
-    out = torch.zeros(num_rows, width, dtype=torch.int64)
-    for start, end, table in seqs:
-        if table:
-            t = table[:width]
-            out[start:end, :len(t)] = torch.tensor(t, dtype=torch.int64)
-    return out
-
-
-def _greedy_bound(model, hidden: torch.Tensor, largest: torch.Tensor) -> torch.Tensor:
-    """[rows] bound on |bf16 logit - float32 logit| for every id (see greedy_logits),
-    given each row's largest |bf16 logit|."""
-    k = hidden.shape[-1]
-    accumulation = hidden.float().norm(dim=-1) * (model.lm_head_max_norm * k * 2.0 ** -23)
-    return largest * 2.0 ** -7 + accumulation + 1e-3
-
-
-def greedy_logits(model, hidden: torch.Tensor, head=None) -> torch.Tensor:
-    """bf16 logits, with the exact float32 value written over every candidate for the
-    top-2. A greedy row only needs its top-1 and top-2 (token and margin).
-
-    The bf16 lm_head (float32 accumulation, output rounded to 8 bits) errs by at
-    most 2^-9 |logit| (rounding) plus K * 2^-24 * sum_i |h_i w_i| (accumulation),
-    and the second term is at most K * 2^-24 * ||h|| * max_v ||w_v|| (Cauchy-Schwarz).
-    Every id whose bf16 logit is within twice a bound above both of the bf16
-    second-best gets its exact logit, so both exact top-2 ids are among them and
-    every other id keeps a bf16 value below them: the sampler's argmax and margin
-    are the float32 ones. An exact logit is one float32 dot product per (row, id),
-    `(h * w).sum(-1)`: its bits depend on that row and id only (the start-up
-    self-check proves it), so the result does not depend on the batch either.
-    (Logprobs over the whole row need the full float32 lm_head.) `head` computes
-    the bf16 logits: the plain weight by default (the invariant plan, which
-    multiplies only plain weights); the fast plan passes its packed copy."""
-    logits = _bf16_logits(model, hidden, head).float()
-    bound = _greedy_bound(model, hidden, logits.abs().amax(dim=-1))[:, None]
-    second = torch.topk(logits, 2, dim=-1).values[:, 1:]
-    r, v = torch.nonzero(logits >= second - 2 * bound, as_tuple=True)
-    logits.index_put_((r, v), exact_logits(hidden, model.lm_head_f32, r, v))
-    return logits
-
-
-def _bf16_logits(model, hidden: torch.Tensor, head) -> torch.Tensor:
-    return head(hidden) if head is not None else F.linear(hidden, model.lm_head)
-
-
-# Vocabulary ids per chunk in greedy_top2's candidate search.
-TOP2_CHUNK = 128
-
-
-def greedy_top2(model, hidden: torch.Tensor, head=None, kernels=None) -> tuple[list, list]:
-    """The argmax and the margin the sampler would take from greedy_logits (the
-    float32 top-1 id, lowest among ties, and top-1 minus top-2), without building
-    or scanning a dense logit row more than the bf16 lm_head's output needs: on CPU,
-    a full-vocabulary topk, compare or nonzero over 32 rows costs 1-3 ms each.
-
-    The candidates are greedy_logits' set: with `kernels` (gateeng.cpu_ops), one C++
-    pass over each row's bf16 logits finds them; otherwise the logits are cut into
-    chunks of TOP2_CHUNK ids, a row's two largest values lie in the two chunks with
-    the largest maxima, so the bf16 second-best comes from those 256 values, and the
-    candidates are searched only in chunks whose maximum reaches the threshold.
-    Only candidates get exact logits, and every other id is below the exact top-2,
-    so the result equals greedy_logits' followed by the sampler's, bit for bit.
-    Returns Python lists (tokens, margins). `head` as in greedy_logits."""
-    bf = _bf16_logits(model, hidden, head)
-    rows, vocab = bf.shape
-    if kernels is not None and bf.dtype == torch.bfloat16 and bf.device.type == "cpu" and vocab >= 2:
-        # threshold = second - 2 * bound(largest): the kernel adds the largest-logit term
-        slack = 2 * _greedy_bound(model, hidden, torch.zeros(rows, device=bf.device))
-        r, ids, ok = kernels.greedy_candidates(bf, slack.float())
-        found = bool(ok)
-    else:
-        r, ids = _chunked_candidates(model, hidden, bf)
-        found = True
-    if found:
-        exact = exact_logits(hidden, model.lm_head_f32, r, ids)
-        neg = torch.full((rows,), float("-inf"), device=bf.device)
-        top = neg.scatter_reduce(0, r, exact, "amax")
-        is_top = exact == top[r]
-        token = torch.full((rows,), vocab, dtype=torch.int64, device=bf.device).scatter_reduce(
-            0, r[is_top], ids[is_top], "amin")
-        rest = ids != token[r]
-        margin = top - neg.scatter_reduce(0, r[rest], exact[rest], "amax")
-        found = bool((torch.bincount(r, minlength=rows) >= 2).all()) and bool(torch.isfinite(margin).all())
-    if not found:
-        # Non-finite logits: the dense path decides as it always has.
-        tok, mar = ref.argmax_margin(greedy_logits(model, hidden, head))
-        return tok.tolist(), mar.tolist()
-    return token.tolist(), margin.tolist()
-
-
-def _chunked_candidates(model, hidden: torch.Tensor, bf: torch.Tensor):
-    """(rows, ids) of greedy_logits' candidates, from the bf16 logits in chunks."""
-    rows, vocab = bf.shape
-    chunk = TOP2_CHUNK if vocab >= 2 * TOP2_CHUNK else -(-vocab // 2)
-    nchunks = -(-vocab // chunk)
-    logits = torch.empty(rows, nchunks * chunk, dtype=torch.float32, device=bf.device)
-    logits[:, :vocab] = bf
-    logits[:, vocab:] = float("-inf")
-    chunks = logits.view(rows, nchunks, chunk)
-    cmax = chunks.amax(dim=-1)
-    largest = torch.maximum(cmax.amax(dim=-1), -logits[:, :vocab].amin(dim=-1))   # max |logit|, no abs() pass
-    threshold = _second_largest(chunks, cmax) - 2 * _greedy_bound(model, hidden, largest)
-    rr, cc = torch.nonzero(cmax >= threshold[:, None], as_tuple=True)
-    j, off = torch.nonzero(chunks[rr, cc] >= threshold[rr, None], as_tuple=True)
-    r, ids = rr[j], cc[j] * chunk + off
-    keep = ids < vocab   # a non-finite threshold lets the -inf padding past the lm_head through
-    return r[keep], ids[keep]
-
-
-def _second_largest(chunks: torch.Tensor, cmax: torch.Tensor) -> torch.Tensor:
-    """[rows] second-largest value of each row of chunks [rows, n, c] (n >= 2), given
-    the chunk maxima cmax [rows, n]: it lies in the chunk holding the row's maximum
-    or is the next chunk's maximum."""
-    best2 = cmax.topk(2, dim=-1).indices
-    pair = chunks.gather(1, best2[..., None].expand(-1, -1, chunks.shape[-1]))
-    return pair.flatten(1).topk(2, dim=-1).values[:, 1]
-
-
-def exact_logits(hidden: torch.Tensor, weight_f32: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """float32 logit of vocab id ids[i] for hidden row rows[i], one dot product each."""
-    return (hidden.index_select(0, rows).float() * weight_f32.index_select(0, ids)).sum(-1)
-
-
-def mixed_lm_head(model, hidden: torch.Tensor, greedy: list, full, head=None) -> torch.Tensor:
-    """greedy_logits for greedy rows, `full` (float32 logits) for the others."""
-    sampled = [i for i, g in enumerate(greedy) if not g]
-    if not sampled:
-        return greedy_logits(model, hidden, head)
-    logits = torch.empty(hidden.shape[0], model.lm_head.shape[0], dtype=torch.float32, device=hidden.device)
-    logits[sampled] = full(hidden[sampled])
-    rows = [i for i, g in enumerate(greedy) if g]
-    if rows:
-        logits[rows] = greedy_logits(model, hidden[rows], head)
-    return logits
-
-
-def choose(plan, model, hidden: torch.Tensor, specs: list, sample) -> tuple[list, list]:
-    """(tokens, margins) for the sample rows `hidden`, one sampler.RowSpec each.
-    Greedy rows of a bf16 model take greedy_top2 where the plan allows it
-    (`plan.sparse_greedy`; a plan without it takes the dense path); every other
-    row goes through the plan's dense choice_logits and `sample`. Both give the
-    tokens and margins `sample` would take from choice_logits."""
-    greedy = [i for i, s in enumerate(specs) if s.params.greedy]
-    if not greedy or not getattr(plan, "sparse_greedy", False) or model.dtype == torch.float32:
-        return sample(plan.choice_logits(model, hidden, [s.params.greedy for s in specs]), specs)
-    n = len(specs)
-    tokens, margins = [0] * n, [0.0] * n
-    tok, mar = greedy_top2(model, hidden if len(greedy) == n else hidden[greedy], plan.candidate_head(model),
-                           getattr(plan, "kernels", None))
-    for j, i in enumerate(greedy):
-        tokens[i], margins[i] = tok[j], mar[j]
-    sampled = [i for i in range(n) if not specs[i].params.greedy]
-    if sampled:
-        tok, mar = sample(plan.choice_logits(model, hidden[sampled], [False] * len(sampled)),
-                          [specs[i] for i in sampled])
-        for j, i in enumerate(sampled):
-            tokens[i], margins[i] = tok[j], mar[j]
-    return tokens, margins
+from gateeng.plans.head import mixed_lm_head
+from gateeng.plans.rows import Rows, seq_block_tables, slot_tensor
 
 
 class CpuKernelOps:
@@ -306,7 +123,7 @@ class FastPlan(CpuKernelOps):
                 dec_tables.append((first, first + end - start, table))
                 dec_ctx.extend(p + 1 for p in rows.positions[start:end])
             else:
-                slots = _slot_tensor(table, ctx, block_size, dev)
+                slots = slot_tensor(table, ctx, block_size, dev)
                 qpos = torch.tensor(rows.positions[start:end], device=dev)
                 mask = torch.arange(ctx, device=dev)[None, :] <= qpos[:, None]
                 prefill.append((start, end, slots, mask))
@@ -453,7 +270,7 @@ class InvariantPlan(CpuKernelOps):
         self.rows = rows
         self.split = split
         self.packed = packed if packed is not None else {}   # LlamaModel.invariant_packed
-        self.matmul = matmul or ("onednn_packed" if self.packed else "torch_mm")
+        self.matmul = matmul or (ONEDNN_PACKED if self.packed else TORCH_MM)
         self.kernels = kernels   # gateeng.cpu_ops' module, or None for torch ops
         self.block_size = block_size   # the KV cache's (the kernel attention's bits depend on it)
         self.rowwise = self.matmul in ROWWISE_MATMULS   # the matmul is row-invariant
@@ -475,7 +292,7 @@ class InvariantPlan(CpuKernelOps):
     def describe(self, dtype: str = "bfloat16") -> str:
         """What the canonical bits depend on, besides weights, dtype and device kind."""
         parts = [f"rows={self.rows}"]
-        parts.append(f"matmul={self.matmul if self.packed and dtype == 'bfloat16' else 'torch_mm'}")
+        parts.append(f"matmul={self.matmul if self.packed and dtype == 'bfloat16' else TORCH_MM}")
         if self.kernels is not None:
             # The kernels' digest: their source, compiler, its flags and torch (the CPU is in
             # device_kind).

@@ -25,11 +25,12 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from gateeng.plans.kernel_names import ROWWISE_MATMULS
+
 # Row counts the probe compares the two kernels at (decode batches, then prefill chunks).
 PROBE_ROWS = (1, 8, 32, 128, 512)
 
-# The row-invariant matmuls by their kernel_plan names, and the instructions they run.
-ROWWISE_MATMULS = {"cpu_dpbf16": "VDPBF16PS", "cpu_fma": "AVX2 FMA"}
+
 
 
 def _onednn_bf16() -> bool:
@@ -67,11 +68,7 @@ def rowwise_kernel(kernels) -> Optional[str]:
     name, or None."""
     if kernels is None:
         return None
-    if getattr(kernels, "dpbf16", False):
-        return "cpu_dpbf16"
-    if getattr(kernels, "fma8", False):
-        return "cpu_fma"
-    return None
+    return next((name for name, m in ROWWISE_MATMULS.items() if getattr(kernels, m.symbol, False)), None)
 
 
 def pack_rowwise(w: torch.Tensor, kernels):
@@ -80,19 +77,13 @@ def pack_rowwise(w: torch.Tensor, kernels):
     name = rowwise_kernel(kernels)
     if name is None or w.device.type != "cpu" or w.dtype != torch.bfloat16 or w.dim() != 2:
         return None
-    n = w.shape[0]
-    if name == "cpu_dpbf16":
-        if w.shape[1] % 2:
-            return None
-        packed = kernels.pack_dpbf16(w.detach())
+    if name == "cpu_dpbf16" and w.shape[1] % 2:
+        return None   # VDPBF16PS takes K in pairs
+    symbol, n = ROWWISE_MATMULS[name].symbol, w.shape[0]
+    packed, linear = getattr(kernels, "pack_" + symbol)(w.detach()), getattr(kernels, "linear_" + symbol)
 
-        def rowwise(x):
-            return kernels.linear_dpbf16(x, packed, n)
-    else:
-        packed = kernels.pack_fma8(w.detach())
-
-        def rowwise(x):
-            return kernels.linear_fma8(x, packed, n)
+    def rowwise(x):
+        return linear(x, packed, n)
     return rowwise if _agrees(rowwise, w) else None
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from gateeng import kernels
+from gateeng.config import cache_root
 from gateeng.logs import log
 
 SOURCE = Path(kernels.__file__).resolve().parent / "cpu_ops.cpp"
@@ -68,7 +69,6 @@ def _digest() -> str:
 
 
 def _build_dir(digest: str) -> Path:
-    from gateeng.model.cache import cache_root
     key = hashlib.sha256(digest.encode() + _cpu_flags().encode()).hexdigest()[:16]
     return cache_root() / "cpu_ops" / key
 

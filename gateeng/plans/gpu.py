@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 
 from gateeng.kernels import reference as ref
-from gateeng.plans.cpu import FastPlan, InvariantAttnMeta, InvariantPlan, Rows, seq_block_tables
+from gateeng.plans.cpu import FastPlan, InvariantAttnMeta, InvariantPlan
+from gateeng.plans.rows import Rows, seq_block_tables
 
 
 class TritonInvariantPlan(InvariantPlan):

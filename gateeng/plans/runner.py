@@ -5,11 +5,16 @@ It reads requests and never writes them; the scheduler applies what it returns.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from gateeng.plans import sampler
-from gateeng.model.llama import KVCache, LlamaModel
-from gateeng.plans.cpu import FastPlan, InvariantPlan, Rows, choose
-from gateeng.engine.scheduler import Kind, SeqOutput, StepPlan
+from gateeng.plans.cpu import FastPlan, InvariantPlan
+from gateeng.plans.head import choose
+from gateeng.plans.rows import Rows
+from gateeng.step import Kind, SeqOutput, StepPlan
+
+if TYPE_CHECKING:   # the model calls the plans' ops, so compute names it only for types
+    from gateeng.model.llama import KVCache, LlamaModel
 
 
 class ModelRunner:
@@ -70,13 +75,7 @@ class ModelRunner:
         specs, owners, prompt = [], [], []
         for seq in seqs:
             req = seq.request
-            table = req.block_table
-            first = len(rows)
-            for p in range(seq.start, seq.end):
-                rows.input_ids.append(req.tokens[p])
-                rows.positions.append(p)
-                rows.slots.append(table[p // bs] * bs + p % bs)
-            rows.seqs.append((first, len(rows), table))
+            first = rows.add_chunk(req.tokens[seq.start:seq.end], seq.start, req.block_table, bs)
             for off in seq.sample_rows:
                 rows.sample_rows.append(first + off)
                 specs.append(sampler.RowSpec(req.params, req.seed, seq.start + off + 1))

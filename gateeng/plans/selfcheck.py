@@ -15,7 +15,8 @@ from typing import Optional
 
 import torch
 
-from gateeng.plans.cpu import InvariantAttnMeta, InvariantPlan, exact_logits
+from gateeng.plans.cpu import InvariantAttnMeta, InvariantPlan
+from gateeng.plans.head import exact_logits
 
 
 @dataclass

@@ -39,7 +39,8 @@ from starlette.routing import Route
 from gateeng.engine import aio
 from gateeng.serving import edge
 from gateeng.config import GateBounds
-from gateeng.engine.client import DeterminismUnavailable, Engine, EngineDead, QueueFull
+from gateeng.engine.client import Engine
+from gateeng.engine.errors import DeterminismUnavailable, EngineDead, QueueFull
 from gateeng.outputs import Chunk, Completion
 from gateeng.request import DeterminismParams, FinishReason, Mode, SamplingParams, StreamPolicy
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
-from gateeng.engine.client import Engine, Observer
+from gateeng.engine.client import Engine
+from gateeng.engine.core import Observer
 from gateeng.engine.gate import REASONS
 from gateeng.engine.verification import MISMATCH_REASONS
 from gateeng.engine.records import Counts, StepRecord

@@ -46,7 +46,8 @@ from gateeng.engine import aio
 from gateeng.serving import edge
 from gateeng.config import EngineConfig, ServerConfig, validate_threshold, validate_window
 from gateeng.serving.edge import BadRequest
-from gateeng.engine.client import DeterminismUnavailable, Engine, EngineDead, QueueFull
+from gateeng.engine.client import Engine
+from gateeng.engine.errors import DeterminismUnavailable, EngineDead, QueueFull
 from gateeng.serving.metrics import Metrics
 from gateeng.outputs import Chunk, Completion, Rollback
 from gateeng.reproducibility import Reproducibility

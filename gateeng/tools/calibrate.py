@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 
 from gateeng.engine import gate
 from gateeng.kernels import reference as ref
-from gateeng.plans.cpu import Rows
+from gateeng.plans.rows import Rows
 
 TAUS = (0.0, 0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0)
 BUILTIN_PROMPTS = [
@@ -137,20 +137,17 @@ def _reference(loaded, prompts: list, n_tokens: int, dtype: str, progress):
     plan as the engine serves it (packed weights, C++ kernels), the Reproducibility
     record, the fast plan's matmul and the row count above which it changes)."""
     from gateeng.config import EngineConfig
-    from gateeng.engine.client import Engine
+    from gateeng.engine.core import EngineCore
     from gateeng.request import SamplingParams
-    from gateeng.engine.scheduler import Kind
-    engine = Engine(EngineConfig(plan="invariant", dtype=dtype), loaded=loaded)
-    try:
-        handles = engine.submit_many(prompts, SamplingParams(max_tokens=n_tokens, ignore_eos=True))
-        out = []
-        for h in handles:
-            out.append(h.result().token_ids)
-            progress.update(1)
-        return (out, engine.invariant_plan, engine.runner.plans[Kind.FAST], asdict(engine.reproducibility),
-                engine.fast_matmul, engine.model.fast_rowwise_max_rows)
-    finally:
-        engine.shutdown()
+    engine = EngineCore(EngineConfig(plan="invariant", dtype=dtype), loaded=loaded)
+    params = SamplingParams(max_tokens=n_tokens, ignore_eos=True)
+    handles = [engine.add_request(engine.new_request(p, params)) for p in prompts]
+    while engine.has_work():
+        done = sum(h.done.is_set() for h in handles)
+        engine.step()
+        progress.update(sum(h.done.is_set() for h in handles) - done)
+    return ([h.result().token_ids for h in handles], engine.invariant_plan, engine.fast_plan,
+            asdict(engine.reproducibility), engine.fast_matmul, engine.model.fast_rowwise_max_rows)
 
 
 def _tables(lengths: list, block_size: int) -> list:
@@ -166,13 +163,7 @@ def _rows(seqs: list, tables: list, block_size: int) -> Rows:
     """seqs: (token ids, first position) per sequence, as one contiguous chunk each."""
     rows = Rows([], [], [], [], [])
     for (ids, first), table in zip(seqs, tables):
-        start = len(rows)
-        for i, tok in enumerate(ids):
-            p = first + i
-            rows.input_ids.append(tok)
-            rows.positions.append(p)
-            rows.slots.append(table[p // block_size] * block_size + p % block_size)
-        rows.seqs.append((start, len(rows), table))
+        rows.add_chunk(ids, first, table, block_size)
         rows.sample_rows.append(len(rows) - 1)
         rows.greedy.append(True)   # calibration is greedy: the fast plan's greedy lm_head, as served
     return rows

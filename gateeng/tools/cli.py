@@ -6,9 +6,9 @@ import os
 import sys
 
 from gateeng import __version__
-from gateeng.config import EngineConfig, GateBounds, ServerConfig
+from gateeng.config import ROUTE_POLICIES, EngineConfig, GateBounds, ServerConfig
+from gateeng.plans.kernel_names import TORCH_MM
 from gateeng.request import DEFAULT_MAX_TOKENS
-from gateeng.engine.route import ROUTES
 
 DEFAULTS = EngineConfig()
 SERVER = ServerConfig()
@@ -31,7 +31,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "`gateeng calibrate` measures it for a model")
     p.add_argument("--max-window", type=int, default=DEFAULTS.max_window,
                    help="verify after this many unverified tokens at the latest (W)")
-    p.add_argument("--verified-route", choices=ROUTES, default=DEFAULTS.verified_route,
+    p.add_argument("--verified-route", choices=ROUTE_POLICIES, default=DEFAULTS.verified_route,
                    help="how VERIFIED requests decode: speculative (fast plan, replayed where the gate "
                         "says), direct (invariant plan), or adaptive (the cheaper of the two per step, "
                         "from measured plan costs); the output is the reference either way")
@@ -60,7 +60,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="CPU: both plans multiply the plain weights instead of a packed copy (a C++ "
                         "row-invariant kernel's layout: VDPBF16PS on AVX-512 BF16, else AVX2 FMA; else oneDNN's); "
                         "saves that copy's memory; steps get slower, and the invariant plan's bits change: "
-                        "kernel_plan says matmul=torch_mm")
+                        f"kernel_plan says matmul={TORCH_MM}")
     p.add_argument("--no-cpu-kernels", action="store_true",
                    help="CPU: both plans use torch ops instead of the C++ kernels (norms, RoPE, SiLU, attention "
                         "over the paged cache, the row-invariant matmul), which are otherwise built on first use "
@@ -180,7 +180,8 @@ def cmd_generate(args) -> int:
                   f"{d.triggers_margin + d.triggers_window + d.triggers_finish}, rollbacks={d.rollbacks}]",
                   file=sys.stderr)
             return 0
-    from gateeng.engine.client import DeterminismUnavailable, Engine
+    from gateeng.engine.client import Engine
+    from gateeng.engine.errors import DeterminismUnavailable
     try:
         engine = Engine(_engine_config(args))
         res = engine.generate(args.prompt, params, det, chat=not args.no_chat)
@@ -226,7 +227,7 @@ def cmd_calibrate(args) -> int:
     from pathlib import Path
 
     from gateeng.tools import calibrate as cal
-    from gateeng.engine.client import encode_prompt
+    from gateeng.model.chat import encode_prompt
     from gateeng.model.loader import load
     try:
         texts = cal.read_prompts(Path(args.prompts)) if args.prompts else list(cal.BUILTIN_PROMPTS)

@@ -1,0 +1,340 @@
+"""EngineCore: the synchronous engine. `add_request`, `abort` and `step` are its
+whole working surface; one thread at a time drives it (the threaded client in
+client.py, or a bench stepping it by hand). `new_request` and `register` may be
+called from any thread: they read only what is fixed at start-up and the handle
+table, which a lock guards.
+
+Wiring: the model and its KV cache, the plans (plans/factory.py), the scheduler
+with its block manager and route policy, the verification stage, the runner and
+the output processor. The step reads as the data flow: schedule -> run both
+plans -> gate, verify, commit / rollback -> scheduler update -> measure, record
+-> emit.
+"""
+from __future__ import annotations
+
+import itertools
+import secrets
+import threading
+import time
+from typing import Optional, Sequence, Union
+
+import torch
+
+from gateeng import __version__, reproducibility
+from gateeng.config import ADAPTIVE, EngineConfig, validate_threshold, validate_window
+from gateeng.engine import pricing
+from gateeng.engine.block_manager import BlockManager
+from gateeng.engine.detokenizer import IncrementalText
+from gateeng.engine.errors import DeterminismUnavailable, QueueFull
+from gateeng.engine.output_processor import OutputProcessor, RequestHandle
+from gateeng.engine.records import Counts, SeqRecord, StepRecord
+from gateeng.engine.route import RoutePolicy
+from gateeng.engine.scheduler import Scheduler
+from gateeng.engine.stopping import StopChecker
+from gateeng.engine.verification import VerificationStage
+from gateeng.logs import log
+from gateeng.model.chat import encode_prompt
+from gateeng.model.llama import KVCache
+from gateeng.model.loader import DTYPES, LoadedModel, load
+from gateeng.outputs import Completion
+from gateeng.plans import factory
+from gateeng.plans.runner import ModelRunner
+from gateeng.plans.selfcheck import run_selfcheck
+from gateeng.request import DeterminismParams, DeterminismStats, Mode, Request, SamplingParams
+from gateeng.step import Kind, StepPlan
+
+
+def resolve_max_model_len(cfg: EngineConfig, mc) -> int:
+    """The context length: --max-model-len, checked against the model's limit and
+    the KV cache, or (0) the largest both allow. Capping at a sliding window keeps
+    full attention exact for such models (every key stays inside the window)."""
+    limit = mc.max_position if mc.sliding_window is None else min(mc.max_position, mc.sliding_window)
+    why = "max_position_embeddings" if limit == mc.max_position else "its sliding window"
+    kv_tokens = cfg.num_kv_blocks * cfg.block_size
+    if not cfg.max_model_len:
+        return min(limit, kv_tokens)
+    if cfg.max_model_len > limit:
+        raise ValueError(f"--max-model-len {cfg.max_model_len} is above the model's limit {limit} ({why})")
+    if cfg.max_model_len > kv_tokens:
+        raise ValueError(f"--max-model-len {cfg.max_model_len} does not fit the KV cache ({cfg.num_kv_blocks} "
+                         f"blocks of {cfg.block_size} = {kv_tokens} positions): raise --kv-blocks or lower it")
+    return cfg.max_model_len
+
+
+class Observer:
+    """Hooks for metrics, called on the driving thread with plain records and values
+    (never live engine state). The default does nothing."""
+
+    def on_step(self, record: StepRecord) -> None: ...
+    def on_counts(self, counts: Counts) -> None: ...
+    def on_gate_config(self, margin_threshold: float, max_window: int) -> None: ...
+    def on_first_token(self, mode: Mode, seconds: float) -> None: ...
+    def on_tokens(self, mode: Mode, count: int, seconds_per_token: float) -> None: ...
+    def on_retraction(self, mode: Mode) -> None: ...
+    def on_finish(self, completion: Completion, seconds: float) -> None: ...
+
+
+class EngineCore:
+    def __init__(self, config: Optional[EngineConfig] = None, loaded: Optional[LoadedModel] = None,
+                 observer: Optional[Observer] = None):
+        self.config = cfg = config or EngineConfig()
+        cfg.validate()
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        self.loaded = loaded or load(cfg.model, cfg.dtype, cfg.device)
+        self.model, self.tokenizer = self.loaded.model, self.loaded.tokenizer
+        mc = self.model_config = self.loaded.config
+        self.max_model_len = resolve_max_model_len(cfg, mc)
+        self.kv = KVCache(mc, cfg.num_kv_blocks, cfg.block_size, DTYPES[cfg.dtype], cfg.device)
+        self.blocks = BlockManager(cfg.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        eos = set(mc.eos_token_ids)
+        if getattr(self.tokenizer, "eos_token_id", None) is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.stop = StopChecker(eos, self.max_model_len)
+        plans = factory.build(cfg, self.model, mc, DTYPES[cfg.dtype])
+        self.invariant_plan, self.fast_matmul = plans.invariant, plans.fast_matmul
+        self.route = RoutePolicy(cfg.verified_route, group_rows=self.invariant_plan.group_rows,
+                                 replay_delay=cfg.max_verify_delay)
+        self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.route,
+                                   cfg.max_verify_delay, cfg.prefill_chunk)
+        self.verification = VerificationStage(self.stop)
+        self.runner = ModelRunner(self.model, self.kv, plans.fast, self.invariant_plan, plans.sample)
+        self.selfcheck = run_selfcheck(self.invariant_plan, mc.hidden_size, mc.num_heads, mc.num_kv_heads,
+                                       mc.head_dim, DTYPES[cfg.dtype], cfg.block_size, device=cfg.device,
+                                       weights=factory.layer_weights(self.model))
+        if cfg.plan == "fast" and cfg.verified_route == ADAPTIVE and self.selfcheck.passed:
+            self._price_plans(cfg)
+        self.margin_threshold = cfg.margin_threshold
+        self.max_window = cfg.max_window
+        self.version = __version__
+        self.reproducibility = reproducibility.build(
+            engine_version=self.version, model_fingerprint=self.loaded.fingerprint, dtype=cfg.dtype,
+            device=cfg.device, kernel_plan=f"{cfg.plan}; {self.invariant_plan.describe(cfg.dtype)}",
+            self_check_passed=self.selfcheck.passed, self_check=self.selfcheck.describe())
+        self.observer = observer or Observer()
+        self.outputs = OutputProcessor(self.observer, self.reproducibility)
+        self.counts = Counts()   # replaced (never mutated) by the driving thread
+        self._handles: dict[str, RequestHandle] = {}
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        # OpenMP keeps a worker pool per thread that ran parallel work; two pools
+        # together outnumber the cores, and then every parallel region waits for its
+        # workers to wake (cpu_ops.cpp). So the thread that built the engine lets its
+        # pool go now, and the driving thread its own when idle (`idle`).
+        self.release_threads = plans.release_threads
+        self.release_threads()
+
+    def _price_plans(self, cfg: EngineConfig) -> None:
+        """Seed the route policy's cost models with timed decode passes of both plans
+        (pricing.py says why traffic alone is not enough)."""
+        context = min(pricing.CONTEXT, self.max_model_len)
+        limit = min(cfg.max_num_seqs, pricing.rows_that_fit(self.blocks, context))
+        rows = sorted({min(r, limit) for r in pricing.PRICE_ROWS})
+        t0 = time.perf_counter()
+        pricing.price_plans(self.route.observe_pass, pricing.decode_pass_timer(self.runner, self.blocks, context),
+                            rows)
+        log(f"route costs from decode passes at row counts {'/'.join(map(str, rows))}, {context} keys "
+            f"({time.perf_counter() - t0:.1f} s): {self.route.describe()}")
+
+    # ---- requests (any thread) ---------------------------------------------------
+    def new_request(self, prompt: Union[str, Sequence[int]], params: Optional[SamplingParams] = None,
+                    determinism: Optional[DeterminismParams] = None, request_id: Optional[str] = None,
+                    chat: bool = False) -> Request:
+        """Check and tokenize one request. Raises ValueError for bad input and
+        DeterminismUnavailable for VERIFIED where the self-check failed."""
+        params, det = params or SamplingParams(), determinism or DeterminismParams()
+        params.validate()
+        det.validate()
+        ids = self.encode(prompt, chat)
+        vocab = self.model_config.vocab_size
+        if not ids:
+            raise ValueError("prompt is empty: send at least one token or a non-empty text")
+        bad = [t for t in ids if not (0 <= int(t) < vocab)]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens but the context holds {self.max_model_len}: "
+                             f"shorten the prompt")
+        # resolve_max_model_len keeps the context within the KV cache, so every admitted
+        # request fits it (Scheduler.fits) and is never dropped for lack of blocks.
+        mode = Mode.REFERENCE if self.config.plan == "invariant" else det.mode
+        if mode is Mode.VERIFIED and not self.selfcheck.passed:
+            raise DeterminismUnavailable("VERIFIED is unavailable on this machine: " + self.selfcheck.describe())
+        window = det.max_window or self.max_window
+        if window + 1 > self.config.max_num_batched_tokens:
+            raise ValueError(f"max_window {window} must be below the step token budget "
+                             f"{self.config.max_num_batched_tokens}")
+        det = DeterminismParams(mode, det.margin_threshold, det.max_window, det.stream_policy)
+        seed = params.seed
+        if seed is None:
+            seed = secrets.randbits(63) if not params.greedy else 0
+        rid = request_id or f"req-{next(self._ids)}-{secrets.token_hex(4)}"
+        tau = det.margin_threshold if det.margin_threshold is not None else self.margin_threshold
+        return Request(rid, [int(t) for t in ids], params, det, arrival=time.monotonic(),
+                       tau=tau, window=window, seed=seed, text=IncrementalText(self._decode))
+
+    def register(self, requests: list, sinks: Optional[list] = None) -> list:
+        """A handle per request, all or none: QueueFull past the queue bound,
+        ValueError for a request id already in flight. Events go to the handle's
+        queue, or to its sink (called on the driving thread, so it must not block)."""
+        with self._lock:
+            if len(self._handles) + len(requests) > self.config.max_queue + self.config.max_num_seqs:
+                raise QueueFull(f"{len(self._handles)} requests in flight; the queue holds at most "
+                                f"{self.config.max_queue} waiting: retry later")
+            for r in requests:
+                if r.request_id in self._handles:
+                    raise ValueError(f"request_id {r.request_id!r} is already in flight")
+            handles = []
+            for r, sink in zip(requests, sinks or [None] * len(requests)):
+                h = self._handles[r.request_id] = RequestHandle(r.request_id, sink=sink, last_emit=r.arrival)
+                handles.append(h)
+        return handles
+
+    def knows(self, request_id: str) -> bool:
+        with self._lock:
+            return request_id in self._handles
+
+    @property
+    def num_in_flight(self) -> int:
+        with self._lock:
+            return len(self._handles)
+
+    def in_flight(self) -> list:
+        with self._lock:
+            return list(self._handles)
+
+    def encode(self, prompt, chat: bool = False) -> list:
+        return encode_prompt(self.tokenizer, prompt, chat)
+
+    def _decode(self, ids) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    # ---- the driving thread ---------------------------------------------------------
+    def add_request(self, request: Request, sink=None) -> RequestHandle:
+        """Register and schedule one request (new_request makes it)."""
+        handle = self.register([request], [sink])[0]
+        self.schedule(request)
+        return handle
+
+    def schedule(self, request: Request) -> None:
+        """Queue a registered request for the next steps."""
+        self.scheduler.add(request)
+
+    def abort(self, request_id: str) -> None:
+        """Finish the request now (ABORT), freeing its KV blocks; its handle gets the
+        Completion."""
+        self.scheduler.abort(request_id)
+        self._collect_finished()
+
+    def publish_counts(self) -> None:
+        """Tell the observer the queue and KV state now (after adds and aborts)."""
+        self.counts = self._counts()
+        self.observer.on_counts(self.counts)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def prefilled(self) -> bool:
+        """Every request is admitted and past its prompt: the next steps are decodes."""
+        sch = self.scheduler
+        return not sch.waiting and all(r.num_computed >= r.num_prompt for r in sch.running)
+
+    def idle(self) -> None:
+        """Between steps with nothing to do: check the KV accounting, let threads go."""
+        self.blocks.check_integrity()
+        self.release_threads()
+
+    def step(self) -> None:
+        """One engine step: the data flow of the README's "How it works", in order."""
+        plan = self.scheduler.schedule()                  # fast rows + invariant rows (prefill, replays, direct)
+        outputs = self.runner.run(plan)                   # run both plans, sample, margins
+        outcomes = self.verification.apply(plan, outputs)     # gate, verify compare, commit / rollback
+        self.scheduler.update(outcomes)                   # KV blocks, finishes
+        mismatches, counted = self.verification.drain()
+        self._measure(plan, counted)                      # the route policy's cost model
+        self.observer.on_step(self._record(plan, outputs, mismatches, counted))   # a record for metrics
+        self._emit(plan)                                  # stream what the policy allows
+
+    def fail_all(self, exc: BaseException) -> None:
+        """Every request in flight ends with `exc` (the step loop died)."""
+        with self._lock:
+            handles = list(self._handles.values())
+            self._handles.clear()
+        for h in handles:
+            h.put(exc)
+            h.done.set()
+
+    # ---- settings -----------------------------------------------------------------
+    def set_margin_threshold(self, tau: float) -> None:
+        """Engine default tau for requests submitted from now on."""
+        self.margin_threshold = validate_threshold(tau)
+        self.observer.on_gate_config(self.margin_threshold, self.max_window)
+
+    def set_max_window(self, window: int) -> None:
+        """Engine default W for requests submitted from now on."""
+        self.max_window = validate_window(window)
+        self.observer.on_gate_config(self.margin_threshold, self.max_window)
+
+    def set_observer(self, observer: Observer) -> None:
+        self.observer = self.outputs.observer = observer
+        observer.on_gate_config(self.margin_threshold, self.max_window)
+        observer.on_counts(self.counts)
+
+    @property
+    def fast_plan(self):
+        return self.runner.plans[Kind.FAST]
+
+    def replace_fast_plan(self, plan) -> None:
+        """Run another fast plan from the next step on (benches and tests that
+        measure one; the invariant plan, and so the reference, stay)."""
+        self.runner.plans[Kind.FAST] = plan
+
+    # ---- step parts ------------------------------------------------------------------
+    def _measure(self, plan: StepPlan, counted: DeterminismStats) -> None:
+        """Feed the route policy the decode-phase pass costs it compares. Passes with a
+        prefill chunk are left out: their attention grows with the chunk, not the rows."""
+        for kind, seconds in self.runner.last_seconds.items():
+            seqs = plan.of_kind(kind)
+            if all(s.replay or s.num_tokens == 1 for s in seqs):
+                self.route.observe_pass(kind.value, sum(s.num_tokens for s in seqs), seconds)
+        self.route.observe_speculation(counted.decode_steps, counted.triggers)
+
+    def _record(self, plan: StepPlan, outputs: dict, mismatches: tuple,
+                counted: DeterminismStats) -> StepRecord:
+        seqs = []
+        for seq in plan.seqs:
+            req = seq.request
+            out = outputs.get(req.request_id)
+            margin = out.margins[-1] if out is not None and out.margins and seq.sample_rows else None
+            seqs.append(SeqRecord(req.request_id, req.mode, seq.kind.value, seq.replay, seq.decode, margin,
+                                  seq.route))
+        self.counts = self._counts()
+        return StepRecord(tuple(seqs), counted, mismatches,
+                          {k.value: v for k, v in self.runner.last_seconds.items()}, self.counts)
+
+    def _counts(self) -> Counts:
+        sch = self.scheduler
+        return Counts(len(sch.running), len(sch.waiting), self.blocks.usage, sch.num_preemptions)
+
+    def _emit(self, plan: StepPlan) -> None:
+        for seq in plan.seqs:
+            req = seq.request
+            h = self._handles.get(req.request_id)
+            if h is not None and not req.finished:
+                self.outputs.emit(req, h)
+        self._collect_finished()
+
+    def _collect_finished(self) -> None:
+        for req in self.scheduler.finished:
+            self._finish(req)
+        self.scheduler.finished.clear()
+
+    def _finish(self, req: Request) -> None:
+        with self._lock:
+            h = self._handles.pop(req.request_id, None)
+        if h is None:
+            return
+        c = h.completion = self.outputs.finish(req, h)
+        h.put(c)
+        h.done.set()
+        self.observer.on_finish(c, time.monotonic() - req.arrival)

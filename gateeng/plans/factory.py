@@ -1,0 +1,81 @@
+"""The one place that chooses, names and builds the kernel plans for a device.
+
+CPU: the C++ kernels (cpu_ops) when they build, the model's weights packed for
+the fast plan and the row-invariant matmul (cpu_linear), torch ops otherwise.
+CUDA: flashinfer for the fast plan where it is installed, the Triton kernels for
+the invariant plan. Nothing else decides which matmul a plan runs or what it is
+called in the Reproducibility record.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from gateeng import reproducibility
+from gateeng.config import EngineConfig
+from gateeng.logs import log
+from gateeng.plans import cpu_ops, kernel_names
+from gateeng.plans.cpu import FastPlan, InvariantPlan, default_invariant_rows
+from gateeng.plans.sampler import sample as sample_rows
+
+
+@dataclass
+class Plans:
+    fast: FastPlan
+    invariant: InvariantPlan
+    sample: Callable             # the sampler for the device (sampler.sample or gpu_sample)
+    fast_matmul: str             # what the fast plan multiplies with, in words (logs, calibrate)
+    release_threads: Callable    # lets the calling thread's OpenMP pool go (cpu_ops.cpp)
+
+
+def build(cfg: EngineConfig, model, model_config, dtype) -> Plans:
+    """Both plans for `model` on cfg.device. On CPU this packs the model's weights
+    (LlamaModel.pack_weights) where cfg.pack_fast_weights says so."""
+    if cfg.device != "cpu":
+        fast, invariant, sample = _cuda_plans(cfg, model_config, dtype)
+        return Plans(fast, invariant, sample, "torch matmuls (cuBLAS)", lambda: None)
+    kernels = cpu_ops.load() if cfg.cpu_kernels else None
+    if cfg.pack_fast_weights:
+        model.pack_weights(kernels)
+    rows = cfg.invariant_rows or default_invariant_rows(reproducibility.cpu_model_and_isa()[1])
+    inv_packed, matmul = model.invariant_packed, model.invariant_matmul
+    if not cfg.pack_fast_weights or (matmul in kernel_names.ROWWISE_MATMULS and kernels is None):
+        inv_packed, matmul = {}, kernel_names.TORCH_MM   # the row-invariant matmul is one of the kernels
+    fast = FastPlan(cfg.fast_logit_noise, model.packed if cfg.pack_fast_weights else {}, kernels)
+    invariant = InvariantPlan(rows, cfg.attention_split, inv_packed, kernels, cfg.block_size, matmul)
+    fast_matmul = _fast_matmul(model, cfg)
+    log(f"fast plan: {fast_matmul}, {'C++ kernels' if kernels is not None else 'torch ops'} "
+        f"for norms, RoPE, SiLU and attention; invariant plan {invariant.describe(cfg.dtype)}")
+    release = kernels.release_idle_threads if kernels is not None else (lambda: None)
+    return Plans(fast, invariant, sample_rows, fast_matmul, release)
+
+
+def layer_weights(model) -> list:
+    """The matrices the invariant plan multiplies by, for its self-check: one layer's
+    (every layer has the same shapes) and the float32 lm_head used for sampled rows."""
+    layer = model.layers[0]
+    return [layer.qkv, layer.o, layer.gate_up, layer.down, model.lm_head_f32]
+
+
+def _fast_matmul(model, cfg: EngineConfig) -> str:
+    if not model.packed or not cfg.pack_fast_weights:
+        return "plain weights"
+    kernel = kernel_names.ROWWISE_MATMULS.get(model.invariant_matmul)
+    if kernel is None:
+        return "oneDNN packed weights"
+    if model.fast_rowwise_max_rows is None:
+        return f"{kernel.instructions} packed weights (the faster kernel at every probed row count)"
+    return f"{kernel.instructions} packed weights up to {model.fast_rowwise_max_rows} rows, another kernel above"
+
+
+def _cuda_plans(cfg: EngineConfig, mc, dtype) -> tuple:
+    """flashinfer + Triton kernels, imported only here, only on CUDA."""
+    from gateeng.plans.gpu import FlashInferFastPlan, TritonInvariantPlan, gpu_sample
+    fast: Optional[FastPlan]
+    try:
+        fast = FlashInferFastPlan(mc.num_heads, mc.num_kv_heads, mc.head_dim, dtype, cfg.device,
+                                  cfg.fast_logit_noise)
+    except ImportError:
+        log("flashinfer is not installed (pip install 'gateeng[cuda]'): fast path uses torch attention")
+        fast = FastPlan(cfg.fast_logit_noise)
+    return fast, TritonInvariantPlan(cfg.attention_split), gpu_sample
