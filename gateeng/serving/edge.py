@@ -1,4 +1,6 @@
-"""Request checks at the gRPC edge, cheapest first, before anything is tokenized.
+"""Request checks at the gRPC edge, cheapest first, before anything is tokenized:
+the protobuf itself (unknown fields and enum values), sizes, and the conversion
+to the engine's parameters (checks.py holds what the HTTP front shares).
 
 Fail closed: a request that asks for something this server does not understand
 (an unknown enum value, a field from a newer API version) is refused, never
@@ -7,24 +9,17 @@ names the field and what is allowed.
 """
 from __future__ import annotations
 
-import math
-
 from google.protobuf import message as pb_message
 from google.protobuf import unknown_fields
 
 from gateeng.config import GateBounds
 from gateeng.request import DEFAULT_MAX_TOKENS, DeterminismParams, Mode, SamplingParams, StreamPolicy
+from gateeng.serving import checks
+from gateeng.serving.checks import MAX_MESSAGES, MAX_REQUEST_ID_BYTES, MAX_STOP_TOKEN_IDS, BadRequest
 from gateeng.v1 import engine_pb2 as pb
 
-MAX_REQUEST_ID_BYTES = 128
-MAX_STOP_STRINGS = 16
-MAX_STOP_STRING_BYTES = 256
-MAX_STOP_TOKEN_IDS = 64
-MAX_MESSAGES = 256
-
-
-class BadRequest(ValueError):
-    pass
+__all__ = ["BadRequest", "parse", "check_generate", "prompt_from_proto", "sampling_from_proto",
+           "determinism_from_proto"]
 
 
 def parse(cls, raw: bytes):
@@ -83,11 +78,7 @@ def check_generate(req: pb.GenerateRequest, max_prompt_bytes: int, max_model_len
         raise BadRequest(f"prompt has {len(req.token_ids.ids)} tokens but the context holds {max_model_len}: "
                          f"shorten the prompt")
     sp = req.sampling
-    if len(sp.stop) > MAX_STOP_STRINGS:
-        raise BadRequest(f"sampling.stop has {len(sp.stop)} strings; at most {MAX_STOP_STRINGS}")
-    for s in sp.stop:
-        if len(s.encode()) > MAX_STOP_STRING_BYTES:
-            raise BadRequest(f"a sampling.stop string is {len(s.encode())} bytes; at most {MAX_STOP_STRING_BYTES}")
+    checks.stop_strings(tuple(sp.stop))
     if len(sp.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise BadRequest(f"sampling.stop_token_ids has {len(sp.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS}")
 
@@ -112,15 +103,8 @@ def sampling_from_proto(sp: pb.SamplingParams) -> SamplingParams:
 
 
 def determinism_from_proto(d: pb.Determinism, bounds: GateBounds) -> DeterminismParams:
-    tau = d.margin_threshold if d.HasField("margin_threshold") else None
-    window = d.max_window if d.HasField("max_window") else None
-    if tau is not None and not math.isfinite(tau):
-        raise BadRequest(f"determinism.margin_threshold must be a finite number >= 0, got {tau}")
-    try:
-        bounds.check(tau, window)
-    except ValueError as e:
-        raise BadRequest(str(e)) from None
-    return DeterminismParams(mode=Mode.VERIFIED if d.mode == pb.Determinism.MODE_VERIFIED else Mode.OFF,
-                             margin_threshold=tau, max_window=window,
-                             stream_policy=StreamPolicy.EAGER if d.stream_policy == pb.Determinism.EAGER
-                             else StreamPolicy.VERIFIED_ONLY)
+    return checks.determinism(
+        Mode.VERIFIED if d.mode == pb.Determinism.MODE_VERIFIED else Mode.OFF,
+        d.margin_threshold if d.HasField("margin_threshold") else None,
+        d.max_window if d.HasField("max_window") else None,
+        StreamPolicy.EAGER if d.stream_policy == pb.Determinism.EAGER else StreamPolicy.VERIFIED_ONLY, bounds)

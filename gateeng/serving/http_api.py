@@ -1,8 +1,9 @@
 """An OpenAI-compatible HTTP front (Starlette on uvicorn), on the gRPC server's event loop.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (streaming over SSE),
-GET /v1/models, GET /health. It drives the same engine as gRPC, with the same
-edge checks and bounds. Per-request determinism rides in an extension field:
+GET /v1/models, GET /health. It is the gRPC front's peer over the same serving
+session (session.py): the same bounds, determinism checks (checks.py) and
+refusals (refusals.py). Per-request determinism rides in an extension field:
 
     {"determinism": {"mode": "verified", "margin_threshold": 0.3, "max_window": 32}}
 
@@ -36,13 +37,13 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from gateeng.engine import aio
-from gateeng.serving import edge
-from gateeng.config import GateBounds
 from gateeng.engine.client import Engine
-from gateeng.engine.errors import DeterminismUnavailable, EngineDead, QueueFull
+from gateeng.engine.errors import EngineDead
 from gateeng.outputs import Chunk, Completion
 from gateeng.request import DeterminismParams, FinishReason, Mode, SamplingParams, StreamPolicy
+from gateeng.serving import checks, refusals
+from gateeng.serving.refusals import Kind, Refusal
+from gateeng.serving.session import Session
 
 FINISH = {FinishReason.STOP: "stop", FinishReason.EOS: "stop", FinishReason.LENGTH: "length",
           FinishReason.ABORT: "abort"}
@@ -58,24 +59,18 @@ COMPLETION_FIELDS = COMMON | {"prompt", "logprobs", "echo"}
 CHAT_FIELDS = COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
 
 
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
-                 headers: Optional[dict] = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
-
-    def response(self) -> JSONResponse:
-        kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                413: "invalid_request_error", 429: "rate_limit_error"}.get(self.status, "server_error")
-        return JSONResponse({"error": {"message": self.message, "type": kind, "param": self.param,
-                                       "code": self.code}}, status_code=self.status, headers=self.headers)
+def error_response(r: Refusal) -> JSONResponse:
+    """A refusal in OpenAI's error shape, with Retry-After where retrying helps."""
+    headers = {"Retry-After": str(r.retry_after_s)} if r.retry_after_s is not None else None
+    return JSONResponse({"error": {"message": r.message, "type": r.kind.openai_type, "param": r.param,
+                                   "code": r.code}}, status_code=r.kind.http_status, headers=headers)
 
 
 class OpenAIFront:
-    """Routes bound to a gateeng Server (its engine, bounds, tokenize pool)."""
+    """Routes over a serving session."""
 
-    def __init__(self, server, model_name: Optional[str] = None):
-        self.server, self._model_name = server, model_name
+    def __init__(self, session: Session, model_name: Optional[str] = None):
+        self.session, self._model_name = session, model_name
         self.created = int(time.time())
         self.app = Starlette(routes=[
             Route("/health", self.health, methods=["GET"]),
@@ -90,7 +85,7 @@ class OpenAIFront:
         """--served-model-name, else the model file's or directory's name."""
         if self._model_name:
             return self._model_name
-        engine = self.server.service.engine
+        engine = self.session.engine
         if engine is None:
             return "gateeng"
         source = Path(engine.loaded.source)
@@ -98,36 +93,33 @@ class OpenAIFront:
 
     @property
     def engine(self) -> Engine:
-        reason = self.server.service.unavailable()
-        if reason is not None:
-            raise ApiError(503, reason)
-        return self.server.service.engine
+        return self.session.ready_engine()
 
     async def _body(self, request: HttpRequest, allowed: set) -> dict:
-        engine = self.engine
-        limit = 2 * self.server.settings.prompt_bytes(engine.max_model_len) + 65536
+        limit = 2 * self.session.prompt_bytes() + 65536
+        too_large = Refusal(Kind.TOO_LARGE, f"request body above {limit} bytes (--max-prompt-bytes)")
         if int(request.headers.get("content-length") or 0) > limit:
-            raise ApiError(413, f"request body above {limit} bytes (--max-prompt-bytes)")
+            raise too_large
         raw = await request.body()
         if len(raw) > limit:
-            raise ApiError(413, f"request body above {limit} bytes (--max-prompt-bytes)")
+            raise too_large
         try:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"the body is not valid JSON: {e}") from None
+            raise Refusal(Kind.INVALID, f"the body is not valid JSON: {e}") from None
         if not isinstance(body, dict):
-            raise ApiError(400, "the body must be a JSON object")
+            raise Refusal(Kind.INVALID, "the body must be a JSON object")
         for key, value in body.items():
             if key in allowed or key in HARMLESS:
                 continue
             if key in OFF_VALUES:
                 if value not in (OFF_VALUES[key], None, [], {}):
-                    raise ApiError(400, f"`{key}` = {value!r} is not supported by this server", param=key)
+                    raise Refusal(Kind.INVALID, f"`{key}` = {value!r} is not supported by this server", param=key)
                 continue
-            raise ApiError(400, f"unknown field `{key}`; supported: {', '.join(sorted(allowed))}", param=key)
+            raise Refusal(Kind.INVALID, f"unknown field `{key}`; supported: {', '.join(sorted(allowed))}", param=key)
         model = body.get("model")
         if model not in (None, self.model_name):
-            raise ApiError(404, f"model {model!r} is not served here; this server serves {self.model_name!r}",
+            raise Refusal(Kind.NOT_FOUND, f"model {model!r} is not served here; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
         return body
 
@@ -135,11 +127,9 @@ class OpenAIFront:
                   prompt_logprobs=None) -> SamplingParams:
         stop = body.get("stop") or ()
         stop = (stop,) if isinstance(stop, str) else stop
-        if not isinstance(stop, (list, tuple)) or len(stop) > edge.MAX_STOP_STRINGS or \
-                any(not isinstance(x, str) or len(x.encode()) > edge.MAX_STOP_STRING_BYTES for x in stop):
-            raise ApiError(400, f"stop must be a string or at most {edge.MAX_STOP_STRINGS} strings of at most "
-                                f"{edge.MAX_STOP_STRING_BYTES} bytes", param="stop")
-        stop = tuple(stop)
+        if not isinstance(stop, (list, tuple)) or any(not isinstance(x, str) for x in stop):
+            raise Refusal(Kind.INVALID, "stop must be a string or a list of strings", param="stop")
+        stop = checks.stop_strings(tuple(stop), field="stop")
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         if max_tokens is None:
             max_tokens = max_tokens_default or max(1, self.engine.max_model_len // 2)
@@ -150,55 +140,32 @@ class OpenAIFront:
         try:
             params.validate()
         except (ValueError, TypeError) as e:
-            raise ApiError(400, str(e)) from None
+            raise Refusal(Kind.INVALID, str(e)) from None
         return params
 
     def _determinism(self, body: dict) -> DeterminismParams:
         d = body.get("determinism") or {}
         if not isinstance(d, dict):
-            raise ApiError(400, "`determinism` must be an object", param="determinism")
+            raise Refusal(Kind.INVALID, "`determinism` must be an object", param="determinism")
         unknown = set(d) - {"mode", "margin_threshold", "max_window", "stream_policy"}
         if unknown:
-            raise ApiError(400, f"unknown determinism fields {sorted(unknown)}", param="determinism")
+            raise Refusal(Kind.INVALID, f"unknown determinism fields {sorted(unknown)}", param="determinism")
         modes = {"off": Mode.OFF, "verified": Mode.VERIFIED}
-        mode = d.get("mode", self.server.settings.http_default_mode)
+        mode = d.get("mode", self.session.settings.http_default_mode)
         if mode not in modes:
-            raise ApiError(400, f"determinism.mode {mode!r} is not known; known: off, verified",
+            raise Refusal(Kind.INVALID, f"determinism.mode {mode!r} is not known; known: off, verified",
                            param="determinism.mode")
         if d.get("stream_policy", "verified_only") != "verified_only":
-            raise ApiError(400, "determinism.stream_policy: only verified_only; an OpenAI stream has no way "
+            raise Refusal(Kind.INVALID, "determinism.stream_policy: only verified_only; an OpenAI stream has no way "
                                 "to withdraw tokens (EAGER needs gRPC's rollback events)",
                            param="determinism.stream_policy")
-        tau, window = d.get("margin_threshold"), d.get("max_window")
-        bounds: GateBounds = self.server.settings.bounds
-        try:
-            if tau is not None and (isinstance(tau, bool) or not isinstance(tau, (int, float))):
-                raise ValueError("determinism.margin_threshold must be a number")
-            if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
-                raise ValueError("determinism.max_window must be an integer")
-            bounds.check(tau, window)
-        except ValueError as e:
-            raise ApiError(400, str(e), param="determinism") from None
-        return DeterminismParams(modes[mode], tau, window, StreamPolicy.VERIFIED_ONLY)
+        return checks.determinism(modes[mode], d.get("margin_threshold"), d.get("max_window"),
+                                  StreamPolicy.VERIFIED_ONLY, self.session.bounds)
 
     async def _run(self, prompt, params, det, chat=False):
-        """(request id, event iterator) after submitting; refusals as ApiError."""
-        engine = self.engine
-        service = self.server.service
+        """(request id, event iterator) after submitting; refusals raise."""
         request_id = "cmpl-" + secrets.token_hex(16)
-        stream = aio.stream_request(engine, service.tokenize_pool, prompt, params, det, request_id, chat)
-        try:
-            await stream.__anext__()
-        except QueueFull as e:
-            raise ApiError(429, f"{e}", headers={"Retry-After": "1"}) from None
-        except DeterminismUnavailable as e:
-            raise ApiError(400, str(e), param="determinism") from None
-        except EngineDead as e:
-            raise ApiError(503, f"{e}; retry on another replica") from None
-        except ValueError as e:
-            raise ApiError(400, str(e)) from None
-        self.server.metrics.count_overrides(det)
-        return request_id, stream
+        return request_id, await self.session.start(prompt, params, det, request_id, chat)
 
     def _extension(self, c: Completion) -> dict:
         return {"system_fingerprint": c.reproducibility.fingerprint(),
@@ -212,8 +179,8 @@ class OpenAIFront:
     async def health(self, request: HttpRequest):
         try:
             self.engine
-        except ApiError as e:
-            return e.response()
+        except Refusal as r:
+            return error_response(r)
         return JSONResponse({"status": "serving"})
 
     async def models(self, request: HttpRequest):
@@ -227,11 +194,11 @@ class OpenAIFront:
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
                 prompt = prompt[0]
             if not (isinstance(prompt, str) or isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
-                raise ApiError(400, "prompt must be a string or a list of token ids (one prompt per request)",
+                raise Refusal(Kind.INVALID, "prompt must be a string or a list of token ids (one prompt per request)",
                                param="prompt")
             k = body.get("logprobs")
             if k is not None and (not isinstance(k, int) or isinstance(k, bool)):
-                raise ApiError(400, "logprobs must be an integer (alternatives per token)", param="logprobs")
+                raise Refusal(Kind.INVALID, "logprobs must be an integer (alternatives per token)", param="logprobs")
             echo = bool(body.get("echo", False))
             params = self._sampling(body, 16, logprobs=k, prompt_logprobs=k if echo and k is not None else None)
             det = self._determinism(body)
@@ -240,19 +207,18 @@ class OpenAIFront:
                 return self._sse(stream, request_id, "text_completion", self._completion_chunk)
             final = await _final(stream)
             return JSONResponse(self._completion_json(request_id, final, echo, k))
-        except ApiError as e:
-            self._count_error(e)
-            return e.response()
+        except (Refusal, checks.BadRequest) as e:
+            return self._refused(refusals.from_engine(e))
 
     async def chat_completions(self, request: HttpRequest):
         try:
             body = await self._body(request, CHAT_FIELDS)
             messages = body.get("messages")
             if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-                raise ApiError(400, "messages must be a list of {role, content} objects", param="messages")
+                raise Refusal(Kind.INVALID, "messages must be a list of {role, content} objects", param="messages")
             for m in messages:
                 if set(m) - {"role", "content", "name"}:
-                    raise ApiError(400, f"message fields {sorted(set(m) - {'role', 'content', 'name'})} are not "
+                    raise Refusal(Kind.INVALID, f"message fields {sorted(set(m) - {'role', 'content', 'name'})} are not "
                                         "supported", param="messages")
             k = body.get("top_logprobs", 0) if body.get("logprobs") else None
             params = self._sampling(body, None, logprobs=k)
@@ -263,12 +229,12 @@ class OpenAIFront:
                 return self._sse(stream, request_id, "chat.completion.chunk", self._chat_chunk)
             final = await _final(stream)
             return JSONResponse(self._chat_json(request_id, final, k))
-        except ApiError as e:
-            self._count_error(e)
-            return e.response()
+        except (Refusal, checks.BadRequest) as e:
+            return self._refused(refusals.from_engine(e))
 
-    def _count_error(self, e: ApiError) -> None:
-        self.server.metrics.errors.labels(f"HTTP_{e.status}").inc()
+    def _refused(self, r: Refusal) -> JSONResponse:
+        self.session.count(r, "http")
+        return error_response(r)
 
     # ---- response shapes ----------------------------------------------------------
     def _legacy_logprobs(self, items: list) -> dict:
@@ -366,10 +332,10 @@ async def _final(stream) -> Completion:
             if isinstance(ev, Completion):
                 return ev
     except EngineDead as e:
-        raise ApiError(500, str(e)) from None
+        raise refusals.from_engine(e, submitted=True) from None
     finally:
         await stream.aclose()
-    raise ApiError(500, "the request ended without a completion")
+    raise Refusal(Kind.INTERNAL, "the request ended without a completion")
 
 
 def _usage(c: Completion) -> dict:
@@ -383,7 +349,7 @@ def _number(body: dict, key: str, default: float) -> float:
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ApiError(400, f"`{key}` must be a number", param=key)
+        raise Refusal(Kind.INVALID, f"`{key}` must be a number", param=key)
     return float(value)
 
 

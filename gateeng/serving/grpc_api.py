@@ -1,0 +1,286 @@
+"""The gRPC front on asyncio: gateeng.v1.Engine, grpc.health.v1 and reflection,
+over the serving session (session.py).
+
+No thread per call: every RPC is a coroutine on one event loop, so health checks
+and new calls are answered at once however many streams are open. Tokenizing a
+prompt runs on the session's thread pool, after the cheap size checks (edge.py).
+
+Status codes a client can act on (refusals.py): INVALID_ARGUMENT (bad or unknown
+fields), ALREADY_EXISTS (a request_id this connection has in flight),
+RESOURCE_EXHAUSTED (queue full; trailing metadata `grpc-retry-pushback-ms` says
+when to retry), FAILED_PRECONDITION (VERIFIED where the self-check failed),
+UNAUTHENTICATED / PERMISSION_DENIED (admin), UNAVAILABLE (loading, draining, or
+the engine stopped; retry on another replica), INTERNAL (an engine failure).
+
+Ownership: a request belongs to the connection (gRPC peer) that submitted it.
+Abort finds only that connection's requests, and request ids are namespaced per
+connection, so no client can abort, or learn of, another's requests. The engine
+runs each request under an unguessable server id, sent back in the initial
+metadata `gateeng-request-id` of every Generate call. Cancelling a call, or
+letting its deadline pass, aborts its request and frees its KV blocks.
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+import secrets
+from dataclasses import asdict
+from typing import Optional
+
+import grpc
+from grpc_health.v1 import _async as health_aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from gateeng.config import validate_threshold, validate_window
+from gateeng.engine.errors import EngineDead
+from gateeng.outputs import Chunk, Completion, Rollback
+from gateeng.reproducibility import Reproducibility
+from gateeng.request import FinishReason
+from gateeng.serving import edge, refusals
+from gateeng.serving.refusals import Kind, Refusal
+from gateeng.serving.session import Session
+from gateeng.v1 import engine_pb2 as pb
+
+log = logging.getLogger("gateeng.server")
+SERVICE = "gateeng.v1.Engine"
+FINISH = {FinishReason.STOP: pb.STOP, FinishReason.LENGTH: pb.LENGTH, FinishReason.EOS: pb.EOS,
+          FinishReason.ABORT: pb.ABORT}
+REQUEST_ID_HEADER = "gateeng-request-id"
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+
+def grpc_options() -> list:
+    """Chosen, not inherited: keepalive that finds dead peers behind NATs and load
+    balancers within a minute, and a 16 MiB message limit. It is well above
+    --max-prompt-bytes, so an oversized prompt gets the edge's INVALID_ARGUMENT
+    with the limit in it (parsing is cheap; tokenizing is what costs), while a
+    message past 16 MiB is refused by gRPC itself before it is parsed."""
+    return [
+        ("grpc.so_reuseport", 0),
+        ("grpc.keepalive_time_ms", 30_000),                      # ping an idle connection every 30 s
+        ("grpc.keepalive_timeout_ms", 10_000),                   # and drop it if no ack in 10 s
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),  # clients may ping every 10 s
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ]
+
+
+def reproducibility_proto(r: Reproducibility, seed: Optional[int]) -> pb.Reproducibility:
+    return pb.Reproducibility(**asdict(r), fingerprint=r.fingerprint(), seed=seed or 0, seeded=seed is not None)
+
+
+def logprobs_proto(entries) -> list:
+    return [pb.Logprobs(token_id=e.token, logprob=e.logprob,
+                        top=[pb.TokenLogprob(token_id=t, logprob=v) for t, v in e.top]) for e in entries]
+
+
+def complete_proto(c: Completion, request_id: str) -> pb.CompleteResponse:
+    s = c.stats
+    return pb.CompleteResponse(
+        request_id=request_id, token_ids=c.token_ids, text=c.text, finish_reason=FINISH[c.finish_reason],
+        usage=pb.Usage(prompt_tokens=c.prompt_tokens, completion_tokens=c.completion_tokens,
+                       cached_tokens=c.cached_tokens),
+        determinism=pb.DeterminismReport(
+            mode=c.mode.value, decode_steps=s.decode_steps, triggers_margin=s.triggers_margin,
+            triggers_window=s.triggers_window, triggers_finish=s.triggers_finish,
+            verify_passes=s.verify_passes, replayed_tokens=s.replayed_tokens, rollbacks=s.mismatches,
+            rolled_back_tokens=s.rolled_back_tokens, retractions=s.retractions,
+            margin_threshold=c.margin_threshold, rollbacks_margin=s.mismatches_margin,
+            rollbacks_window=s.mismatches_window, rollbacks_finish=s.mismatches_finish,
+            direct_steps=s.direct_steps, rollbacks_direct=s.mismatches_direct),
+        reproducibility=reproducibility_proto(c.reproducibility, c.seed), logprobs=logprobs_proto(c.logprobs),
+        prompt_logprobs=logprobs_proto(c.prompt_logprobs))
+
+
+class EngineService:
+    def __init__(self, session: Session, admin_token: Optional[str] = None):
+        self.session = session
+        self.admin_token = admin_token
+        # (peer, client request id) -> engine id, for the calls in flight.
+        self.owned: dict[tuple[str, str], str] = {}
+
+    # ---- helpers --------------------------------------------------------------
+    async def _refuse(self, context, refusal: Refusal):
+        self.session.count(refusal, "grpc")
+        if refusal.retry_after_s is not None:
+            context.set_trailing_metadata((("grpc-retry-pushback-ms", str(refusal.retry_after_s * 1000)),))
+        await context.abort(refusal.kind.grpc_code, refusal.message)
+
+    async def _engine(self, context):
+        try:
+            return self.session.ready_engine()
+        except Refusal as r:
+            await self._refuse(context, r)
+
+    async def _parse(self, cls, raw: bytes, context):
+        try:
+            return edge.parse(cls, raw)
+        except edge.BadRequest as e:
+            await self._refuse(context, refusals.from_engine(e))
+
+    async def _run(self, raw: bytes, context):
+        """Check, submit and follow one request: yields its events, ends with the
+        Completion, and aborts the request if the call goes away first."""
+        request = await self._parse(pb.GenerateRequest, raw, context)
+        engine = await self._engine(context)
+        peer = context.peer()
+        try:
+            edge.check_generate(request, self.session.prompt_bytes(), engine.max_model_len)
+            sampling = edge.sampling_from_proto(request.sampling)
+            det = edge.determinism_from_proto(request.determinism, self.session.bounds)
+        except (edge.BadRequest, Refusal) as e:
+            await self._refuse(context, refusals.from_engine(e))
+        key = (peer, request.request_id) if request.request_id else None
+        if key is not None and key in self.owned:
+            await self._refuse(context, Refusal(Kind.IN_FLIGHT, f"request_id {request.request_id!r} is already "
+                                                                f"in flight on this connection"))
+        engine_id = "req-" + secrets.token_hex(16)
+        shown_id = request.request_id or engine_id
+        if key is not None:
+            self.owned[key] = engine_id
+        self.owned[(peer, engine_id)] = engine_id
+        stream = None
+        try:
+            try:
+                stream = await self.session.start(edge.prompt_from_proto(request), sampling, det, engine_id,
+                                                  request.chat)
+            except Refusal as r:
+                await self._refuse(context, r)
+            yield None, shown_id          # submitted: the caller may send its metadata
+            try:
+                async for ev in stream:
+                    cut = self.session.cut_by_drain(ev) if isinstance(ev, Completion) else None
+                    if cut is not None:
+                        await self._refuse(context, cut)
+                    yield ev, shown_id
+            except EngineDead as exc:
+                await self._refuse(context, refusals.from_engine(exc, submitted=True))
+        finally:
+            if key is not None:
+                self.owned.pop(key, None)
+            self.owned.pop((peer, engine_id), None)
+            if stream is not None:
+                await stream.aclose()     # aborts the request if the call went away first
+
+    # ---- RPCs -------------------------------------------------------------------
+    async def Generate(self, raw: bytes, context):
+        async for ev, shown_id in self._run(raw, context):
+            if ev is None:
+                await context.send_initial_metadata(((REQUEST_ID_HEADER, shown_id),))
+            elif isinstance(ev, Chunk):
+                yield pb.GenerateResponse(chunk=pb.Chunk(token_ids=ev.token_ids, text=ev.text, position=ev.position,
+                                                         logprobs=logprobs_proto(ev.logprobs)))
+            elif isinstance(ev, Rollback):
+                yield pb.GenerateResponse(rollback=pb.Rollback(position=ev.position))
+            else:
+                yield pb.GenerateResponse(complete=complete_proto(ev, shown_id))
+
+    async def Complete(self, raw: bytes, context):
+        async for ev, shown_id in self._run(raw, context):
+            if isinstance(ev, Completion):
+                return complete_proto(ev, shown_id)
+
+    async def Abort(self, raw: bytes, context):
+        request = await self._parse(pb.AbortRequest, raw, context)
+        engine = await self._engine(context)
+        engine_id = self.owned.get((context.peer(), request.request_id))
+        # Another connection's id answers exactly like an unknown one.
+        return pb.AbortResponse(found=engine_id is not None and engine.abort(engine_id))
+
+    async def GetModelInfo(self, raw: bytes, context):
+        await self._parse(pb.GetModelInfoRequest, raw, context)
+        e = await self._engine(context)
+        mc = e.model_config
+        return pb.ModelInfo(source=e.loaded.source, fingerprint=e.loaded.fingerprint, dtype=e.config.dtype,
+                            vocab_size=mc.vocab_size, max_model_len=e.max_model_len, num_layers=mc.num_layers,
+                            hidden_size=mc.hidden_size, eos_token_ids=sorted(e.stop.eos),
+                            architecture=mc.architecture,
+                            has_chat_template=bool(getattr(e.tokenizer, "chat_template", None)))
+
+    async def GetServerInfo(self, raw: bytes, context):
+        await self._parse(pb.GetServerInfoRequest, raw, context)
+        e = await self._engine(context)
+        counts = e.counts   # an immutable record the engine thread replaces
+        return pb.ServerInfo(engine_version=e.version, device_kind=e.reproducibility.device_kind,
+                             kernel_plan=e.config.plan,
+                             self_check_passed=e.selfcheck.passed, self_check=e.selfcheck.describe(),
+                             gate=pb.GateConfig(margin_threshold=e.margin_threshold, max_window=e.max_window),
+                             requests_running=counts.running, requests_waiting=counts.waiting,
+                             kv_cache_usage=counts.kv_usage, max_queue=e.config.max_queue)
+
+    async def UpdateGateConfig(self, raw: bytes, context):
+        if not self.admin_token:
+            await self._refuse(context, Refusal(Kind.DENIED, "admin RPCs are disabled: start the server with "
+                                                             "GATEENG_ADMIN_TOKEN or --admin-token-file"))
+        md = dict(context.invocation_metadata())
+        if not hmac.compare_digest(md.get("authorization", "").encode(), f"Bearer {self.admin_token}".encode()):
+            await self._refuse(context, Refusal(Kind.UNAUTHENTICATED,
+                                                "admin RPC needs metadata `authorization: Bearer <admin token>`"))
+        request = await self._parse(pb.UpdateGateConfigRequest, raw, context)
+        e = await self._engine(context)
+        try:
+            tau = validate_threshold(request.margin_threshold) if request.HasField("margin_threshold") else None
+            w = validate_window(request.max_window) if request.HasField("max_window") else None
+            self.session.bounds.check(tau, w, what="UpdateGateConfig")
+            if w is not None and w + 1 > e.config.max_num_batched_tokens:
+                raise ValueError(f"max_window must be below the step token budget {e.config.max_num_batched_tokens}")
+        except ValueError as err:
+            await self._refuse(context, refusals.from_engine(err))
+        if tau is not None:
+            e.set_margin_threshold(tau)
+        if w is not None:
+            e.set_max_window(w)
+        log.info("gate config now tau=%s W=%s", e.margin_threshold, e.max_window)
+        return pb.GateConfig(margin_threshold=e.margin_threshold, max_window=e.max_window)
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        """Handlers that take raw bytes, so a malformed request is INVALID_ARGUMENT
+        (edge.parse) rather than the INTERNAL a failed deserializer gives."""
+        def out(cls):
+            return cls.SerializeToString
+        methods = {
+            "Generate": grpc.unary_stream_rpc_method_handler(self.Generate,
+                                                             response_serializer=out(pb.GenerateResponse)),
+            "Complete": grpc.unary_unary_rpc_method_handler(self.Complete,
+                                                            response_serializer=out(pb.CompleteResponse)),
+            "Abort": grpc.unary_unary_rpc_method_handler(self.Abort, response_serializer=out(pb.AbortResponse)),
+            "GetModelInfo": grpc.unary_unary_rpc_method_handler(self.GetModelInfo,
+                                                                response_serializer=out(pb.ModelInfo)),
+            "GetServerInfo": grpc.unary_unary_rpc_method_handler(self.GetServerInfo,
+                                                                 response_serializer=out(pb.ServerInfo)),
+            "UpdateGateConfig": grpc.unary_unary_rpc_method_handler(self.UpdateGateConfig,
+                                                                    response_serializer=out(pb.GateConfig)),
+        }
+        return grpc.method_handlers_generic_handler(SERVICE, methods)
+
+
+class GrpcFront:
+    """The gRPC server: the Engine service, health (NOT_SERVING until the session
+    says otherwise) and reflection, on one port."""
+
+    def __init__(self, session: Session, host: str, port: int, admin_token: Optional[str] = None):
+        self.service = EngineService(session, admin_token)
+        self.health = health_aio.HealthServicer()
+        self.server = grpc.aio.server(options=grpc_options())
+        self.server.add_generic_rpc_handlers((self.service.handler(),))
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        names = (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, self.server)
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"cannot listen on {host}:{port}")
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE):
+            await self.health.set(name, status)
+
+    async def start(self) -> None:
+        await self.set_serving(False)
+        await self.server.start()
+
+    async def stop(self, grace: Optional[float]) -> None:
+        await self.server.stop(grace)

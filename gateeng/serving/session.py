@@ -1,0 +1,79 @@
+"""The serving session both fronts share: the engine once it is loaded, whether the
+server is draining, the bounds, the metrics and the tokenizer pool; and the one
+path a request takes into the engine (`start`), with every refusal on it a
+refusals.Refusal. The gRPC and HTTP fronts are peers over it: each reads its
+own wire format, calls `start`, and writes its own answer.
+"""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import AsyncIterator, Optional
+
+from gateeng.config import ServerConfig
+from gateeng.engine import aio
+from gateeng.engine.client import Engine
+from gateeng.request import DeterminismParams, FinishReason, SamplingParams
+from gateeng.serving import refusals
+from gateeng.serving.metrics import Metrics
+from gateeng.serving.refusals import Kind, Refusal
+
+
+class Session:
+    def __init__(self, settings: ServerConfig, metrics: Metrics):
+        self.settings, self.bounds, self.metrics = settings, settings.bounds, metrics
+        self.engine: Optional[Engine] = None   # set once the model is loaded and checked
+        self.draining = False
+        # Tokenizing a long prompt must not stall the event loop.
+        self.tokenize_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="gateeng-tokenize")
+
+    def unavailable(self) -> Optional[str]:
+        """Why no request can be served now, or None."""
+        if self.engine is None:
+            return "the model is still loading; retry shortly"
+        if self.engine.failure is not None:
+            return "the engine stopped on an error and the server is restarting; retry on another replica"
+        if self.draining:
+            return "the server is shutting down; retry on another replica"
+        return None
+
+    def ready_engine(self) -> Engine:
+        """The engine, or a Refusal (UNAVAILABLE) saying why there is none to serve."""
+        reason = self.unavailable()
+        if reason is not None:
+            raise Refusal(Kind.UNAVAILABLE, reason)
+        return self.engine
+
+    def prompt_bytes(self) -> int:
+        """--max-prompt-bytes, or its default for this engine's context."""
+        return self.settings.prompt_bytes(self.ready_engine().max_model_len)
+
+    async def start(self, prompt, sampling: SamplingParams, determinism: DeterminismParams, request_id: str,
+                    chat: bool = False) -> AsyncIterator:
+        """Submit one request (tokenizing it on the pool) and return its event
+        iterator: Chunk / Rollback events, then the Completion. Closing the iterator
+        before the end aborts the request. Refusals raise before it is returned."""
+        stream = aio.stream_request(self.ready_engine(), self.tokenize_pool, prompt, sampling, determinism,
+                                    request_id, chat)
+        try:
+            await stream.__anext__()   # Submitted
+        except Exception as exc:
+            raise refusals.from_engine(exc) from None
+        self.metrics.count_overrides(determinism)
+        return stream
+
+    def cut_by_drain(self, completion) -> Optional[Refusal]:
+        """A request aborted because the server is shutting down is refused, not
+        answered as finished: its client should retry it elsewhere."""
+        if completion.finish_reason is FinishReason.ABORT and self.draining:
+            return Refusal(Kind.UNAVAILABLE, "the server shut down before the request finished; retry it on "
+                                             "another replica")
+        return None
+
+    def count(self, refusal: Refusal, front: str) -> None:
+        """A refusal in gateeng_rpc_errors_total: labelled by its gRPC status name on
+        the gRPC front ("grpc"), by HTTP_<status> on the HTTP front ("http")."""
+        kind = refusal.kind
+        self.metrics.errors.labels(kind.grpc_code.name if front == "grpc" else f"HTTP_{kind.http_status}").inc()
+
+    def close(self) -> None:
+        self.tokenize_pool.shutdown(wait=False)
