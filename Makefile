@@ -4,9 +4,10 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
-TORCH  ?= torch==2.13.0
+# The torch pin is pyproject.toml's; it is installed first so that pip takes the CPU build.
+TORCH  ?= $(shell grep -o 'torch==[0-9.]*' pyproject.toml)
 
-.PHONY: install run test test-fast proto proto-check bench clean
+.PHONY: install run test test-fast lint-imports proto proto-check bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,8 +22,11 @@ install: $(STAMP)
 run: install
 	$(VENV)/bin/gateeng serve
 
-test: install proto-check
+test: install proto-check lint-imports
 	$(PY) -m pytest -q tests
+
+lint-imports: install
+	$(VENV)/bin/lint-imports
 
 test-fast: install
 	$(PY) -m pytest -q tests -m "not model"

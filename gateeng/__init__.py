@@ -1,2 +1,4 @@
 """gateeng: an LLM serving engine where determinism is a per-request service level."""
-__version__ = "0.1.0"
+from importlib.metadata import version
+
+__version__ = version("gateeng")   # pyproject.toml owns it

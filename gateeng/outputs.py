@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-from gateeng.reproducibility import Reproducibility
 from gateeng.request import DeterminismStats, FinishReason, Mode
+
+if TYPE_CHECKING:   # the record is built by the engine core (reproducibility imports torch)
+    from gateeng.reproducibility import Reproducibility
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """deploy/: Prometheus config, recording rules and alerts checked and unit-tested with
 promtool, and every metric they (and the dashboard and README) use really exported."""
+import re
 import shutil
 import subprocess
 import sys
@@ -155,6 +156,10 @@ def test_dockerfile_passes_hadolint_and_installs_torch_before_the_source():
     first = {key: next(i for i, ln in enumerate(lines) if key in ln)
              for key in ("pip install torch", "--requirement", "COPY gateeng", "USER ", "HEALTHCHECK")}
     assert first["pip install torch"] < first["--requirement"] < first["COPY gateeng"]
+    # pyproject.toml owns the torch pin; the image's own torch layer (before the
+    # dependencies, for the layer cache) must install the same one.
+    pin = re.search(r'"(torch==[0-9.]+)"', (DEPLOY.parent / "pyproject.toml").read_text()).group(1)
+    assert f"pip install {pin} " in (DEPLOY / "Dockerfile").read_text()
     assert lines[first["USER "]].split()[1] not in ("root", "0")
     assert "gateeng health" in " ".join(lines[first["HEALTHCHECK"]:first["HEALTHCHECK"] + 3]).replace('", "', " ")
     entry = next(ln for ln in lines if ln.startswith("ENTRYPOINT"))

@@ -13,6 +13,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gateeng import __version__
 from gateeng.serving.client import Client, to_proto
 from gateeng.config import EngineConfig
 from gateeng.request import DeterminismParams, Mode, SamplingParams
@@ -324,7 +325,8 @@ def test_32_concurrent_mixed_streams_and_metrics(server, client, smollm):
     assert delta('gateeng_generation_tokens_total{determinism="verified"}') == 16 * 24
     assert delta('gateeng_generation_tokens_total{determinism="off"}') == 16 * 24
     assert delta('gateeng_request_success_total{finish_reason="length"}') == 32
-    assert after['gateeng_build_info{device="cpu",dtype="bfloat16",plan="fast",self_check="passed",version="0.1.0"}'] == 1
+    build = f'gateeng_build_info{{device="cpu",dtype="bfloat16",plan="fast",self_check="passed",version="{__version__}"}}'
+    assert after[build] == 1
 
 
 def test_sigterm_drains_and_exits_zero():

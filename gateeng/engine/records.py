@@ -8,7 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from gateeng.config import DIRECT
+from gateeng.engine import gate
 from gateeng.request import DeterminismStats, Mode
+
+# A mismatch is attributed to the trigger that caught it, or to the direct route
+# when the policy moved a request with unverified tokens onto the invariant plan.
+MISMATCH_REASONS = gate.REASONS + (DIRECT,)
 
 
 @dataclass(frozen=True)

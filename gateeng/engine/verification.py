@@ -27,9 +27,6 @@ from gateeng.request import DeterminismStats, FinishReason, Mode, Request, Strea
 from gateeng.config import DIRECT, SPECULATIVE
 from gateeng.engine.stopping import StopChecker
 
-# A mismatch is attributed to the trigger that caught it, or to the direct route
-# when the policy moved a request with unverified tokens onto the invariant plan.
-MISMATCH_REASONS = gate.REASONS + (DIRECT,)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,6 @@ letting its deadline pass, aborts its request and frees its KV blocks.
 from __future__ import annotations
 
 import hmac
-import logging
 import secrets
 from dataclasses import asdict
 from typing import Optional
@@ -34,6 +33,7 @@ from grpc_reflection.v1alpha import reflection
 
 from gateeng.config import validate_threshold, validate_window
 from gateeng.engine.errors import EngineDead
+from gateeng.logs import LOGGER
 from gateeng.outputs import Chunk, Completion, Rollback
 from gateeng.reproducibility import Reproducibility
 from gateeng.request import FinishReason
@@ -42,7 +42,7 @@ from gateeng.serving.refusals import Kind, Refusal
 from gateeng.serving.session import Session
 from gateeng.v1 import engine_pb2 as pb
 
-log = logging.getLogger("gateeng.server")
+log = LOGGER.getChild("server")
 SERVICE = "gateeng.v1.Engine"
 FINISH = {FinishReason.STOP: pb.STOP, FinishReason.LENGTH: pb.LENGTH, FinishReason.EOS: pb.EOS,
           FinishReason.ABORT: pb.ABORT}

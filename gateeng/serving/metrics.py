@@ -18,8 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 from gateeng.engine.client import Engine
 from gateeng.engine.core import Observer
 from gateeng.engine.gate import REASONS
-from gateeng.engine.verification import MISMATCH_REASONS
-from gateeng.engine.records import Counts, StepRecord
+from gateeng.engine.records import MISMATCH_REASONS, Counts, StepRecord
 from gateeng.request import Mode
 
 LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import logging
 import signal
 from typing import Optional
 
@@ -19,12 +18,13 @@ from prometheus_client import start_http_server
 
 from gateeng.config import EngineConfig, ServerConfig
 from gateeng.engine.client import Engine
+from gateeng.logs import LOGGER
 from gateeng.serving.grpc_api import REQUEST_ID_HEADER, GrpcFront
 from gateeng.serving.metrics import Metrics
 from gateeng.serving.session import Session
 
 __all__ = ["REQUEST_ID_HEADER", "Server"]
-log = logging.getLogger("gateeng.server")
+log = LOGGER.getChild("server")
 
 
 class Server:

@@ -208,10 +208,10 @@ def _server_config(args) -> ServerConfig:
 
 def cmd_serve(args) -> int:
     import asyncio
-    import logging
 
+    from gateeng import logs
     from gateeng.serving.server import Server
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="[gateeng] %(levelname)s %(message)s")
+    logs.set_level(args.log_level)
     try:
         cfg = _engine_config(args)
         cfg.validate()
