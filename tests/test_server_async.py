@@ -35,7 +35,7 @@ class Running:
         self.thread = threading.Thread(target=self._main, daemon=True)
         self.thread.start()
         deadline = time.time() + 60
-        while self.server.session.engine is None or self.server.port == 0:
+        while self.server.gateway.engine is None or self.server.port == 0:
             assert time.time() < deadline and self.thread.is_alive(), "server did not start"
             time.sleep(0.05)
         self.target = f"127.0.0.1:{self.server.port}"
@@ -106,7 +106,7 @@ def test_health_answers_while_200_streams_are_open():
         codes = [d for d in done.values() if not isinstance(d, pb.CompleteResponse)]
         assert codes == [], codes                            # max_queue 256: everyone is admitted
         assert all(d.usage.completion_tokens == 100 for d in done.values())
-        counts = srv.server.session.engine.counts
+        counts = srv.server.gateway.engine.counts
         assert (counts.running, counts.waiting, counts.kv_usage) == (0, 0, 0.0)
     finally:
         assert srv.stop() == 0
@@ -188,7 +188,7 @@ def test_engine_death_turns_health_not_serving_and_exits_nonzero(monkeypatch):
         health_pb2.HealthCheckRequest(service="gateeng.v1.Engine"), timeout=60)
     statuses = iter(watch)
     assert next(statuses).status == SERVING
-    engine = srv.server.session.engine
+    engine = srv.server.gateway.engine
 
     def broken(plan):
         raise RuntimeError("injected fault")

@@ -1,9 +1,9 @@
 """The gRPC front on asyncio: gateeng.v1.Engine, grpc.health.v1 and reflection,
-over the serving session (session.py).
+over the gateway (gateway.py).
 
 No thread per call: every RPC is a coroutine on one event loop, so health checks
 and new calls are answered at once however many streams are open. Tokenizing a
-prompt runs on the session's thread pool, after the cheap size checks (edge.py).
+prompt runs on the gateway's thread pool, after the cheap size checks (edge.py).
 
 Status codes a client can act on (refusals.py): INVALID_ARGUMENT (bad or unknown
 fields), ALREADY_EXISTS (a request_id this connection has in flight),
@@ -39,7 +39,7 @@ from gateeng.reproducibility import Reproducibility
 from gateeng.request import FinishReason
 from gateeng.serving import edge, refusals
 from gateeng.serving.refusals import Kind, Refusal
-from gateeng.serving.session import Session
+from gateeng.serving.gateway import Gateway
 from gateeng.v1 import engine_pb2 as pb
 
 log = LOGGER.getChild("server")
@@ -96,22 +96,22 @@ def complete_proto(c: Completion, request_id: str) -> pb.CompleteResponse:
 
 
 class EngineService:
-    def __init__(self, session: Session, admin_token: Optional[str] = None):
-        self.session = session
+    def __init__(self, gateway: Gateway, admin_token: Optional[str] = None):
+        self.gateway = gateway
         self.admin_token = admin_token
         # (peer, client request id) -> engine id, for the calls in flight.
         self.owned: dict[tuple[str, str], str] = {}
 
     # ---- helpers --------------------------------------------------------------
     async def _refuse(self, context, refusal: Refusal):
-        self.session.count(refusal, "grpc")
+        self.gateway.count(refusal, "grpc")
         if refusal.retry_after_s is not None:
             context.set_trailing_metadata((("grpc-retry-pushback-ms", str(refusal.retry_after_s * 1000)),))
         await context.abort(refusal.kind.grpc_code, refusal.message)
 
     async def _engine(self, context):
         try:
-            return self.session.ready_engine()
+            return self.gateway.ready_engine()
         except Refusal as r:
             await self._refuse(context, r)
 
@@ -128,9 +128,9 @@ class EngineService:
         engine = await self._engine(context)
         peer = context.peer()
         try:
-            edge.check_generate(request, self.session.prompt_bytes(), engine.max_model_len)
+            edge.check_generate(request, self.gateway.prompt_bytes(), engine.max_model_len)
             sampling = edge.sampling_from_proto(request.sampling)
-            det = edge.determinism_from_proto(request.determinism, self.session.bounds)
+            det = edge.determinism_from_proto(request.determinism, self.gateway.bounds)
         except (edge.BadRequest, Refusal) as e:
             await self._refuse(context, refusals.from_engine(e))
         key = (peer, request.request_id) if request.request_id else None
@@ -145,14 +145,14 @@ class EngineService:
         stream = None
         try:
             try:
-                stream = await self.session.start(edge.prompt_from_proto(request), sampling, det, engine_id,
+                stream = await self.gateway.start(edge.prompt_from_proto(request), sampling, det, engine_id,
                                                   request.chat)
             except Refusal as r:
                 await self._refuse(context, r)
             yield None, shown_id          # submitted: the caller may send its metadata
             try:
                 async for ev in stream:
-                    cut = self.session.cut_by_drain(ev) if isinstance(ev, Completion) else None
+                    cut = self.gateway.cut_by_drain(ev) if isinstance(ev, Completion) else None
                     if cut is not None:
                         await self._refuse(context, cut)
                     yield ev, shown_id
@@ -224,7 +224,7 @@ class EngineService:
         try:
             tau = validate_threshold(request.margin_threshold) if request.HasField("margin_threshold") else None
             w = validate_window(request.max_window) if request.HasField("max_window") else None
-            self.session.bounds.check(tau, w, what="UpdateGateConfig")
+            self.gateway.bounds.check(tau, w, what="UpdateGateConfig")
             if w is not None and w + 1 > e.config.max_num_batched_tokens:
                 raise ValueError(f"max_window must be below the step token budget {e.config.max_num_batched_tokens}")
         except ValueError as err:
@@ -258,11 +258,11 @@ class EngineService:
 
 
 class GrpcFront:
-    """The gRPC server: the Engine service, health (NOT_SERVING until the session
+    """The gRPC server: the Engine service, health (NOT_SERVING until the gateway
     says otherwise) and reflection, on one port."""
 
-    def __init__(self, session: Session, host: str, port: int, admin_token: Optional[str] = None):
-        self.service = EngineService(session, admin_token)
+    def __init__(self, gateway: Gateway, host: str, port: int, admin_token: Optional[str] = None):
+        self.service = EngineService(gateway, admin_token)
         self.health = health_aio.HealthServicer()
         self.server = grpc.aio.server(options=grpc_options())
         self.server.add_generic_rpc_handlers((self.service.handler(),))

@@ -2,7 +2,7 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (streaming over SSE),
 GET /v1/models, GET /health. It is the gRPC front's peer over the same serving
-session (session.py): the same bounds, determinism checks (checks.py) and
+gateway (gateway.py): the same bounds, determinism checks (checks.py) and
 refusals (refusals.py). Per-request determinism rides in an extension field:
 
     {"determinism": {"mode": "verified", "margin_threshold": 0.3, "max_window": 32}}
@@ -43,7 +43,7 @@ from gateeng.outputs import Chunk, Completion
 from gateeng.request import DeterminismParams, FinishReason, Mode, SamplingParams, StreamPolicy
 from gateeng.serving import checks, refusals
 from gateeng.serving.refusals import Kind, Refusal
-from gateeng.serving.session import Session
+from gateeng.serving.gateway import Gateway
 
 FINISH = {FinishReason.STOP: "stop", FinishReason.EOS: "stop", FinishReason.LENGTH: "length",
           FinishReason.ABORT: "abort"}
@@ -67,10 +67,10 @@ def error_response(r: Refusal) -> JSONResponse:
 
 
 class OpenAIFront:
-    """Routes over a serving session."""
+    """Routes over the gateway."""
 
-    def __init__(self, session: Session, model_name: Optional[str] = None):
-        self.session, self._model_name = session, model_name
+    def __init__(self, gateway: Gateway, model_name: Optional[str] = None):
+        self.gateway, self._model_name = gateway, model_name
         self.created = int(time.time())
         self.app = Starlette(routes=[
             Route("/health", self.health, methods=["GET"]),
@@ -85,7 +85,7 @@ class OpenAIFront:
         """--served-model-name, else the model file's or directory's name."""
         if self._model_name:
             return self._model_name
-        engine = self.session.engine
+        engine = self.gateway.engine
         if engine is None:
             return "gateeng"
         source = Path(engine.loaded.source)
@@ -93,10 +93,10 @@ class OpenAIFront:
 
     @property
     def engine(self) -> Engine:
-        return self.session.ready_engine()
+        return self.gateway.ready_engine()
 
     async def _body(self, request: HttpRequest, allowed: set) -> dict:
-        limit = 2 * self.session.prompt_bytes() + 65536
+        limit = 2 * self.gateway.prompt_bytes() + 65536
         too_large = Refusal(Kind.TOO_LARGE, f"request body above {limit} bytes (--max-prompt-bytes)")
         if int(request.headers.get("content-length") or 0) > limit:
             raise too_large
@@ -151,7 +151,7 @@ class OpenAIFront:
         if unknown:
             raise Refusal(Kind.INVALID, f"unknown determinism fields {sorted(unknown)}", param="determinism")
         modes = {"off": Mode.OFF, "verified": Mode.VERIFIED}
-        mode = d.get("mode", self.session.settings.http_default_mode)
+        mode = d.get("mode", self.gateway.settings.http_default_mode)
         if mode not in modes:
             raise Refusal(Kind.INVALID, f"determinism.mode {mode!r} is not known; known: off, verified",
                            param="determinism.mode")
@@ -160,12 +160,12 @@ class OpenAIFront:
                                 "to withdraw tokens (EAGER needs gRPC's rollback events)",
                            param="determinism.stream_policy")
         return checks.determinism(modes[mode], d.get("margin_threshold"), d.get("max_window"),
-                                  StreamPolicy.VERIFIED_ONLY, self.session.bounds)
+                                  StreamPolicy.VERIFIED_ONLY, self.gateway.bounds)
 
     async def _run(self, prompt, params, det, chat=False):
         """(request id, event iterator) after submitting; refusals raise."""
         request_id = "cmpl-" + secrets.token_hex(16)
-        return request_id, await self.session.start(prompt, params, det, request_id, chat)
+        return request_id, await self.gateway.start(prompt, params, det, request_id, chat)
 
     def _extension(self, c: Completion) -> dict:
         return {"system_fingerprint": c.reproducibility.fingerprint(),
@@ -233,7 +233,7 @@ class OpenAIFront:
             return self._refused(refusals.from_engine(e))
 
     def _refused(self, r: Refusal) -> JSONResponse:
-        self.session.count(r, "http")
+        self.gateway.count(r, "http")
         return error_response(r)
 
     # ---- response shapes ----------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The serving process: one session (session.py) with the gRPC front and, with
+"""The serving process: one gateway (gateway.py) with the gRPC front and, with
 --http-port, the OpenAI-compatible HTTP front over it, and the /metrics endpoint.
 
 Lifetime: the fronts listen (health NOT_SERVING) while the model loads and the
@@ -21,14 +21,14 @@ from gateeng.engine.client import Engine
 from gateeng.logs import LOGGER
 from gateeng.serving.grpc_api import REQUEST_ID_HEADER, GrpcFront
 from gateeng.serving.metrics import Metrics
-from gateeng.serving.session import Session
+from gateeng.serving.gateway import Gateway
 
 __all__ = ["REQUEST_ID_HEADER", "Server"]
 log = LOGGER.getChild("server")
 
 
 class Server:
-    """Owns the session, both fronts, the metrics endpoint and the engine's lifetime.
+    """Owns the gateway, both fronts, the metrics endpoint and the engine's lifetime.
     `run()` returns the process exit code: 0 after a drain, 1 if the engine died."""
 
     def __init__(self, config: EngineConfig, settings: Optional[ServerConfig] = None,
@@ -39,7 +39,7 @@ class Server:
         settings.bounds.check(config.margin_threshold, config.max_window, what="the server default")
         self.host, self.port, self.drain_seconds = settings.host, settings.port, settings.drain_seconds
         self.metrics = Metrics()
-        self.session = Session(settings, self.metrics)
+        self.gateway = Gateway(settings, self.metrics)
         self.metrics_port = None
         if settings.metrics_port is not None:
             http, _ = start_http_server(settings.metrics_port, addr=self.host, registry=self.metrics.registry)
@@ -58,7 +58,7 @@ class Server:
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        self.grpc = front = GrpcFront(self.session, self.host, self.port, self.admin_token)
+        self.grpc = front = GrpcFront(self.gateway, self.host, self.port, self.admin_token)
         self.port = front.port
         for sig in (signal.SIGTERM, signal.SIGINT):
             try:
@@ -69,7 +69,7 @@ class Server:
         log.info("listening on port %d (health NOT_SERVING while the model loads)", self.port)
         if self.settings.http_port is not None:
             from gateeng.serving.http_api import HttpServer, OpenAIFront
-            self.http = HttpServer(OpenAIFront(self.session, self.settings.served_model_name), self.host,
+            self.http = HttpServer(OpenAIFront(self.gateway, self.settings.served_model_name), self.host,
                                    self.settings.http_port)
             self.http.start()
             log.info("OpenAI-compatible HTTP on port %d", self.http.port)
@@ -89,7 +89,7 @@ class Server:
             gc.collect()
             gc.freeze()
         self.metrics.attach(engine)
-        self.session.engine = engine
+        self.gateway.engine = engine
         log.info(engine.selfcheck.describe())
         if not self._stop.is_set():
             await front.set_serving(True)
@@ -97,13 +97,13 @@ class Server:
                      f"http://{self.host}:{self.metrics_port}/metrics" if self.metrics_port else "off")
         await self._stop.wait()
         await front.set_serving(False)
-        self.session.draining = True
+        self.gateway.draining = True
         drain = 0.0 if self.exit_code else self.drain_seconds
         await loop.run_in_executor(None, engine.shutdown, drain)
         if self.http is not None:
             await self.http.stop()
         await front.stop(grace=2)
-        self.session.close()
+        self.gateway.close()
         return self.exit_code
 
     def _on_signal(self, signum) -> None:

@@ -1,4 +1,4 @@
-"""The serving session both fronts share: the engine once it is loaded, whether the
+"""The gateway both fronts share: the engine once it is loaded, whether the
 server is draining, the bounds, the metrics and the tokenizer pool; and the one
 path a request takes into the engine (`start`), with every refusal on it a
 refusals.Refusal. The gRPC and HTTP fronts are peers over it: each reads its
@@ -18,7 +18,7 @@ from gateeng.serving.metrics import Metrics
 from gateeng.serving.refusals import Kind, Refusal
 
 
-class Session:
+class Gateway:
     def __init__(self, settings: ServerConfig, metrics: Metrics):
         self.settings, self.bounds, self.metrics = settings, settings.bounds, metrics
         self.engine: Optional[Engine] = None   # set once the model is loaded and checked
