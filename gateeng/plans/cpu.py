@@ -29,7 +29,7 @@ from gateeng.plans.rows import Rows, seq_block_tables, slot_tensor
 
 
 class CpuKernelOps:
-    """The row-wise ops both plans share: gateeng.cpu_ops' kernels (`self.kernels`)
+    """The row-wise ops both plans share: plans.cpu_ops' kernels (`self.kernels`)
     where they apply, else the torch ops they replace. Each kernel computes a row
     start to finish in one thread from that row's data, so it is row-invariant by
     construction and runs on the real rows at any count."""
@@ -93,7 +93,7 @@ class FastPlan(CpuKernelOps):
         self.logit_noise = logit_noise   # test-only perturbation (provokes rollbacks)
         self._noise_gen = torch.Generator().manual_seed(1234)
         self.packed = packed if packed is not None else {}   # LlamaModel.packed
-        self.kernels = kernels   # gateeng.cpu_ops' module, or None for torch ops
+        self.kernels = kernels   # plans.cpu_ops' module, or None for torch ops
 
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         fn = self.packed.get(id(w))
@@ -245,7 +245,7 @@ class InvariantPlan(CpuKernelOps):
         same kernel and blocking.
     The kernels give different bits, so the description names which.
 
-    With `kernels` (gateeng.cpu_ops), RMSNorm (with the residual add before it),
+    With `kernels` (plans.cpu_ops), RMSNorm (with the residual add before it),
     RoPE with the KV store, the SiLU gate and attention are C++ loops that compute
     each row (attention: each row and KV head) start to finish in one thread,
     from that row's data only: invariant by construction, at any row count.
@@ -271,7 +271,7 @@ class InvariantPlan(CpuKernelOps):
         self.split = split
         self.packed = packed if packed is not None else {}   # LlamaModel.invariant_packed
         self.matmul = matmul or (ONEDNN_PACKED if self.packed else TORCH_MM)
-        self.kernels = kernels   # gateeng.cpu_ops' module, or None for torch ops
+        self.kernels = kernels   # plans.cpu_ops' module, or None for torch ops
         self.block_size = block_size   # the KV cache's (the kernel attention's bits depend on it)
         self.rowwise = self.matmul in ROWWISE_MATMULS   # the matmul is row-invariant
         # Every per-row op row-invariant at any row count: no padding rows.

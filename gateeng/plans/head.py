@@ -56,7 +56,7 @@ def greedy_top2(model, hidden: torch.Tensor, head=None, kernels=None) -> tuple[l
     or scanning a dense logit row more than the bf16 lm_head's output needs: on CPU,
     a full-vocabulary topk, compare or nonzero over 32 rows costs 1-3 ms each.
 
-    The candidates are greedy_logits' set: with `kernels` (gateeng.cpu_ops), one C++
+    The candidates are greedy_logits' set: with `kernels` (plans.cpu_ops), one C++
     pass over each row's bf16 logits finds them; otherwise the logits are cut into
     chunks of TOP2_CHUNK ids, a row's two largest values lie in the two chunks with
     the largest maxima, so the bf16 second-best comes from those 256 values, and the
