@@ -3,15 +3,15 @@ import pytest
 
 from gateeng.tools import cli
 
-ENGINE = cli._engine_options()
+ENGINE = cli.engine_options()
 
 
 def test_given_finds_the_engine_options_a_command_line_sets():
     argv = ["Hello", "--verified", "--margin", "0.5", "--kv-blocks=8", "--no-cpu-kernels", "--server", "h:1"]
-    assert cli._given(argv, ENGINE) == ["margin_threshold", "kv_blocks", "no_cpu_kernels"]
+    assert cli.given_options(argv, ENGINE) == ["margin_threshold", "kv_blocks", "no_cpu_kernels"]
     # A value equal to this command's default still counts: the server's default may differ.
-    assert cli._given(["Hello", "--plan", "fast", "--max-window", "32"], ENGINE) == ["plan", "max_window"]
-    assert cli._given(["Hello", "--max-tokens", "4"], ENGINE) == []
+    assert cli.given_options(["Hello", "--plan", "fast", "--max-window", "32"], ENGINE) == ["plan", "max_window"]
+    assert cli.given_options(["Hello", "--max-tokens", "4"], ENGINE) == []
 
 
 @pytest.mark.parametrize("extra, named", [(["--kv-blocks", "8"], "--kv-blocks"),

@@ -132,7 +132,7 @@ def test_fast_lm_head_gives_float32_top2_for_greedy_rows_and_float32_rows_for_sa
     hidden[:20] = ((w[torch.arange(20)] + w[torch.arange(20) + 50]) * 4).to(torch.bfloat16)
     greedy = [i % 7 != 3 for i in range(300)]
     full = model.logits(hidden, FastPlan())
-    got = FastPlan()._lm_head(model, hidden, greedy)
+    got = FastPlan().lm_head(model, hidden, greedy)
     g = torch.tensor(greedy)
     tok_full, mar_full = argmax_margin(full[g])
     tok, mar = argmax_margin(got[g])

@@ -215,6 +215,6 @@ def test_a_server_that_owns_its_process_freezes_the_start_up_heap_once_the_engin
     finally:
         srv.stop()
     serve = cli.build_parser()
-    assert cli._server_config(serve.parse_args(["serve"])).freeze_heap          # `gateeng serve`: on
-    assert not cli._server_config(serve.parse_args(["serve", "--no-heap-freeze"])).freeze_heap
+    assert cli.server_config(serve.parse_args(["serve"])).freeze_heap          # `gateeng serve`: on
+    assert not cli.server_config(serve.parse_args(["serve", "--no-heap-freeze"])).freeze_heap
     assert not ServerConfig().freeze_heap   # servers started in a shared process: off

@@ -177,7 +177,7 @@ class FastPlan(CpuKernelOps):
                                            enable_gqa=True)
         return o[:, :, 0, :]
 
-    def _lm_head(self, model, hidden: torch.Tensor, greedy: list) -> torch.Tensor:
+    def lm_head(self, model, hidden: torch.Tensor, greedy: list) -> torch.Tensor:
         """float32 logits whose top-2 are exact for greedy rows, at a bf16 matmul's
         cost (greedy_logits); sampled rows get the full float32 lm_head."""
         if model.dtype == torch.float32 or not any(greedy):
@@ -196,7 +196,7 @@ class FastPlan(CpuKernelOps):
     @torch.inference_mode()
     def choice_logits(self, model, hidden: torch.Tensor, greedy: list) -> torch.Tensor:
         """The logits the sampler chooses from (exact top-2 for greedy rows)."""
-        logits = self._lm_head(model, hidden, greedy)
+        logits = self.lm_head(model, hidden, greedy)
         if self.logit_noise:
             logits += (torch.randn(logits.shape, generator=self._noise_gen) * self.logit_noise).to(logits.device)
         return logits

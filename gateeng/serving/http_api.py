@@ -120,7 +120,7 @@ class OpenAIFront:
         model = body.get("model")
         if model not in (None, self.model_name):
             raise Refusal(Kind.NOT_FOUND, f"model {model!r} is not served here; this server serves {self.model_name!r}",
-                           param="model", code="model_not_found")
+                          param="model", code="model_not_found")
         return body
 
     def _sampling(self, body: dict, max_tokens_default: Optional[int], logprobs=None,
@@ -154,11 +154,11 @@ class OpenAIFront:
         mode = d.get("mode", self.gateway.settings.http_default_mode)
         if mode not in modes:
             raise Refusal(Kind.INVALID, f"determinism.mode {mode!r} is not known; known: off, verified",
-                           param="determinism.mode")
+                          param="determinism.mode")
         if d.get("stream_policy", "verified_only") != "verified_only":
             raise Refusal(Kind.INVALID, "determinism.stream_policy: only verified_only; an OpenAI stream has no way "
-                                "to withdraw tokens (EAGER needs gRPC's rollback events)",
-                           param="determinism.stream_policy")
+                                        "to withdraw tokens (EAGER needs gRPC's rollback events)",
+                          param="determinism.stream_policy")
         return checks.determinism(modes[mode], d.get("margin_threshold"), d.get("max_window"),
                                   StreamPolicy.VERIFIED_ONLY, self.gateway.bounds)
 
@@ -195,7 +195,7 @@ class OpenAIFront:
                 prompt = prompt[0]
             if not (isinstance(prompt, str) or isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
                 raise Refusal(Kind.INVALID, "prompt must be a string or a list of token ids (one prompt per request)",
-                               param="prompt")
+                              param="prompt")
             k = body.get("logprobs")
             if k is not None and (not isinstance(k, int) or isinstance(k, bool)):
                 raise Refusal(Kind.INVALID, "logprobs must be an integer (alternatives per token)", param="logprobs")
@@ -219,7 +219,7 @@ class OpenAIFront:
             for m in messages:
                 if set(m) - {"role", "content", "name"}:
                     raise Refusal(Kind.INVALID, f"message fields {sorted(set(m) - {'role', 'content', 'name'})} are not "
-                                        "supported", param="messages")
+                                                "supported", param="messages")
             k = body.get("top_logprobs", 0) if body.get("logprobs") else None
             params = self._sampling(body, None, logprobs=k)
             det = self._determinism(body)

@@ -130,7 +130,7 @@ def _generate_options(p: argparse.ArgumentParser) -> None:
                         "the server's bounds), and the options that set up a local engine are refused")
 
 
-def _given(generate_argv: list, dests) -> list:
+def given_options(generate_argv: list, dests) -> list:
     """The options among `dests` that a generate command line sets. argparse fills in
     a default only where the namespace lacks the attribute, so parsing into one that
     holds a marker for each leaves the marker where the option was not given. (A value
@@ -142,7 +142,7 @@ def _given(generate_argv: list, dests) -> list:
     return [d for d in dests if seen[d] is not unset]
 
 
-def _engine_options() -> list:
+def engine_options() -> list:
     """The dests of the options that configure an engine (_add_model_args)."""
     p = argparse.ArgumentParser(add_help=False)
     _add_model_args(p)
@@ -160,7 +160,7 @@ def cmd_generate(args) -> int:
         # The server was set up by its own command line: an engine option here would be
         # silently ignored, so it is refused; tau and W are a request's own to ask for.
         argv = args.argv[args.argv.index("generate") + 1:]
-        given = _given(argv, _engine_options())
+        given = given_options(argv, engine_options())
         local = [d for d in given if d not in REQUEST_GATE_OPTIONS]
         if local:
             print(f"error: {', '.join(map(_flag, local))} set up a local engine, and a server runs with its own "
@@ -197,7 +197,7 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def _server_config(args) -> ServerConfig:
+def server_config(args) -> ServerConfig:
     return ServerConfig(host=args.host, port=args.port,
                         metrics_port=None if args.metrics_port < 0 else args.metrics_port,
                         drain_seconds=args.drain_seconds, max_prompt_bytes=args.max_prompt_bytes,
@@ -215,7 +215,7 @@ def cmd_serve(args) -> int:
     try:
         cfg = _engine_config(args)
         cfg.validate()
-        settings = _server_config(args)
+        settings = server_config(args)
         server = Server(cfg, settings, admin_token=_admin_token(args))
         return asyncio.run(server.run())
     except (ValueError, OSError) as e:
