@@ -1,5 +1,5 @@
 """The one log of the engine and the server: the `gateeng` logger (modules log to it
-or to a child of it), one line a message on stderr, never on stdout, so a tool's
+or to a child of it), one line a message on stderr (and the traceback of a logged exception), never on stdout, so a tool's
 output stays clean. Warnings and errors name their level."""
 import logging
 import sys
@@ -20,7 +20,8 @@ class _Stderr(logging.Handler):
 class _Format(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         level = f"{record.levelname} " if record.levelno >= logging.WARNING else ""
-        return f"[gateeng] {level}{record.getMessage()}"
+        line = f"[gateeng] {level}{record.getMessage()}"
+        return f"{line}\n{self.formatException(record.exc_info)}" if record.exc_info else line
 
 
 _handler = _Stderr()

@@ -1,7 +1,8 @@
-"""Edge checks without a model: parsing, unknown values, sizes, gate bounds."""
+"""The gRPC front's checks without a model: parsing, unknown values, sizes, gate
+bounds (the checks shared with the HTTP front are test_checks.py's)."""
 import pytest
 
-from gateeng.serving import edge
+from gateeng.serving import checks, edge
 from gateeng.config import GateBounds
 from gateeng.serving.edge import BadRequest
 from gateeng.request import Mode
@@ -56,13 +57,30 @@ def test_invalid_utf8_is_a_bad_request():
 ])
 def test_size_limits(req, words):
     with pytest.raises(BadRequest, match=words):
-        edge.check_generate(req, max_prompt_bytes=64, max_model_len=100)
+        before_tokenizing(req)
+
+
+def before_tokenizing(req, max_prompt_bytes=64, max_model_len=100):
+    """What the gRPC front and the gateway check before a prompt is tokenized."""
+    edge.check_generate(req)
+    edge.sampling_from_proto(req.sampling, max_model_len)
+    checks.prompt_size(edge.prompt_from_proto(req), max_prompt_bytes, max_model_len)
 
 
 def test_within_the_limits_passes():
-    edge.check_generate(pb.GenerateRequest(text="é" * 32, request_id="x" * 128,
-                                           sampling=pb.SamplingParams(stop=["a"] * 16)),
-                        max_prompt_bytes=64, max_model_len=100)
+    before_tokenizing(pb.GenerateRequest(text="é" * 32, request_id="x" * 128,
+                                         sampling=pb.SamplingParams(stop=["a"] * 16, max_tokens=99)))
+
+
+def test_unset_sampling_fields_take_the_grpc_defaults_and_set_ones_are_kept():
+    p = edge.sampling_from_proto(pb.SamplingParams(), max_model_len=100)
+    assert (p.temperature, p.top_p, p.top_k, p.seed, p.max_tokens, p.logprobs) == (0.0, 1.0, 0, None, 99, None)
+    p = edge.sampling_from_proto(pb.SamplingParams(temperature=0.5, top_k=3, seed=7, max_tokens=5, logprobs=0,
+                                                   stop_token_ids=[4], ignore_eos=True), max_model_len=100)
+    assert (p.temperature, p.top_k, p.seed, p.max_tokens, p.logprobs) == (0.5, 3, 7, 5, 0)
+    assert p.stop_token_ids == (4,) and p.ignore_eos
+    with pytest.raises(BadRequest, match=r"sampling.max_tokens 100 exceeds the context \(100 tokens"):
+        edge.sampling_from_proto(pb.SamplingParams(max_tokens=100), max_model_len=100)
 
 
 @pytest.mark.parametrize("det, words", [

@@ -140,7 +140,7 @@ def test_a_client_can_abort_only_its_own_requests():
         events = iter(call)
         next(events)
         server_id = dict(call.initial_metadata())[REQUEST_ID_HEADER]
-        assert server_id == "job-1"
+        assert server_id.startswith("req-") and len(server_id) >= 36 and server_id != "job-1"   # 128 random bits
         anonymous = mine.Generate(request(120), timeout=120)
         anon_events = iter(anonymous)
         next(anon_events)
@@ -154,6 +154,7 @@ def test_a_client_can_abort_only_its_own_requests():
         with pytest.raises(grpc.RpcError) as ei:
             mine.Complete(request(4, rid="job-1"), timeout=60)
         assert ei.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        assert not other.Abort(pb.AbortRequest(request_id=server_id)).found
         assert mine.Abort(pb.AbortRequest(request_id="job-1")).found
         assert mine.Abort(pb.AbortRequest(request_id=anon_id)).found
         for evs in (events, anon_events):

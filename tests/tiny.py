@@ -25,11 +25,11 @@ class ByteTokenizer:
         return self.encode(text) if tokenize else text
 
 
-def hf_tiny(seed=0, rope_scaling=None, tie=True) -> LlamaForCausalLM:
+def hf_tiny(seed=0, rope_scaling=None, tie=True, max_positions=512) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                      max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=tie,
+                      max_position_embeddings=max_positions, rms_norm_eps=1e-5, tie_word_embeddings=tie,
                       bos_token_id=1, eos_token_id=255, rope_theta=10000.0)
     if rope_scaling:
         cfg.rope_parameters = dict(rope_scaling, rope_theta=10000.0)

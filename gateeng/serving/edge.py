@@ -1,6 +1,7 @@
-"""Request checks at the gRPC edge, cheapest first, before anything is tokenized:
-the protobuf itself (unknown fields and enum values), sizes, and the conversion
-to the engine's parameters (checks.py holds what the HTTP front shares).
+"""The gRPC front's reading of a request, cheapest first, before anything is
+tokenized: the protobuf itself (malformed bytes, unknown fields and enum
+values), the request id and the input's shape, then the conversion to plain
+values that checks.py checks exactly as it does the HTTP front's.
 
 Fail closed: a request that asks for something this server does not understand
 (an unknown enum value, a field from a newer API version) is refused, never
@@ -13,9 +14,9 @@ from google.protobuf import message as pb_message
 from google.protobuf import unknown_fields
 
 from gateeng.config import GateBounds
-from gateeng.request import DEFAULT_MAX_TOKENS, DeterminismParams, Mode, SamplingParams, StreamPolicy
+from gateeng.request import DeterminismParams, Mode, SamplingParams, StreamPolicy
 from gateeng.serving import checks
-from gateeng.serving.checks import MAX_MESSAGES, MAX_REQUEST_ID_BYTES, MAX_STOP_TOKEN_IDS, BadRequest
+from gateeng.serving.checks import MAX_REQUEST_ID_BYTES, BadRequest
 from gateeng.v1 import engine_pb2 as pb
 
 __all__ = ["BadRequest", "parse", "check_generate", "prompt_from_proto", "sampling_from_proto",
@@ -53,8 +54,9 @@ def _refuse_unknown(msg, path: str) -> None:
                 _refuse_unknown(sub, name)
 
 
-def check_generate(req: pb.GenerateRequest, max_prompt_bytes: int, max_model_len: int) -> None:
-    """Size limits: cheap checks on bytes and counts, before any tokenizing."""
+def check_generate(req: pb.GenerateRequest) -> None:
+    """What only a GenerateRequest can get wrong: the request id and the input's
+    shape. Sizes and values are checks.py's, shared with the HTTP front."""
     if len(req.request_id.encode()) > MAX_REQUEST_ID_BYTES:
         raise BadRequest(f"request_id is {len(req.request_id.encode())} bytes; at most {MAX_REQUEST_ID_BYTES}")
     which = req.WhichOneof("input")
@@ -62,25 +64,6 @@ def check_generate(req: pb.GenerateRequest, max_prompt_bytes: int, max_model_len
         raise BadRequest("set `text`, `token_ids` or `messages` as the input")
     if which == "token_ids" and req.chat:
         raise BadRequest("`chat` applies a template to text; send `text` or set chat=false")
-    if which == "text" and len(req.text.encode()) > max_prompt_bytes:
-        raise BadRequest(f"prompt text is {len(req.text.encode())} bytes; this server accepts at most "
-                         f"{max_prompt_bytes} (--max-prompt-bytes), far more than a {max_model_len}-token "
-                         f"context holds: shorten the prompt")
-    if which == "messages":
-        msgs = req.messages.messages
-        if len(msgs) > MAX_MESSAGES:
-            raise BadRequest(f"messages has {len(msgs)} turns; at most {MAX_MESSAGES}")
-        size = sum(len(m.content.encode()) + len(m.role.encode()) for m in msgs)
-        if size > max_prompt_bytes:
-            raise BadRequest(f"messages are {size} bytes; this server accepts at most {max_prompt_bytes} "
-                             f"(--max-prompt-bytes), far more than a {max_model_len}-token context holds")
-    if which == "token_ids" and len(req.token_ids.ids) >= max_model_len:
-        raise BadRequest(f"prompt has {len(req.token_ids.ids)} tokens but the context holds {max_model_len}: "
-                         f"shorten the prompt")
-    sp = req.sampling
-    checks.stop_strings(tuple(sp.stop))
-    if len(sp.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        raise BadRequest(f"sampling.stop_token_ids has {len(sp.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS}")
 
 
 def prompt_from_proto(req: pb.GenerateRequest):
@@ -93,13 +76,12 @@ def prompt_from_proto(req: pb.GenerateRequest):
     return [{"role": m.role, "content": m.content} for m in req.messages.messages]
 
 
-def sampling_from_proto(sp: pb.SamplingParams) -> SamplingParams:
-    def opt(name, default):
-        return getattr(sp, name) if sp.HasField(name) else default
-    return SamplingParams(temperature=opt("temperature", 0.0), top_p=opt("top_p", 1.0), top_k=opt("top_k", 0),
-                          seed=opt("seed", None), max_tokens=opt("max_tokens", DEFAULT_MAX_TOKENS),
-                          stop=tuple(sp.stop), stop_token_ids=tuple(sp.stop_token_ids), ignore_eos=sp.ignore_eos,
-                          logprobs=opt("logprobs", None), prompt_logprobs=opt("prompt_logprobs", None))
+def sampling_from_proto(sp: pb.SamplingParams, max_model_len: int) -> SamplingParams:
+    """The fields the client set (proto3 `optional` presence), checked as the
+    HTTP front's are; greedy and DEFAULT_MAX_TOKENS where unset."""
+    fields = {f.name: value for f, value in sp.ListFields()}
+    fields["stop"] = tuple(sp.stop)
+    return checks.sampling(fields, max_model_len, prefix="sampling.")
 
 
 def determinism_from_proto(d: pb.Determinism, bounds: GateBounds) -> DeterminismParams:

@@ -13,9 +13,13 @@ from gateeng.config import ServerConfig
 from gateeng.engine import aio
 from gateeng.engine.client import Engine
 from gateeng.request import DeterminismParams, FinishReason, SamplingParams
-from gateeng.serving import refusals
+from gateeng.serving import checks, refusals
 from gateeng.serving.metrics import Metrics
 from gateeng.serving.refusals import Kind, Refusal
+
+# The response header (gRPC initial metadata, HTTP header) with the server's id
+# for the request: unguessable, and the one the server's error logs name.
+REQUEST_ID_HEADER = "gateeng-request-id"
 
 
 class Gateway:
@@ -37,10 +41,11 @@ class Gateway:
         return None
 
     def ready_engine(self) -> Engine:
-        """The engine, or a Refusal (UNAVAILABLE) saying why there is none to serve."""
+        """The engine, or a Refusal (UNAVAILABLE, with a retry hint) saying why there
+        is none to serve."""
         reason = self.unavailable()
         if reason is not None:
-            raise Refusal(Kind.UNAVAILABLE, reason)
+            raise Refusal(Kind.UNAVAILABLE, reason, retry_after_s=refusals.RETRY_AFTER_S)
         return self.engine
 
     def prompt_bytes(self) -> int:
@@ -51,9 +56,14 @@ class Gateway:
                     chat: bool = False) -> AsyncIterator:
         """Submit one request (tokenizing it on the pool) and return its event
         iterator: Chunk / Rollback events, then the Completion. Closing the iterator
-        before the end aborts the request. Refusals raise before it is returned."""
-        stream = aio.stream_request(self.ready_engine(), self.tokenize_pool, prompt, sampling, determinism,
-                                    request_id, chat)
+        before the end aborts the request. Refusals raise before it is returned.
+        The prompt's size is checked here, before tokenizing, for both fronts."""
+        engine = self.ready_engine()
+        try:
+            checks.prompt_size(prompt, self.prompt_bytes(), engine.max_model_len)
+        except checks.BadRequest as exc:
+            raise refusals.from_engine(exc) from None
+        stream = aio.stream_request(engine, self.tokenize_pool, prompt, sampling, determinism, request_id, chat)
         try:
             await stream.__anext__()   # Submitted
         except Exception as exc:
@@ -66,7 +76,7 @@ class Gateway:
         answered as finished: its client should retry it elsewhere."""
         if completion.finish_reason is FinishReason.ABORT and self.draining:
             return Refusal(Kind.UNAVAILABLE, "the server shut down before the request finished; retry it on "
-                                             "another replica")
+                                             "another replica", retry_after_s=refusals.RETRY_AFTER_S)
         return None
 
     def count(self, refusal: Refusal, front: str) -> None:

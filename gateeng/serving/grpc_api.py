@@ -3,7 +3,8 @@ over the gateway (gateway.py).
 
 No thread per call: every RPC is a coroutine on one event loop, so health checks
 and new calls are answered at once however many streams are open. Tokenizing a
-prompt runs on the gateway's thread pool, after the cheap size checks (edge.py).
+prompt runs on the gateway's thread pool, after the cheap checks (edge.py for
+the protobuf, checks.py for what both fronts share).
 
 Status codes a client can act on (refusals.py): INVALID_ARGUMENT (bad or unknown
 fields), ALREADY_EXISTS (a request_id this connection has in flight),
@@ -15,9 +16,11 @@ the engine stopped; retry on another replica), INTERNAL (an engine failure).
 Ownership: a request belongs to the connection (gRPC peer) that submitted it.
 Abort finds only that connection's requests, and request ids are namespaced per
 connection, so no client can abort, or learn of, another's requests. The engine
-runs each request under an unguessable server id, sent back in the initial
-metadata `gateeng-request-id` of every Generate call. Cancelling a call, or
-letting its deadline pass, aborts its request and frees its KV blocks.
+runs each request under an unguessable server id (the one error logs name),
+sent back in the initial metadata `gateeng-request-id` of every Generate call;
+Abort takes either id, and the response's `request_id` is the client's own, or
+the server id where the client set none. Cancelling a call, or letting its
+deadline pass, aborts its request and frees its KV blocks.
 """
 from __future__ import annotations
 
@@ -38,15 +41,14 @@ from gateeng.outputs import Chunk, Completion, Rollback
 from gateeng.reproducibility import Reproducibility
 from gateeng.request import FinishReason
 from gateeng.serving import edge, refusals
-from gateeng.serving.refusals import Kind, Refusal
-from gateeng.serving.gateway import Gateway
+from gateeng.serving.refusals import Kind, Refusal, internal_error
+from gateeng.serving.gateway import REQUEST_ID_HEADER, Gateway
 from gateeng.v1 import engine_pb2 as pb
 
 log = LOGGER.getChild("server")
 SERVICE = "gateeng.v1.Engine"
 FINISH = {FinishReason.STOP: pb.STOP, FinishReason.LENGTH: pb.LENGTH, FinishReason.EOS: pb.EOS,
           FinishReason.ABORT: pb.ABORT}
-REQUEST_ID_HEADER = "gateeng-request-id"
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 
@@ -128,8 +130,8 @@ class EngineService:
         engine = await self._engine(context)
         peer = context.peer()
         try:
-            edge.check_generate(request, self.gateway.prompt_bytes(), engine.max_model_len)
-            sampling = edge.sampling_from_proto(request.sampling)
+            edge.check_generate(request)
+            sampling = edge.sampling_from_proto(request.sampling, engine.max_model_len)
             det = edge.determinism_from_proto(request.determinism, self.gateway.bounds)
         except (edge.BadRequest, Refusal) as e:
             await self._refuse(context, refusals.from_engine(e))
@@ -149,15 +151,20 @@ class EngineService:
                                                   request.chat)
             except Refusal as r:
                 await self._refuse(context, r)
-            yield None, shown_id          # submitted: the caller may send its metadata
+            yield None, shown_id, engine_id   # submitted: the caller may send its metadata
             try:
                 async for ev in stream:
                     cut = self.gateway.cut_by_drain(ev) if isinstance(ev, Completion) else None
                     if cut is not None:
                         await self._refuse(context, cut)
-                    yield ev, shown_id
+                    yield ev, shown_id, engine_id
             except EngineDead as exc:
                 await self._refuse(context, refusals.from_engine(exc, submitted=True))
+            except grpc.aio.AbortError:
+                raise
+            except Exception:
+                log.exception("request %s failed", engine_id)
+                await self._refuse(context, internal_error(engine_id))
         finally:
             if key is not None:
                 self.owned.pop(key, None)
@@ -167,9 +174,9 @@ class EngineService:
 
     # ---- RPCs -------------------------------------------------------------------
     async def Generate(self, raw: bytes, context):
-        async for ev, shown_id in self._run(raw, context):
+        async for ev, shown_id, engine_id in self._run(raw, context):
             if ev is None:
-                await context.send_initial_metadata(((REQUEST_ID_HEADER, shown_id),))
+                await context.send_initial_metadata(((REQUEST_ID_HEADER, engine_id),))
             elif isinstance(ev, Chunk):
                 yield pb.GenerateResponse(chunk=pb.Chunk(token_ids=ev.token_ids, text=ev.text, position=ev.position,
                                                          logprobs=logprobs_proto(ev.logprobs)))
@@ -179,7 +186,7 @@ class EngineService:
                 yield pb.GenerateResponse(complete=complete_proto(ev, shown_id))
 
     async def Complete(self, raw: bytes, context):
-        async for ev, shown_id in self._run(raw, context):
+        async for ev, shown_id, _ in self._run(raw, context):
             if isinstance(ev, Completion):
                 return complete_proto(ev, shown_id)
 

@@ -11,9 +11,14 @@ The response carries the Reproducibility record in `reproducibility`, the
 determinism report in `determinism`, and the record's fingerprint in
 `system_fingerprint`. Defaults follow the OpenAI API (temperature 1, max_tokens
 16 for completions). Fail closed: an unknown field, an option we do not
-implement (n > 1, penalties, logit_bias, ...) or an unknown determinism mode is a
-400, never ignored. Errors are OpenAI-style JSON: {"error": {"message", "type",
-"param", "code"}}.
+implement (n > 1, penalties, logit_bias, ...), a field of the wrong type or an
+unknown determinism mode is a 400, never ignored or coerced. Errors are
+OpenAI-style JSON: {"error": {"message", "type", "param", "code"}}, with
+Retry-After where retrying helps; no request content reaches a bare 500.
+
+A client that closes its connection aborts its request (a plain request as well
+as a stream). A request the drain cuts is a 503 with Retry-After; its SSE stream
+ends with an error event, never with [DONE].
 
 Logprobs are the engine's (see SamplingParams.logprobs): on the distribution
 sampled from, and bitwise reproducible for VERIFIED requests. Token strings in
@@ -33,18 +38,21 @@ from typing import Optional
 
 import uvicorn
 from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from gateeng.engine.client import Engine
 from gateeng.engine.errors import EngineDead
+from gateeng.logs import LOGGER
 from gateeng.outputs import Chunk, Completion
 from gateeng.request import DeterminismParams, FinishReason, Mode, SamplingParams, StreamPolicy
 from gateeng.serving import checks, refusals
 from gateeng.serving.refusals import Kind, Refusal
-from gateeng.serving.gateway import Gateway
+from gateeng.serving.gateway import REQUEST_ID_HEADER, Gateway
 
+log = LOGGER.getChild("http")
 FINISH = {FinishReason.STOP: "stop", FinishReason.EOS: "stop", FinishReason.LENGTH: "length",
           FinishReason.ABORT: "abort"}
 # Accepted, and ignored because they change nothing here.
@@ -59,11 +67,17 @@ COMPLETION_FIELDS = COMMON | {"prompt", "logprobs", "echo"}
 CHAT_FIELDS = COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
 
 
-def error_response(r: Refusal) -> JSONResponse:
-    """A refusal in OpenAI's error shape, with Retry-After where retrying helps."""
+def error_body(r: Refusal) -> dict:
+    """OpenAI's error shape."""
+    return {"error": {"message": r.message, "type": r.kind.openai_type, "param": r.param, "code": r.code}}
+
+
+def error_response(r: Refusal) -> Response:
+    """A refusal as OpenAI answers one, with Retry-After where retrying helps. ASCII
+    JSON, so no message (which may quote the request) can fail to encode."""
     headers = {"Retry-After": str(r.retry_after_s)} if r.retry_after_s is not None else None
-    return JSONResponse({"error": {"message": r.message, "type": r.kind.openai_type, "param": r.param,
-                                   "code": r.code}}, status_code=r.kind.http_status, headers=headers)
+    return Response(json.dumps(error_body(r)), status_code=r.kind.http_status, headers=headers,
+                    media_type="application/json")
 
 
 class OpenAIFront:
@@ -75,8 +89,8 @@ class OpenAIFront:
         self.app = Starlette(routes=[
             Route("/health", self.health, methods=["GET"]),
             Route("/v1/models", self.models, methods=["GET"]),
-            Route("/v1/completions", self.completions, methods=["POST"]),
-            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/completions", self._guarded(self.completions, "cmpl-"), methods=["POST"]),
+            Route("/v1/chat/completions", self._guarded(self.chat_completions, "chatcmpl-"), methods=["POST"]),
         ])
 
     # ---- plumbing ---------------------------------------------------------------
@@ -98,14 +112,17 @@ class OpenAIFront:
     async def _body(self, request: HttpRequest, allowed: set) -> dict:
         limit = 2 * self.gateway.prompt_bytes() + 65536
         too_large = Refusal(Kind.TOO_LARGE, f"request body above {limit} bytes (--max-prompt-bytes)")
-        if int(request.headers.get("content-length") or 0) > limit:
+        length = request.headers.get("content-length") or "0"
+        if not length.isdigit():
+            raise Refusal(Kind.INVALID, f"Content-Length {length!r} is not a byte count")
+        if int(length) > limit:
             raise too_large
         raw = await request.body()
         if len(raw) > limit:
             raise too_large
         try:
             body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
             raise Refusal(Kind.INVALID, f"the body is not valid JSON: {e}") from None
         if not isinstance(body, dict):
             raise Refusal(Kind.INVALID, "the body must be a JSON object")
@@ -113,7 +130,8 @@ class OpenAIFront:
             if key in allowed or key in HARMLESS:
                 continue
             if key in OFF_VALUES:
-                if value not in (OFF_VALUES[key], None, [], {}):
+                off = value is None or value in ([], {}) or (not isinstance(value, bool) and value == OFF_VALUES[key])
+                if not off:
                     raise Refusal(Kind.INVALID, f"`{key}` = {value!r} is not supported by this server", param=key)
                 continue
             raise Refusal(Kind.INVALID, f"unknown field `{key}`; supported: {', '.join(sorted(allowed))}", param=key)
@@ -123,36 +141,26 @@ class OpenAIFront:
                           param="model", code="model_not_found")
         return body
 
-    def _sampling(self, body: dict, max_tokens_default: Optional[int], logprobs=None,
-                  prompt_logprobs=None) -> SamplingParams:
-        stop = body.get("stop") or ()
-        stop = (stop,) if isinstance(stop, str) else stop
-        if not isinstance(stop, (list, tuple)) or any(not isinstance(x, str) for x in stop):
-            raise Refusal(Kind.INVALID, "stop must be a string or a list of strings", param="stop")
-        stop = checks.stop_strings(tuple(stop), field="stop")
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        if max_tokens is None:
-            max_tokens = max_tokens_default or max(1, self.engine.max_model_len // 2)
-        params = SamplingParams(
-            temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", 1.0),
-            top_k=int(_number(body, "top_k", 0)), seed=body.get("seed"), max_tokens=max_tokens, stop=stop,
-            ignore_eos=bool(body.get("ignore_eos", False)), logprobs=logprobs, prompt_logprobs=prompt_logprobs)
-        try:
-            params.validate()
-        except (ValueError, TypeError) as e:
-            raise Refusal(Kind.INVALID, str(e)) from None
-        return params
+    def _sampling(self, body: dict, max_tokens_default: int, logprobs=None, prompt_logprobs=None) -> SamplingParams:
+        """OpenAI's sampling fields, checked by checks.sampling as gRPC's are."""
+        fields = {key: body.get(key) for key in ("temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")}
+        fields.update(max_tokens=body.get("max_completion_tokens", body.get("max_tokens")), logprobs=logprobs,
+                      prompt_logprobs=prompt_logprobs)
+        return checks.sampling(fields, self.engine.max_model_len, temperature=1.0, max_tokens=max_tokens_default)
 
     def _determinism(self, body: dict) -> DeterminismParams:
-        d = body.get("determinism") or {}
+        d = body.get("determinism")
+        if d is None:
+            d = {}
         if not isinstance(d, dict):
-            raise Refusal(Kind.INVALID, "`determinism` must be an object", param="determinism")
+            raise Refusal(Kind.INVALID, f"`determinism` must be an object or null, got {type(d).__name__}",
+                          param="determinism")
         unknown = set(d) - {"mode", "margin_threshold", "max_window", "stream_policy"}
         if unknown:
             raise Refusal(Kind.INVALID, f"unknown determinism fields {sorted(unknown)}", param="determinism")
         modes = {"off": Mode.OFF, "verified": Mode.VERIFIED}
         mode = d.get("mode", self.gateway.settings.http_default_mode)
-        if mode not in modes:
+        if not isinstance(mode, str) or mode not in modes:
             raise Refusal(Kind.INVALID, f"determinism.mode {mode!r} is not known; known: off, verified",
                           param="determinism.mode")
         if d.get("stream_policy", "verified_only") != "verified_only":
@@ -162,11 +170,6 @@ class OpenAIFront:
         return checks.determinism(modes[mode], d.get("margin_threshold"), d.get("max_window"),
                                   StreamPolicy.VERIFIED_ONLY, self.gateway.bounds)
 
-    async def _run(self, prompt, params, det, chat=False):
-        """(request id, event iterator) after submitting; refusals raise."""
-        request_id = "cmpl-" + secrets.token_hex(16)
-        return request_id, await self.gateway.start(prompt, params, det, request_id, chat)
-
     def _extension(self, c: Completion) -> dict:
         return {"system_fingerprint": c.reproducibility.fingerprint(),
                 "reproducibility": {**c.reproducibility.__dict__, "seed": c.seed},
@@ -174,6 +177,31 @@ class OpenAIFront:
 
     def _token_text(self, token: int) -> str:
         return self.engine.tokenizer.decode([token])
+
+    def _guarded(self, handler, id_prefix: str):
+        """A generation route: a fresh server id for the request (the response's `id`
+        and its gateeng-request-id header), and no exception past it. A refusal
+        is answered in OpenAI's error shape and counted; anything else is logged
+        with the request id, answered 500 in the same shape and counted."""
+        async def route(request: HttpRequest):
+            request_id = id_prefix + secrets.token_hex(16)
+            try:
+                response = await handler(request, request_id)
+            except ClientDisconnect:       # gone while sending its body: nobody to answer
+                log.debug("request %s: the client went away before its body arrived", request_id)
+                response = Response(status_code=400)
+            except (Refusal, checks.BadRequest) as e:
+                response = self._refused(refusals.from_engine(e))
+            except Exception:
+                log.exception("request %s (%s) failed", request_id, request.url.path)
+                response = self._refused(refusals.internal_error(request_id))
+            response.headers[REQUEST_ID_HEADER] = request_id
+            return response
+        return route
+
+    def _refused(self, r: Refusal) -> Response:
+        self.gateway.count(r, "http")
+        return error_response(r)
 
     # ---- routes -------------------------------------------------------------------
     async def health(self, request: HttpRequest):
@@ -187,54 +215,70 @@ class OpenAIFront:
         return JSONResponse({"object": "list", "data": [{"id": self.model_name, "object": "model",
                                                          "created": self.created, "owned_by": "gateeng"}]})
 
-    async def completions(self, request: HttpRequest):
-        try:
-            body = await self._body(request, COMPLETION_FIELDS)
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-                prompt = prompt[0]
-            if not (isinstance(prompt, str) or isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)):
-                raise Refusal(Kind.INVALID, "prompt must be a string or a list of token ids (one prompt per request)",
-                              param="prompt")
-            k = body.get("logprobs")
-            if k is not None and (not isinstance(k, int) or isinstance(k, bool)):
-                raise Refusal(Kind.INVALID, "logprobs must be an integer (alternatives per token)", param="logprobs")
-            echo = bool(body.get("echo", False))
-            params = self._sampling(body, 16, logprobs=k, prompt_logprobs=k if echo and k is not None else None)
-            det = self._determinism(body)
-            request_id, stream = await self._run(prompt, params, det)
-            if body.get("stream"):
-                return self._sse(stream, request_id, "text_completion", self._completion_chunk)
-            final = await _final(stream)
-            return JSONResponse(self._completion_json(request_id, final, echo, k))
-        except (Refusal, checks.BadRequest) as e:
-            return self._refused(refusals.from_engine(e))
+    async def completions(self, request: HttpRequest, request_id: str):
+        body = await self._body(request, COMPLETION_FIELDS)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]                # a batch of one prompt
+        if isinstance(prompt, str):
+            prompt = checks.text(prompt, "prompt")
+        elif isinstance(prompt, list):
+            prompt = checks.token_ids(prompt, "prompt")
+        else:
+            raise Refusal(Kind.INVALID, "prompt must be a string or a list of token ids (one prompt per request)",
+                          param="prompt")
+        k = checks.integer(body.get("logprobs"), "logprobs")
+        echo = checks.boolean(body.get("echo"), "echo") or False
+        stream = checks.boolean(body.get("stream"), "stream") or False
+        params = self._sampling(body, 16, logprobs=k, prompt_logprobs=k if echo and k is not None else None)
+        det = self._determinism(body)
+        events = await self.gateway.start(prompt, params, det, request_id)
+        return await self._respond(request, request_id, events, stream, "text_completion", self._completion_chunk,
+                                   lambda final: self._completion_json(request_id, final, echo, k))
 
-    async def chat_completions(self, request: HttpRequest):
-        try:
-            body = await self._body(request, CHAT_FIELDS)
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-                raise Refusal(Kind.INVALID, "messages must be a list of {role, content} objects", param="messages")
-            for m in messages:
-                if set(m) - {"role", "content", "name"}:
-                    raise Refusal(Kind.INVALID, f"message fields {sorted(set(m) - {'role', 'content', 'name'})} are not "
-                                                "supported", param="messages")
-            k = body.get("top_logprobs", 0) if body.get("logprobs") else None
-            params = self._sampling(body, None, logprobs=k)
-            det = self._determinism(body)
-            msgs = [{"role": m.get("role"), "content": m.get("content")} for m in messages]
-            request_id, stream = await self._run(msgs, params, det)
-            if body.get("stream"):
-                return self._sse(stream, request_id, "chat.completion.chunk", self._chat_chunk)
-            final = await _final(stream)
-            return JSONResponse(self._chat_json(request_id, final, k))
-        except (Refusal, checks.BadRequest) as e:
-            return self._refused(refusals.from_engine(e))
+    async def chat_completions(self, request: HttpRequest, request_id: str):
+        body = await self._body(request, CHAT_FIELDS)
+        messages = checks.messages(body.get("messages"))
+        k = None
+        if checks.boolean(body.get("logprobs"), "logprobs"):
+            k = checks.integer(body.get("top_logprobs"), "top_logprobs") or 0
+        stream = checks.boolean(body.get("stream"), "stream") or False
+        params = self._sampling(body, max(1, self.engine.max_model_len // 2), logprobs=k)
+        det = self._determinism(body)
+        events = await self.gateway.start(messages, params, det, request_id)
+        return await self._respond(request, request_id, events, stream, "chat.completion.chunk", self._chat_chunk,
+                                   lambda final: self._chat_json(request_id, final, k))
 
-    def _refused(self, r: Refusal) -> JSONResponse:
-        self.gateway.count(r, "http")
-        return error_response(r)
+    async def _respond(self, request: HttpRequest, request_id: str, events, stream: bool, kind: str, chunk_shape,
+                       whole_shape) -> Response:
+        """An SSE stream of chunk_shape events, or the one JSON answer whole_shape makes."""
+        if stream:
+            return self._sse(events, request_id, kind, chunk_shape)
+        final = await self._final(request, events)
+        if final is None:
+            return Response(status_code=400)   # the client is gone: nobody reads this
+        return JSONResponse(whole_shape(final))
+
+    async def _final(self, request: HttpRequest, events) -> Optional[Completion]:
+        """The request's Completion; None if the client closed its connection first,
+        which aborts the request (its KV freed, counted as finish_reason abort).
+        A request the drain cut is a 503 with Retry-After, for the client to retry."""
+        answer = asyncio.ensure_future(_completion(events))
+        gone = asyncio.ensure_future(_disconnect(request))
+        try:
+            await asyncio.wait((answer, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (answer, gone):
+                task.cancel()              # a cancelled `answer` closes `events`: the abort
+            await asyncio.gather(answer, gone, return_exceptions=True)
+        if answer.cancelled():
+            log.debug("a client went away before its request finished; aborted")
+            return None
+        final = answer.result()
+        cut = self.gateway.cut_by_drain(final)
+        if cut is not None:
+            raise cut
+        return final
 
     # ---- response shapes ----------------------------------------------------------
     def _legacy_logprobs(self, items: list) -> dict:
@@ -304,15 +348,28 @@ class OpenAIFront:
         return {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": self.model_name, "choices": [choice]}
 
-    def _sse(self, stream, request_id: str, kind: str, shape) -> StreamingResponse:
-        async def events():
+    def _sse(self, events, request_id: str, kind: str, shape) -> StreamingResponse:
+        """Server-sent events, ending with `data: [DONE]` only when the request
+        finished. A request cut by the drain, an engine failure or an unexpected
+        error ends with an error event instead (counted as the unary answer's
+        status would be), so no client takes a cut answer for a whole one."""
+        def error_event(r: Refusal) -> str:
+            self.gateway.count(r, "http")
+            return "data: " + json.dumps(error_body(r)) + "\n\n"
+
+        async def stream():
             first = True
             try:
-                async for ev in stream:
+                async for ev in events:
                     if not isinstance(ev, (Chunk, Completion)):
                         continue                      # Rollback: VERIFIED_ONLY streams send none
                     if isinstance(ev, Chunk) and not ev.text and not ev.token_ids:
                         continue
+                    if isinstance(ev, Completion):
+                        cut = self.gateway.cut_by_drain(ev)
+                        if cut is not None:
+                            yield error_event(cut)
+                            return
                     payload = shape(request_id, ev, first)
                     first = False
                     if isinstance(ev, Completion):
@@ -320,37 +377,38 @@ class OpenAIFront:
                     yield f"data: {json.dumps(payload)}\n\n"
                 yield "data: [DONE]\n\n"
             except EngineDead as e:
-                yield f"data: {json.dumps({'error': {'message': str(e), 'type': 'server_error'}})}\n\n"
+                yield error_event(refusals.from_engine(e, submitted=True))
+            except Exception:
+                log.exception("request %s (stream) failed", request_id)
+                yield error_event(refusals.internal_error(request_id))
             finally:
-                await stream.aclose()                 # a client that went away aborts its request
-        return StreamingResponse(events(), media_type="text/event-stream")
+                await events.aclose()                 # a client that went away aborts its request
+        return StreamingResponse(stream(), media_type="text/event-stream")
 
 
-async def _final(stream) -> Completion:
+async def _completion(events) -> Completion:
     try:
-        async for ev in stream:
+        async for ev in events:
             if isinstance(ev, Completion):
                 return ev
     except EngineDead as e:
         raise refusals.from_engine(e, submitted=True) from None
     finally:
-        await stream.aclose()
+        await events.aclose()
     raise Refusal(Kind.INTERNAL, "the request ended without a completion")
+
+
+async def _disconnect(request: HttpRequest) -> None:
+    """Returns when the client closes its connection. The body is read by then, so
+    the only message left for this request is http.disconnect."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _usage(c: Completion) -> dict:
     return {"prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
             "total_tokens": c.prompt_tokens + c.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": c.cached_tokens}}
-
-
-def _number(body: dict, key: str, default: float) -> float:
-    value = body.get(key, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise Refusal(Kind.INVALID, f"`{key}` must be a number", param=key)
-    return float(value)
 
 
 def _finite(v: float):

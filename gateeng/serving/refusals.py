@@ -55,6 +55,12 @@ def busy(message: str) -> Refusal:
     return Refusal(Kind.BUSY, f"{message}; retry in about {RETRY_AFTER_S} s", retry_after_s=RETRY_AFTER_S)
 
 
+def internal_error(request_id: str) -> Refusal:
+    """What a client is told when serving its request raised unexpectedly (the
+    server log has the traceback under the same id)."""
+    return Refusal(Kind.INTERNAL, f"internal error serving request {request_id}; the server log has the details")
+
+
 def from_engine(exc: Exception, submitted: bool = False) -> Refusal:
     """The refusal for what EngineCore / Engine raised: at submission, or (submitted)
     while the request ran. Other exceptions are not refusals: they propagate."""
@@ -68,6 +74,6 @@ def from_engine(exc: Exception, submitted: bool = False) -> Refusal:
         return busy(str(exc))
     if isinstance(exc, DeterminismUnavailable):
         return Refusal(Kind.NO_VERIFIED, str(exc), param="determinism")
-    if isinstance(exc, ValueError):
-        return Refusal(Kind.INVALID, str(exc))
+    if isinstance(exc, ValueError):   # checks.BadRequest included
+        return Refusal(Kind.INVALID, str(exc), param=getattr(exc, "param", None), code=getattr(exc, "code", None))
     raise exc

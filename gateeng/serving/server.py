@@ -19,9 +19,9 @@ from prometheus_client import start_http_server
 from gateeng.config import EngineConfig, ServerConfig
 from gateeng.engine.client import Engine
 from gateeng.logs import LOGGER
-from gateeng.serving.grpc_api import REQUEST_ID_HEADER, GrpcFront
+from gateeng.serving.gateway import REQUEST_ID_HEADER, Gateway
+from gateeng.serving.grpc_api import GrpcFront
 from gateeng.serving.metrics import Metrics
-from gateeng.serving.gateway import Gateway
 
 __all__ = ["REQUEST_ID_HEADER", "Server"]
 log = LOGGER.getChild("server")
