@@ -10,17 +10,19 @@ caching off, so the second front of a pair does not find the first one's prompt
 cached). Prints p50 / p90 latency per front and the ratio of the medians.
 
 Oversized prompts: a tiny gRPC Complete (5 prompt tokens, 1 output token), idle,
-then while --neighbours HTTP clients send 580 KB prompts back to back (each is
-refused by its bytes, 400, before tokenizing), then idle again. Prints the tiny
-request's p50 / p90 in each phase, loaded / idle, and the refusals' latency.
+then while --neighbours clients (processes of their own) send 580 KB prompts back
+to back, then idle again; once with the neighbours on HTTP, once on gRPC. Each
+such prompt is refused by its bytes before tokenizing (HTTP 400,
+INVALID_ARGUMENT). Prints the tiny request's latency per phase, loaded / idle,
+and the refusals' latency. Exits 1 if any oversized prompt was not refused.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import statistics
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -59,7 +61,8 @@ def main(argv=None) -> int:
                 if i:                                    # the first pair warms both paths
                     grpc_s.append(t1 - t0)
                     http_s.append(t2 - t1)
-            neighbours = oversized_neighbours(client, http_port, args.requests, args.neighbours)
+            floods = [oversized_neighbours(client, *where, args.requests, args.neighbours)
+                      for where in ((http_port, "HTTP"), (server.target, "gRPC"))]
     finally:
         server.stop()
     print(f"Machine: {machine()}")
@@ -69,26 +72,70 @@ def main(argv=None) -> int:
     print(f"| HTTP /v1/completions (openai client) | {q(http_s, 50):.1f} | {q(http_s, 90):.1f} |")
     print(f"\nHTTP / gRPC, median: {statistics.median(http_s) / statistics.median(grpc_s):.3f}x "
           f"(+{(statistics.median(http_s) - statistics.median(grpc_s)) * 1000:.1f} ms)")
-    idle, loaded, idle_after, refusals, statuses = neighbours
-    print(f"\nA tiny gRPC Complete ({len(idle)} per phase) beside {args.neighbours} HTTP clients sending "
-          f"580 KB prompts back to back ({len(refusals)} sent; statuses {statuses})\n")
-    print("| phase | p50 (ms) | p90 (ms) |\n| --- | --- | --- |")
-    for name, xs in (("idle", idle), ("580 KB prompts arriving", loaded), ("idle again", idle_after)):
-        print(f"| {name} | {q(xs, 50):.1f} | {q(xs, 90):.1f} |")
-    print(f"| (each 580 KB refusal) | {q(refusals, 50):.1f} | {q(refusals, 90):.1f} |")
-    base = statistics.median(idle + idle_after)
-    print(f"\nloaded / idle, median: {statistics.median(loaded) / base:.2f}x")
-    return 0 if set(statuses) == {400} else 1
+    print(f"\nA tiny gRPC Complete ({args.requests} per phase) beside {args.neighbours} clients sending 580 KB "
+          f"prompts back to back, each refused by its bytes before tokenizing\n")
+    print("| neighbours' front | idle p50 (ms) | loaded p50 / p90 (ms) | idle again p50 (ms) | loaded / idle | "
+          "refusals sent | their p50 / p90 (ms) | their statuses |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for f in floods:
+        base = statistics.median(f["idle"] + f["idle_after"])
+        print(f"| {f['front']} | {q(f['idle'], 50):.1f} | {q(f['loaded'], 50):.1f} / {q(f['loaded'], 90):.1f} | "
+              f"{q(f['idle_after'], 50):.1f} | {statistics.median(f['loaded']) / base:.2f}x | {len(f['refusals'])} | "
+              f"{q(f['refusals'], 50):.1f} / {q(f['refusals'], 90):.1f} | {f['statuses']} |")
+    refused = {"HTTP": {"400"}, "gRPC": {"INVALID_ARGUMENT"}}
+    return 0 if all(set(f["statuses"]) == refused[f["front"]] for f in floods) else 1
 
 
 def q(xs, p):
     return sorted(xs)[int(p / 100 * (len(xs) - 1))] * 1000
 
 
-def oversized_neighbours(client, http_port: int, n: int, clients: int):
-    """(idle, loaded, idle again) latencies of a tiny gRPC request, the latencies
-    of the oversized HTTP requests, and their statuses."""
-    body = json.dumps({"prompt": "word " * 116_000, "max_tokens": 1}).encode()     # 580 KB
+PROMPT = "word " * 116_000                     # 580 KB, past the default --max-prompt-bytes
+
+
+def send_http(port: int) -> str:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", headers={"Content-Type": "application/json"},
+                                 data=json.dumps({"prompt": PROMPT, "max_tokens": 1}).encode())
+    try:
+        urllib.request.urlopen(req, timeout=120).read()
+        return "200"
+    except urllib.error.HTTPError as e:
+        e.read()
+        return str(e.code)
+
+
+def neighbour(front: str, address, ready, stop, out) -> None:
+    """One client in its own process (so the probe's latency is the server's, not
+    this process's GIL), sending 580 KB prompts back to back over `front` until
+    `stop` is set. Releases `ready` after its first answer; puts (latencies,
+    statuses) on `out`."""
+    import grpc
+    from gateeng.v1 import engine_pb2 as pb
+    from gateeng.v1 import engine_pb2_grpc as pb_grpc
+    stub = pb_grpc.EngineStub(grpc.insecure_channel(address)) if front == "gRPC" else None
+
+    def send_grpc(_) -> str:
+        try:
+            stub.Complete(pb.GenerateRequest(text=PROMPT), timeout=120)
+            return "OK"
+        except grpc.RpcError as e:
+            return e.code().name
+    send = send_grpc if front == "gRPC" else send_http
+    latencies, statuses = [], {}
+    while not stop.is_set():
+        t0 = time.perf_counter()
+        status = send(address)
+        if not latencies:
+            ready.release()
+        latencies.append(time.perf_counter() - t0)
+        statuses[status] = statuses.get(status, 0) + 1
+    out.put((latencies, statuses))
+
+
+def oversized_neighbours(client, address, front: str, n: int, clients: int) -> dict:
+    """A tiny gRPC request's latencies idle, beside `clients` neighbours sending
+    580 KB prompts over `front`, and idle again; the neighbours' latencies and
+    statuses."""
     tiny = SamplingParams(max_tokens=1, ignore_eos=True)
 
     def probe() -> list:
@@ -98,32 +145,27 @@ def oversized_neighbours(client, http_port: int, n: int, clients: int):
             client.complete([5, 6, 7, 8, 9], tiny)
             out.append(time.perf_counter() - t0)
         return out
-    stop = threading.Event()
-    refusals, statuses = [], {}
-
-    def neighbour():
-        while not stop.is_set():
-            req = urllib.request.Request(f"http://127.0.0.1:{http_port}/v1/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
-            t0 = time.perf_counter()
-            try:
-                urllib.request.urlopen(req, timeout=120).read()
-                status = 200
-            except urllib.error.HTTPError as e:
-                e.read()
-                status = e.code
-            refusals.append(time.perf_counter() - t0)
-            statuses[status] = statuses.get(status, 0) + 1
+    ctx = mp.get_context("spawn")            # no fork of this process's gRPC channel
+    ready, stop, results = ctx.Semaphore(0), ctx.Event(), ctx.Queue()
     idle = probe()
-    threads = [threading.Thread(target=neighbour, daemon=True) for _ in range(clients)]
-    for t in threads:
-        t.start()
-    time.sleep(1.0)                                      # every neighbour is sending
+    procs = [ctx.Process(target=neighbour, args=(front, address, ready, stop, results), daemon=True)
+             for _ in range(clients)]
+    for p in procs:
+        p.start()
+    for _ in procs:                          # every neighbour started and answered once
+        ready.acquire(timeout=120)
+    time.sleep(1.0)
     loaded = probe()
     stop.set()
-    for t in threads:
-        t.join()
-    return idle, loaded, probe(), refusals, statuses
+    latencies, statuses = [], {}
+    for _ in procs:
+        lat, st = results.get(timeout=120)
+        latencies += lat
+        for k, v in st.items():
+            statuses[k] = statuses.get(k, 0) + v
+    for p in procs:
+        p.join()
+    return dict(front=front, idle=idle, loaded=loaded, idle_after=probe(), refusals=latencies, statuses=statuses)
 
 
 if __name__ == "__main__":
