@@ -10,11 +10,13 @@ caching off, so the second front of a pair does not find the first one's prompt
 cached). Prints p50 / p90 latency per front and the ratio of the medians.
 
 Oversized prompts: a tiny gRPC Complete (5 prompt tokens, 1 output token), idle,
-then while --neighbours clients (processes of their own) send 580 KB prompts back
-to back, then idle again; once with the neighbours on HTTP, once on gRPC. Each
-such prompt is refused by its bytes before tokenizing (HTTP 400,
-INVALID_ARGUMENT). Prints the tiny request's latency per phase, loaded / idle,
-and the refusals' latency. Exits 1 if any oversized prompt was not refused.
+then beside --neighbours clients (processes of their own) sending 580 KB prompts,
+then idle again: with the neighbours on HTTP and on gRPC, each in two modes:
+"burst" (the neighbours send one each, all at once, with every tiny request)
+and "flood" (back to back: as much as the server can refuse). Each such prompt
+is refused by its size before tokenizing (HTTP 413 by its Content-Length,
+gRPC INVALID_ARGUMENT). Prints the tiny request's latency per phase, loaded /
+idle, and the refusals' latency. Exits 1 if any oversized prompt was served.
 """
 from __future__ import annotations
 
@@ -61,8 +63,8 @@ def main(argv=None) -> int:
                 if i:                                    # the first pair warms both paths
                     grpc_s.append(t1 - t0)
                     http_s.append(t2 - t1)
-            floods = [oversized_neighbours(client, *where, args.requests, args.neighbours)
-                      for where in ((http_port, "HTTP"), (server.target, "gRPC"))]
+            floods = [oversized_neighbours(client, *where, mode, args.requests, args.neighbours)
+                      for mode in ("burst", "flood") for where in ((http_port, "HTTP"), (server.target, "gRPC"))]
     finally:
         server.stop()
     print(f"Machine: {machine()}")
@@ -73,17 +75,18 @@ def main(argv=None) -> int:
     print(f"\nHTTP / gRPC, median: {statistics.median(http_s) / statistics.median(grpc_s):.3f}x "
           f"(+{(statistics.median(http_s) - statistics.median(grpc_s)) * 1000:.1f} ms)")
     print(f"\nA tiny gRPC Complete ({args.requests} per phase) beside {args.neighbours} clients sending 580 KB "
-          f"prompts back to back, each refused by its bytes before tokenizing\n")
-    print("| neighbours' front | idle p50 (ms) | loaded p50 / p90 (ms) | idle again p50 (ms) | loaded / idle | "
-          "refusals sent | their p50 / p90 (ms) | their statuses |")
+          f"prompts, each refused by its size before tokenizing: burst = {args.neighbours} at once with each tiny "
+          f"request, flood = back to back\n")
+    print("| neighbours | idle p50 (ms) | loaded p50 / p90 (ms) | idle again p50 (ms) | loaded / idle | "
+          "580 KB prompts sent | their p50 / p90 (ms) | their statuses |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for f in floods:
         base = statistics.median(f["idle"] + f["idle_after"])
-        print(f"| {f['front']} | {q(f['idle'], 50):.1f} | {q(f['loaded'], 50):.1f} / {q(f['loaded'], 90):.1f} | "
-              f"{q(f['idle_after'], 50):.1f} | {statistics.median(f['loaded']) / base:.2f}x | {len(f['refusals'])} | "
-              f"{q(f['refusals'], 50):.1f} / {q(f['refusals'], 90):.1f} | {f['statuses']} |")
-    refused = {"HTTP": {"400"}, "gRPC": {"INVALID_ARGUMENT"}}
-    return 0 if all(set(f["statuses"]) == refused[f["front"]] for f in floods) else 1
+        print(f"| {f['front']} {f['mode']} | {q(f['idle'], 50):.1f} | {q(f['loaded'], 50):.1f} / "
+              f"{q(f['loaded'], 90):.1f} | {q(f['idle_after'], 50):.1f} | {statistics.median(f['loaded']) / base:.2f}x | "
+              f"{len(f['refusals'])} | {q(f['refusals'], 50):.1f} / {q(f['refusals'], 90):.1f} | {f['statuses']} |")
+    refused = {"HTTP": {"400", "413"}, "gRPC": {"INVALID_ARGUMENT"}}
+    return 0 if all(set(f["statuses"]) <= refused[f["front"]] for f in floods) else 1
 
 
 def q(xs, p):
@@ -93,9 +96,12 @@ def q(xs, p):
 PROMPT = "word " * 116_000                     # 580 KB, past the default --max-prompt-bytes
 
 
+BODY = json.dumps({"prompt": PROMPT, "max_tokens": 1}).encode()
+
+
 def send_http(port: int) -> str:
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", headers={"Content-Type": "application/json"},
-                                 data=json.dumps({"prompt": PROMPT, "max_tokens": 1}).encode())
+                                 data=BODY)
     try:
         urllib.request.urlopen(req, timeout=120).read()
         return "200"
@@ -104,59 +110,67 @@ def send_http(port: int) -> str:
         return str(e.code)
 
 
-def neighbour(front: str, address, ready, stop, out) -> None:
+def neighbour(front: str, address, mode: str, sync, stop, out) -> None:
     """One client in its own process (so the probe's latency is the server's, not
-    this process's GIL), sending 580 KB prompts back to back over `front` until
-    `stop` is set. Releases `ready` after its first answer; puts (latencies,
-    statuses) on `out`."""
+    this process's GIL), sending 580 KB prompts over `front` until `stop` is set:
+    one per round of the `sync` barrier ("burst"), or back to back after passing
+    it once ("flood"). Puts (latencies, statuses) on `out`."""
     import grpc
     from gateeng.v1 import engine_pb2 as pb
     from gateeng.v1 import engine_pb2_grpc as pb_grpc
     stub = pb_grpc.EngineStub(grpc.insecure_channel(address)) if front == "gRPC" else None
+    request = pb.GenerateRequest(text=PROMPT)
 
     def send_grpc(_) -> str:
         try:
-            stub.Complete(pb.GenerateRequest(text=PROMPT), timeout=120)
+            stub.Complete(request, timeout=120)
             return "OK"
         except grpc.RpcError as e:
             return e.code().name
     send = send_grpc if front == "gRPC" else send_http
     latencies, statuses = [], {}
+    sync.wait()
     while not stop.is_set():
         t0 = time.perf_counter()
         status = send(address)
-        if not latencies:
-            ready.release()
         latencies.append(time.perf_counter() - t0)
         statuses[status] = statuses.get(status, 0) + 1
+        if mode == "burst":
+            sync.wait()
     out.put((latencies, statuses))
 
 
-def oversized_neighbours(client, address, front: str, n: int, clients: int) -> dict:
+def oversized_neighbours(client, address, front: str, mode: str, n: int, clients: int) -> dict:
     """A tiny gRPC request's latencies idle, beside `clients` neighbours sending
-    580 KB prompts over `front`, and idle again; the neighbours' latencies and
-    statuses."""
+    580 KB prompts over `front` (`mode`: 8 at once per tiny request, or back to
+    back), and idle again; the neighbours' latencies and statuses."""
     tiny = SamplingParams(max_tokens=1, ignore_eos=True)
 
-    def probe() -> list:
-        out = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            client.complete([5, 6, 7, 8, 9], tiny)
-            out.append(time.perf_counter() - t0)
-        return out
+    def once() -> float:
+        t0 = time.perf_counter()
+        client.complete([5, 6, 7, 8, 9], tiny)
+        return time.perf_counter() - t0
     ctx = mp.get_context("spawn")            # no fork of this process's gRPC channel
-    ready, stop, results = ctx.Semaphore(0), ctx.Event(), ctx.Queue()
-    idle = probe()
-    procs = [ctx.Process(target=neighbour, args=(front, address, ready, stop, results), daemon=True)
+    sync, stop, results = ctx.Barrier(clients + 1), ctx.Event(), ctx.Queue()
+    idle = [once() for _ in range(n)]
+    procs = [ctx.Process(target=neighbour, args=(front, address, mode, sync, stop, results), daemon=True)
              for _ in range(clients)]
     for p in procs:
         p.start()
-    for _ in procs:                          # every neighbour started and answered once
-        ready.acquire(timeout=120)
-    time.sleep(1.0)
-    loaded = probe()
-    stop.set()
+    sync.wait(timeout=120)                   # every neighbour started
+    loaded = []
+    if mode == "burst":
+        for i in range(n):
+            time.sleep(0.002)                # the 8 prompts are on their way
+            loaded.append(once())
+            if i < n - 1:
+                sync.wait(timeout=120)       # the 8 are answered: the next round
+        stop.set()
+        sync.wait(timeout=120)
+    else:
+        time.sleep(1.0)                      # every neighbour is sending
+        loaded = [once() for _ in range(n)]
+        stop.set()
     latencies, statuses = [], {}
     for _ in procs:
         lat, st = results.get(timeout=120)
@@ -165,7 +179,8 @@ def oversized_neighbours(client, address, front: str, n: int, clients: int) -> d
             statuses[k] = statuses.get(k, 0) + v
     for p in procs:
         p.join()
-    return dict(front=front, idle=idle, loaded=loaded, idle_after=probe(), refusals=latencies, statuses=statuses)
+    return dict(front=front, mode=mode, idle=idle, loaded=loaded, idle_after=[once() for _ in range(n)],
+                refusals=latencies, statuses=statuses)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import grpc
@@ -341,6 +342,47 @@ def test_sigterm_drains_and_exits_zero():
             proc.send_signal(signal.SIGTERM)
             ids, _, final = read_stream(itertools.chain([first], events))
             assert ids == list(final.token_ids) and len(ids) == 16
+        assert proc.wait(timeout=90) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_sigterm_cuts_http_requests_past_the_drain_with_503_and_exits_zero():
+    import json
+    http_port = free_port()
+    proc, target, mport = start_server("--drain-seconds", "1", "--http-port", str(http_port))
+    url = f"http://127.0.0.1:{http_port}/v1/completions"
+    body = {"prompt": "Tell me a long story.", "max_tokens": 2000, "ignore_eos": True}
+    answers = {}
+
+    def post(name, **extra):
+        req = urllib.request.Request(url, data=json.dumps(dict(body, **extra)).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as res:
+                answers[name] = (res.status, res.headers, res.read().decode())
+        except urllib.error.HTTPError as e:
+            answers[name] = (e.code, e.headers, e.read().decode())
+    try:
+        wait_health(target, health_pb2.HealthCheckResponse.SERVING)
+        threads = [threading.Thread(target=post, args=("plain",)),
+                   threading.Thread(target=post, args=("sse",), kwargs={"stream": True})]
+        for t in threads:
+            t.start()
+        deadline = time.time() + 60
+        while scrape(mport)["gateeng_requests_running"] < 2:
+            assert time.time() < deadline, "the two requests never ran"
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(90)
+        status, headers, text = answers["plain"]
+        assert status == 503 and headers["Retry-After"] == "1" and "retry" in json.loads(text)["error"]["message"]
+        status, _, text = answers["sse"]
+        events = [e for e in text.split("\n\n") if e]
+        assert status == 200 and "[DONE]" not in text
+        assert json.loads(events[-1].removeprefix("data: "))["error"]["type"] == "server_error"
         assert proc.wait(timeout=90) == 0
     finally:
         if proc.poll() is None:

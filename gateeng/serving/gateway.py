@@ -2,7 +2,10 @@
 server is draining, the bounds, the metrics and the tokenizer pool; and the one
 path a request takes into the engine (`start`), with every refusal on it a
 refusals.Refusal. The gRPC and HTTP fronts are peers over it: each reads its
-own wire format, calls `start`, and writes its own answer.
+own wire format, calls `start`, and writes its own answer. They run on two
+event loops (HTTP has its own thread), so the gateway holds no loop-bound
+state: `start` binds each request to the loop that calls it, and the rest is
+set once (`engine`), a flag (`draining`) or thread-safe (metrics, the pool).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""An OpenAI-compatible HTTP front (Starlette on uvicorn), on the gRPC server's event loop.
+"""An OpenAI-compatible HTTP front (Starlette on uvicorn), on its own thread and event loop.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (streaming over SSE),
 GET /v1/models, GET /health. It is the gRPC front's peer over the same serving
@@ -32,6 +32,7 @@ import json
 import math
 import secrets
 import socket
+import threading
 import time
 from pathlib import Path
 from typing import Optional
@@ -55,6 +56,9 @@ from gateeng.serving.gateway import REQUEST_ID_HEADER, Gateway
 log = LOGGER.getChild("http")
 FINISH = {FinishReason.STOP: "stop", FinishReason.EOS: "stop", FinishReason.LENGTH: "length",
           FinishReason.ABORT: "abort"}
+# A body past the limit is read and dropped up to this size, so that its client
+# gets the 413 rather than a reset connection; past it, the connection closes.
+DISCARD_BYTES = 16 * 1024 * 1024
 # Accepted, and ignored because they change nothing here.
 HARMLESS = {"user", "stream_options"}
 # OpenAI options we do not implement: accepted only at the value that means "off".
@@ -110,12 +114,21 @@ class OpenAIFront:
         return self.gateway.ready_engine()
 
     async def _body(self, request: HttpRequest, allowed: set) -> dict:
-        limit = 2 * self.gateway.prompt_bytes() + 65536
-        too_large = Refusal(Kind.TOO_LARGE, f"request body above {limit} bytes (--max-prompt-bytes)")
+        # --max-prompt-bytes is already several times what the context holds, so a
+        # body past it (plus room for the other fields) carries a prompt that cannot
+        # fit, however its text is escaped. Such a body is refused by its
+        # Content-Length: read past, never kept or parsed.
+        limit = self.gateway.prompt_bytes() + 65536
+        too_large = Refusal(Kind.TOO_LARGE, f"request body above {limit} bytes: its prompt is past "
+                                            f"--max-prompt-bytes ({self.gateway.prompt_bytes()}), far more than the "
+                                            f"context holds")
         length = request.headers.get("content-length") or "0"
         if not length.isdigit():
             raise Refusal(Kind.INVALID, f"Content-Length {length!r} is not a byte count")
         if int(length) > limit:
+            if int(length) <= DISCARD_BYTES:     # so the client reads the answer, not a reset
+                async for _ in request.stream():
+                    pass
             raise too_large
         raw = await request.body()
         if len(raw) > limit:
@@ -417,8 +430,11 @@ def _finite(v: float):
 
 
 class HttpServer:
-    """uvicorn serving an OpenAIFront on the running event loop. Signals stay with
-    the gRPC server, which drains both."""
+    """uvicorn serving an OpenAIFront on a thread and event loop of its own, so that
+    what HTTP costs the loop (reading and parsing large JSON bodies) never delays
+    gRPC calls and health checks, whose loop is the server's. The two fronts meet
+    only in the gateway, whose state is safe to read from either loop. Signals stay
+    with the gRPC server, which drains both."""
 
     def __init__(self, front: OpenAIFront, host: str, port: int):
         class _Server(uvicorn.Server):
@@ -431,12 +447,15 @@ class HttpServer:
         self.port = self.sock.getsockname()[1]
         self.server = _Server(uvicorn.Config(front.app, log_level="warning", lifespan="off",
                                              timeout_graceful_shutdown=5))
-        self.task = None
+        self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve(sockets=[self.sock])),
+                                       name="gateeng-http", daemon=True)
 
     def start(self) -> None:
-        self.task = asyncio.get_running_loop().create_task(self.server.serve(sockets=[self.sock]))
+        self.thread.start()
 
     async def stop(self) -> None:
+        """Stop accepting, let the answers in progress finish (at most
+        timeout_graceful_shutdown), and wait for the thread to end."""
         self.server.should_exit = True
-        if self.task is not None:
-            await self.task
+        if self.thread.is_alive():
+            await asyncio.get_running_loop().run_in_executor(None, self.thread.join)
