@@ -1,6 +1,7 @@
 """The one log of the engine and the server: the `gateeng` logger (modules log to it
-or to a child of it), one line a message on stderr (and the traceback of a logged exception), never on stdout, so a tool's
-output stays clean. Warnings and errors name their level."""
+or to a child of it), one line a message on stderr (then the traceback, for a
+logged exception), never on stdout, so a tool's output stays clean. Warnings and
+errors name their level."""
 import logging
 import sys
 
