@@ -212,6 +212,11 @@ class GateBounds:
                              f"server (--request-window-min/--request-window-max), got {window}")
 
 
+# An HTTP body may exceed --max-prompt-bytes by this much (the other fields, JSON
+# escapes); past it the body is refused by its Content-Length, unparsed.
+HTTP_BODY_SLACK_BYTES = 64 * 1024
+
+
 @dataclass
 class ServerConfig:
     """The server's own settings (the engine's are EngineConfig). `gateeng serve`

@@ -44,6 +44,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from gateeng.config import HTTP_BODY_SLACK_BYTES
 from gateeng.engine.client import Engine
 from gateeng.engine.errors import EngineDead
 from gateeng.logs import LOGGER
@@ -118,7 +119,7 @@ class OpenAIFront:
         # body past it (plus room for the other fields) carries a prompt that cannot
         # fit, however its text is escaped. Such a body is refused by its
         # Content-Length: read past, never kept or parsed.
-        limit = self.gateway.prompt_bytes() + 65536
+        limit = self.gateway.prompt_bytes() + HTTP_BODY_SLACK_BYTES
         too_large = Refusal(Kind.TOO_LARGE, f"request body above {limit} bytes: its prompt is past "
                                             f"--max-prompt-bytes ({self.gateway.prompt_bytes()}), far more than the "
                                             f"context holds")

@@ -6,7 +6,7 @@ import os
 import sys
 
 from gateeng import __version__
-from gateeng.config import ROUTE_POLICIES, EngineConfig, GateBounds, ServerConfig
+from gateeng.config import HTTP_BODY_SLACK_BYTES, ROUTE_POLICIES, EngineConfig, GateBounds, ServerConfig
 from gateeng.plans.kernel_names import TORCH_MM
 from gateeng.request import DEFAULT_MAX_TOKENS
 
@@ -358,8 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-queue", type=int, default=DEFAULTS.max_queue,
                    help="requests allowed to wait; beyond it calls fail with RESOURCE_EXHAUSTED and a retry hint")
     s.add_argument("--max-prompt-bytes", type=int, default=SERVER.max_prompt_bytes,
-                   help="largest prompt text accepted, checked before tokenizing (0: 32 bytes per "
-                        "context position)")
+                   help="largest prompt text accepted on either front, checked before tokenizing; an HTTP "
+                        f"body longer than this plus {HTTP_BODY_SLACK_BYTES // 1024} KiB is a 413 (0: 32 bytes "
+                        "per context position)")
     s.add_argument("--request-tau-max", type=float, default=SERVER.bounds.max_margin_threshold,
                    help="the largest margin_threshold a request may ask for")
     s.add_argument("--request-window-min", type=int, default=SERVER.bounds.min_window,
