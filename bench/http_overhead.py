@@ -94,8 +94,6 @@ def q(xs, p):
 
 
 PROMPT = "word " * 116_000                     # 580 KB, past the default --max-prompt-bytes
-
-
 BODY = json.dumps({"prompt": PROMPT, "max_tokens": 1}).encode()
 
 

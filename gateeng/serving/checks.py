@@ -60,15 +60,20 @@ def boolean(value, field: str):
     return value
 
 
-def text(value, field: str) -> str:
-    """A string that UTF-8 can encode."""
+def utf8(value, field: str) -> bytes:
+    """A string's UTF-8 bytes; refused if it is not a string or holds a lone surrogate."""
     if not isinstance(value, str):
         raise BadRequest(f"{field} must be a string, got {type(value).__name__}", param=field)
     try:
-        value.encode()
+        return value.encode()
     except UnicodeEncodeError as e:
         raise BadRequest(f"{field} holds a lone surrogate ({value[e.start]!r} at character {e.start}), which is "
                          f"not text: send valid UTF-8", param=field) from None
+
+
+def text(value, field: str) -> str:
+    """A string that UTF-8 can encode."""
+    utf8(value, field)
     return value
 
 
@@ -115,7 +120,7 @@ def prompt_size(prompt, max_prompt_bytes: int, max_model_len: int) -> None:
     limit = (f"this server accepts at most {max_prompt_bytes} (--max-prompt-bytes), far more than a "
              f"{max_model_len}-token context holds: shorten the prompt")
     if isinstance(prompt, str):
-        size = len(text(prompt, "prompt").encode())
+        size = len(utf8(prompt, "prompt"))
         if size > max_prompt_bytes:
             raise BadRequest(f"prompt text is {size} bytes; {limit}", param="prompt", code="context_length_exceeded")
     elif prompt and isinstance(prompt[0], dict):

@@ -63,7 +63,7 @@ class Gateway:
         The prompt's size is checked here, before tokenizing, for both fronts."""
         engine = self.ready_engine()
         try:
-            checks.prompt_size(prompt, self.prompt_bytes(), engine.max_model_len)
+            checks.prompt_size(prompt, self.settings.prompt_bytes(engine.max_model_len), engine.max_model_len)
         except checks.BadRequest as exc:
             raise refusals.from_engine(exc) from None
         stream = aio.stream_request(engine, self.tokenize_pool, prompt, sampling, determinism, request_id, chat)

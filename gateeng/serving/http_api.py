@@ -119,15 +119,16 @@ class OpenAIFront:
         # body past it (plus room for the other fields) carries a prompt that cannot
         # fit, however its text is escaped. Such a body is refused by its
         # Content-Length: read past, never kept or parsed.
-        limit = self.gateway.prompt_bytes() + HTTP_BODY_SLACK_BYTES
+        prompt_bytes = self.gateway.prompt_bytes()
+        limit = prompt_bytes + HTTP_BODY_SLACK_BYTES
         too_large = Refusal(Kind.TOO_LARGE, f"request body above {limit} bytes: its prompt is past "
-                                            f"--max-prompt-bytes ({self.gateway.prompt_bytes()}), far more than the "
-                                            f"context holds")
-        length = request.headers.get("content-length") or "0"
-        if not length.isdigit():
-            raise Refusal(Kind.INVALID, f"Content-Length {length!r} is not a byte count")
-        if int(length) > limit:
-            if int(length) <= DISCARD_BYTES:     # so the client reads the answer, not a reset
+                                            f"--max-prompt-bytes ({prompt_bytes}), far more than the context holds")
+        header = request.headers.get("content-length") or "0"
+        if not header.isdigit():
+            raise Refusal(Kind.INVALID, f"Content-Length {header!r} is not a byte count")
+        length = int(header)
+        if length > limit:
+            if length <= DISCARD_BYTES:          # so the client reads the answer, not a reset
                 async for _ in request.stream():
                     pass
             raise too_large
@@ -234,11 +235,9 @@ class OpenAIFront:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]                # a batch of one prompt
-        if isinstance(prompt, str):
-            prompt = checks.text(prompt, "prompt")
-        elif isinstance(prompt, list):
+        if isinstance(prompt, list):
             prompt = checks.token_ids(prompt, "prompt")
-        else:
+        elif not isinstance(prompt, str):        # text is checked with its size, in Gateway.start
             raise Refusal(Kind.INVALID, "prompt must be a string or a list of token ids (one prompt per request)",
                           param="prompt")
         k = checks.integer(body.get("logprobs"), "logprobs")
