@@ -98,10 +98,11 @@ class EngineCore:
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.route,
                                    cfg.max_verify_delay, cfg.prefill_chunk)
         self.verification = VerificationStage(self.stop)
-        self.runner = ModelRunner(self.model, self.kv, plans.fast, self.invariant_plan, plans.sample)
+        self.runner = ModelRunner(self.model, self.kv, plans.fast, self.invariant_plan, plans.sample, plans.logprobs)
+        self.verified_unavailable = plans.unavailable
         self.selfcheck = run_selfcheck(self.invariant_plan, mc.hidden_size, mc.num_heads, mc.num_kv_heads,
                                        mc.head_dim, DTYPES[cfg.dtype], cfg.block_size, device=cfg.device,
-                                       weights=factory.layer_weights(self.model))
+                                       weights=self.invariant_plan.selfcheck_weights(self.model))
         if cfg.plan == "fast" and cfg.verified_route == ADAPTIVE and self.selfcheck.passed:
             self._price_plans(cfg)
         self.margin_threshold = cfg.margin_threshold
@@ -158,6 +159,8 @@ class EngineCore:
         # resolve_max_model_len keeps the context within the KV cache, so every admitted
         # request fits it (Scheduler.fits) and is never dropped for lack of blocks.
         mode = Mode.REFERENCE if self.config.plan == "invariant" else det.mode
+        if mode is Mode.VERIFIED and self.verified_unavailable:
+            raise DeterminismUnavailable("VERIFIED is unavailable on this machine: " + self.verified_unavailable)
         if mode is Mode.VERIFIED and not self.selfcheck.passed:
             raise DeterminismUnavailable("VERIFIED is unavailable on this machine: " + self.selfcheck.describe())
         window = det.max_window or self.max_window

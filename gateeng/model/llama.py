@@ -10,29 +10,9 @@ import math
 
 import torch
 
-from gateeng.plans import cpu_linear, kernel_names
 from gateeng.config import ModelConfig
-
-
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    sc = cfg.rope_scaling
-    if sc and sc.get("rope_type", sc.get("type")) == "llama3":
-        # Llama-3.1 frequency-dependent scaling (as in transformers).
-        factor = sc["factor"]
-        low, high = sc.get("low_freq_factor", 1.0), sc.get("high_freq_factor", 4.0)
-        old_len = sc["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv
-        low_wl, high_wl = old_len / low, old_len / high
-        scaled = torch.where(wavelen > low_wl, inv / factor, inv)
-        smooth = (old_len / wavelen - low) / (high - low)
-        mid = (1 - smooth) * scaled / factor + smooth * scaled
-        is_mid = (wavelen >= high_wl) & (wavelen <= low_wl)
-        inv = torch.where(is_mid, mid, scaled)
-    elif sc and sc.get("rope_type", sc.get("type")) == "linear":
-        inv = inv / sc["factor"]
-    return inv
+from gateeng.model import rope
+from gateeng.plans import cpu_linear, kernel_names
 
 
 class KVCache:
@@ -101,12 +81,9 @@ class LlamaModel(torch.nn.Module):
             self.layers.append(layer)
         self.norm = p(h)
         self.lm_head = self.embed if cfg.tie_word_embeddings else p(cfg.vocab_size, h)
-        inv = rope_inv_freq(cfg)
-        pos = torch.arange(cfg.max_position, dtype=torch.float32)
-        freqs = torch.outer(pos, inv)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos().to(dtype=dtype, device=device), persistent=False)
-        self.register_buffer("sin", emb.sin().to(dtype=dtype, device=device), persistent=False)
+        cos, sin = rope.tables(cfg, dtype)   # the same bits on every machine (model/rope.py)
+        self.register_buffer("cos", cos.to(device), persistent=False)
+        self.register_buffer("sin", sin.to(device), persistent=False)
 
     @property
     def dtype(self):
@@ -179,7 +156,7 @@ class LlamaModel(torch.nn.Module):
         for i, layer in enumerate(self.layers):
             qkv = plan.linear(x, layer.qkv)
             if layer.qkv_bias is not None:     # elementwise: the same bits in any batch
-                qkv = qkv + layer.qkv_bias
+                qkv = plan.add(qkv, layer.qkv_bias)
             if layer.q_norm is not None:       # one reduction per (row, head)
                 q, k, v = qkv.split([nq, cfg.num_kv_heads * d, cfg.num_kv_heads * d], dim=-1)
                 qkv = torch.cat([plan.rms_norm(q.reshape(-1, d), layer.q_norm, cfg.rms_norm_eps).view(q.shape),
@@ -188,7 +165,7 @@ class LlamaModel(torch.nn.Module):
             q = plan.rope_store(qkv, cos, sin, kv, i, slots, cfg.num_heads)
             attn = plan.attention(q, kv.k[i], kv.v[i], attn_meta, 1.0 / math.sqrt(d))
             o = plan.linear(attn.reshape(-1, nq), layer.o)
-            h, x = plan.add_rms_norm(h, o + layer.o_bias if layer.o_bias is not None else o, layer.post_norm,
+            h, x = plan.add_rms_norm(h, plan.add(o, layer.o_bias) if layer.o_bias is not None else o, layer.post_norm,
                                      cfg.rms_norm_eps)
             mlp = plan.linear(plan.silu_mul(plan.linear(x, layer.gate_up)), layer.down)
             h, x = plan.add_rms_norm(h, mlp, norms[i], cfg.rms_norm_eps)

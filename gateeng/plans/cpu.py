@@ -41,6 +41,11 @@ class CpuKernelOps:
             return self.kernels
         return None
 
+    @staticmethod
+    def add(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """x + b (a bias), rounded to x's dtype."""
+        return x + b
+
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         k = self._kernel(x)
         return k.rms_norm(x, w, eps) if k is not None else ref.rms_norm(x, w, eps)
@@ -303,6 +308,13 @@ class InvariantPlan(CpuKernelOps):
         if dtype != "float32":
             parts.append("greedy_lm_head=bf16+exact_top2")
         return f"{self.name}-v{self.version}({','.join(parts)})"
+
+    @staticmethod
+    def selfcheck_weights(model) -> list:
+        """The matrices this plan multiplies by, for its self-check: one layer's (every
+        layer has the same shapes) and the lm_head it takes logits from."""
+        layer = model.layers[0]
+        return [layer.qkv, layer.o, layer.gate_up, layer.down, model.lm_head_f32]
 
     def _check_rows(self, n: int) -> None:
         if n % self.rows:

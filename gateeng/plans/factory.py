@@ -1,7 +1,12 @@
 """The one place that chooses, names and builds the kernel plans for a device.
 
-CPU: the C++ kernels (cpu_ops) when they build, the model's weights packed for
-the fast plan and the row-invariant matmul (cpu_linear), torch ops otherwise.
+CPU: the fast plan on the C++ kernels (cpu_ops) when they build, the model's
+weights packed for it (cpu_linear), torch ops otherwise. The invariant plan of a
+bf16 model is the reference (ReferencePlan, gateeng-ref-1: the same bits on every
+machine), and both plans sample on its arithmetic; where no build of the
+reference can serve, the engine says so and refuses VERIFIED (`unavailable`). A
+float32 model's invariant plan is InvariantPlan, whose bits are this machine's
+(its kernel_plan names the kernels, the CPU kind is in the record).
 CUDA: flashinfer for the fast plan where it is installed, the Triton kernels for
 the invariant plan. Nothing else decides which matmul a plan runs or what it is
 called in the Reproducibility record.
@@ -11,21 +16,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+import torch
+
 from gateeng import reproducibility
 from gateeng.config import EngineConfig
 from gateeng.logs import log
-from gateeng.plans import cpu_ops, kernel_names
+from gateeng.plans import cpu_ops, kernel_names, reference_ops, sampler
 from gateeng.plans.cpu import FastPlan, InvariantPlan, default_invariant_rows
-from gateeng.plans.sampler import sample as sample_rows
+from gateeng.plans.reference import ReferencePlan
 
 
 @dataclass
 class Plans:
     fast: FastPlan
     invariant: InvariantPlan
-    sample: Callable             # the sampler for the device (sampler.sample or gpu_sample)
+    sample: Callable             # the sampler for the device (sampler.sample, Sampler.sample or gpu_sample)
+    logprobs: Callable           # its logprobs (sampler.logprobs or Sampler.logprobs)
     fast_matmul: str             # what the fast plan multiplies with, in words (logs, calibrate)
     release_threads: Callable    # lets the calling thread's OpenMP pool go (cpu_ops.cpp)
+    unavailable: str = ""        # why VERIFIED cannot be served here ('' when it can)
 
 
 def build(cfg: EngineConfig, model, model_config, dtype) -> Plans:
@@ -33,7 +42,7 @@ def build(cfg: EngineConfig, model, model_config, dtype) -> Plans:
     (LlamaModel.pack_weights) where cfg.pack_fast_weights says so."""
     if cfg.device != "cpu":
         fast, invariant, sample = _cuda_plans(cfg, model_config, dtype)
-        return Plans(fast, invariant, sample, "torch matmuls (cuBLAS)", lambda: None)
+        return Plans(fast, invariant, sample, sampler.logprobs, "torch matmuls (cuBLAS)", lambda: None)
     kernels = cpu_ops.load() if cfg.cpu_kernels else None
     if cfg.pack_fast_weights:
         model.pack_weights(kernels)
@@ -42,19 +51,33 @@ def build(cfg: EngineConfig, model, model_config, dtype) -> Plans:
     if not cfg.pack_fast_weights or (matmul in kernel_names.ROWWISE_MATMULS and kernels is None):
         inv_packed, matmul = {}, kernel_names.TORCH_MM   # the row-invariant matmul is one of the kernels
     fast = FastPlan(cfg.fast_logit_noise, model.packed if cfg.pack_fast_weights else {}, kernels)
-    invariant = InvariantPlan(rows, cfg.attention_split, inv_packed, kernels, cfg.block_size, matmul)
     fast_matmul = _fast_matmul(model, cfg)
+    reference, unavailable = _reference(model, cfg)
+    invariant = reference or InvariantPlan(rows, cfg.attention_split, inv_packed, kernels, cfg.block_size, matmul)
     log(f"fast plan: {fast_matmul}, {'C++ kernels' if kernels is not None else 'torch ops'} "
-        f"for norms, RoPE, SiLU and attention; invariant plan {invariant.describe(cfg.dtype)}")
+        f"for norms, RoPE, SiLU and attention; invariant plan {invariant.describe(cfg.dtype)}"
+        + (f" ({reference.ops.isa} build)" if reference is not None else ""))
     release = kernels.release_idle_threads if kernels is not None else (lambda: None)
-    return Plans(fast, invariant, sample_rows, fast_matmul, release)
+    if reference is not None:
+        chosen = sampler.Sampler(reference.ops)
+        return Plans(fast, invariant, chosen.sample, chosen.logprobs, fast_matmul, release)
+    return Plans(fast, invariant, sampler.sample, sampler.logprobs, fast_matmul, release, unavailable)
 
 
-def layer_weights(model) -> list:
-    """The matrices the invariant plan multiplies by, for its self-check: one layer's
-    (every layer has the same shapes) and the float32 lm_head used for sampled rows."""
-    layer = model.layers[0]
-    return [layer.qkv, layer.o, layer.gate_up, layer.down, model.lm_head_f32]
+def _reference(model, cfg: EngineConfig) -> tuple:
+    """(ReferencePlan, '') where the reference serves this model here, else (None, why
+    VERIFIED is refused: '' for a float32 model, whose VERIFIED is this machine's)."""
+    if not ReferencePlan.applies(model):
+        if model.dtype == torch.bfloat16:
+            return None, f"{kernel_names.REFERENCE} is not defined for this model (a matmul with an odd K)"
+        return None, ""
+    try:
+        ops = reference_ops.load()
+    except reference_ops.ReferenceUnavailable as exc:
+        why = f"no build of the reference {kernel_names.REFERENCE} can serve here: {exc}"
+        log(f"{why}; VERIFIED requests will be refused")
+        return None, why
+    return ReferencePlan(model, ops, cfg.block_size), ""
 
 
 def _fast_matmul(model, cfg: EngineConfig) -> str:

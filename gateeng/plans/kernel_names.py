@@ -21,3 +21,11 @@ ROWWISE_MATMULS = {"cpu_dpbf16": RowwiseMatmul("dpbf16", "VDPBF16PS"),
                    "cpu_fma": RowwiseMatmul("fma8", "AVX2 FMA")}
 # The other matmuls' kernel_plan names: oneDNN's packed copy, torch.mm on the plain weight.
 ONEDNN_PACKED, TORCH_MM = "onednn_packed", "torch_mm"
+
+# The reference's name in kernel_plan: the version of kernels/SPEC.md its bits follow.
+# Bump it whenever the spec changes a single bit of any result.
+REFERENCE = "gateeng-ref-1"
+# The builds of the reference kernels (kernels/ref_ops.cpp), preferred first; every
+# one gives the spec's bits. GATEENG_CPU_ISA forces one.
+REFERENCE_ISAS = ("avx512_bf16", "avx2", "scalar")
+ISA_ENV = "GATEENG_CPU_ISA"

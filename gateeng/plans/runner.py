@@ -19,9 +19,10 @@ if TYPE_CHECKING:   # the model calls the plans' ops, so compute names it only f
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv: KVCache, fast: FastPlan, invariant: InvariantPlan,
-                 sample=sampler.sample):
+                 sample=sampler.sample, logprobs=sampler.logprobs):
         self.model = model
         self.sample = sample
+        self.logprobs = logprobs
         self.kv = kv
         self.plans = {Kind.FAST: fast, Kind.INVARIANT: invariant}
         self.last_seconds: dict = {}   # wall time per plan in the last step (metrics)
@@ -61,9 +62,9 @@ class ModelRunner:
         n = len(specs)   # hidden holds the sample rows, then the extra rows
         full = plan.full_logits(self.model, hidden[wanted + list(range(n, n + len(prompt)))])
         for j, i in enumerate(wanted):
-            out[i] = sampler.logprobs(full[j], specs[i].params, tokens[i], specs[i].params.logprobs)
+            out[i] = self.logprobs(full[j], specs[i].params, tokens[i], specs[i].params.logprobs)
         for j, (rid, params, token) in enumerate(prompt, start=len(wanted)):
-            by_request.setdefault(rid, []).append(sampler.logprobs(full[j], params, token, params.prompt_logprobs))
+            by_request.setdefault(rid, []).append(self.logprobs(full[j], params, token, params.prompt_logprobs))
         return out, {rid: tuple(v) for rid, v in by_request.items()}
 
     def _rows(self, seqs):

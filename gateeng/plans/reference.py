@@ -1,0 +1,88 @@
+"""ReferencePlan: the invariant plan of a bf16 model on CPU, whose every operation is
+the reference's (gateeng-ref-1, kernels/SPEC.md), computed by kernels/ref_ops.cpp.
+
+Each op's bits are the spec's on every machine and every build of the kernels
+(plans.reference_ops), so a VERIFIED answer depends on the model, its dtype and
+the reference version only: not on the CPU kind, the compiler, torch, the thread
+count, the KV block size or the batch. Each op computes a row start to finish
+from that row's data (attention: from its own keys), so forwards run on their real
+rows, unpadded, at any count.
+
+The weights are packed once into the reference matmul's layout (one more copy of
+every projection and of the lm_head). Logits are the reference matmul's binary32
+sums over the bf16 lm_head, dense: a greedy token is their argmax (lowest id among
+ties), a sampled one is chosen by the reference sampler (plans.sampler with these
+ops).
+"""
+from __future__ import annotations
+
+import torch
+
+from gateeng.plans.cpu import InvariantAttnMeta, InvariantPlan
+from gateeng.plans.kernel_names import REFERENCE
+
+
+class ReferencePlan(InvariantPlan):
+    sparse_greedy = False   # logits are dense binary32 sums: argmax them directly
+
+    def __init__(self, model, ops, block_size: int = 16):
+        super().__init__(rows=0, split=64, block_size=block_size)
+        self.ops = ops   # plans.reference_ops' module
+        self.grouped = False   # every op is row-invariant at any row count: no padding rows
+        weights = [w for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        self._packed = {id(w): (ops.pack(w.detach()), w.shape[0]) for w in weights + [model.lm_head]}
+        self._lm_head = id(model.lm_head)
+
+    @property
+    def group_rows(self) -> int:
+        return 0
+
+    @staticmethod
+    def applies(model) -> bool:
+        """Whether the reference is defined for this model: bf16 weights on CPU whose
+        every matmul has an even K (the kernels take K in pairs)."""
+        ks = [w.shape[1] for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        return model.dtype == torch.bfloat16 and model.embed.device.type == "cpu" and all(k % 2 == 0 for k in ks)
+
+    @staticmethod
+    def selfcheck_weights(model) -> list:
+        layer = model.layers[0]
+        return [layer.qkv, layer.o, layer.gate_up, layer.down, model.lm_head]
+
+    def describe(self, dtype: str = "bfloat16") -> str:
+        """The reference's version: what its bits depend on besides the model and dtype."""
+        return REFERENCE
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        packed, n = self._packed[id(w)]
+        return self.ops.linear(x, packed, n, False)
+
+    def add(self, x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return self.ops.add(x, b)
+
+    def rms_norm(self, x, w, eps):
+        return self.ops.rms_norm(x, w, eps)
+
+    def add_rms_norm(self, h, add, w, eps):
+        return tuple(self.ops.add_rms_norm(h, add, w, eps))
+
+    def silu_mul(self, gate_up):
+        return self.ops.silu_mul(gate_up)
+
+    def rope_store(self, qkv, cos, sin, kv, layer, slots, num_heads):
+        return self.ops.rope_store(qkv, cos, sin, kv.k[layer], kv.v[layer], slots.all, num_heads)
+
+    def attention(self, q, k_cache, v_cache, meta: InvariantAttnMeta, scale: float):
+        return self.ops.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.positions + 1, scale)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        packed, n = self._packed[self._lm_head]
+        return self.ops.linear(hidden.contiguous(), packed, n, True)
+
+    @torch.inference_mode()
+    def choice_logits(self, model, hidden: torch.Tensor, greedy: list) -> torch.Tensor:
+        return self._logits(hidden)
+
+    @torch.inference_mode()
+    def full_logits(self, model, hidden: torch.Tensor) -> torch.Tensor:
+        return self._logits(hidden)

@@ -1,0 +1,147 @@
+"""The reference kernels (kernels/ref_ops.cpp): the arithmetic of kernels/SPEC.md,
+built for one of three instruction sets, each giving the spec's bits.
+
+  avx512_bf16  VDPBF16PS (x86-64-v4 + AVX512_BF16)
+  avx2         AVX2 FMA emulating VDPBF16PS's pair steps (x86-64-v3)
+  scalar       the portable C++ source, for the compiler's default target (any CPU)
+
+The default is the first of them this CPU runs; GATEENG_CPU_ISA forces one. Each is
+built without fast math and with -ffp-contract=off (the spec decides every rounding,
+not the compiler), on first use, into $GATEENG_CACHE. Before a build serves, a
+probe checks its matmul against its own portable dot product on inputs that include
+denormals and cancellations; a build that disagrees is never used (the default then
+falls back to the next one). Where none can be had, `load` raises
+ReferenceUnavailable, whose message says why: VERIFIED requests are then refused.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from gateeng import kernels
+from gateeng.logs import log
+from gateeng.plans import cpp_build
+from gateeng.plans.kernel_names import ISA_ENV, REFERENCE, REFERENCE_ISAS
+
+SOURCE = Path(kernels.__file__).resolve().parent / "ref_ops.cpp"
+
+# What each build needs from the CPU (its /proc/cpuinfo flags) and from the compiler.
+NEEDS = {"avx512_bf16": {"avx512f", "avx512dq", "avx512cd", "avx512bw", "avx512vl", "avx512_bf16"},
+         "avx2": {"avx", "avx2", "fma", "bmi1", "bmi2", "f16c", "movbe", "abm"},
+         "scalar": set()}
+ISA_CFLAGS = {"avx512_bf16": ["-march=x86-64-v4", "-mavx512bf16", "-DGATEENG_REF_AVX512BF16"],
+              "avx2": ["-march=x86-64-v3", "-DGATEENG_REF_AVX2"],
+              "scalar": []}
+# No fast math, no contraction: every rounding is the spec's. -fopenmp: at::parallel_for
+# runs on torch's OpenMP threads (cpu_ops.py says why).
+CFLAGS = ["-O3", "-fno-fast-math", "-ffp-contract=off", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
+
+_lock = threading.Lock()
+_modules: dict = {}
+
+
+class ReferenceUnavailable(RuntimeError):
+    """No build of the reference can serve here; the message says why."""
+
+
+def runnable(flags: Optional[str] = None) -> list:
+    """The builds this CPU runs, preferred first."""
+    have = set((flags if flags is not None else cpp_build.cpu_flags()).split())
+    x86 = os.uname().machine in ("x86_64", "AMD64")
+    return [isa for isa in REFERENCE_ISAS if isa == "scalar" or (x86 and NEEDS[isa] <= have)]
+
+
+def requested() -> Optional[str]:
+    """The build GATEENG_CPU_ISA forces, or None; an unknown name is refused."""
+    isa = os.environ.get(ISA_ENV, "").strip()
+    if not isa:
+        return None
+    if isa not in REFERENCE_ISAS:
+        raise ReferenceUnavailable(f"{ISA_ENV}={isa!r} is not a reference build: use one of "
+                                   f"{', '.join(REFERENCE_ISAS)}")
+    return isa
+
+
+def load(isa: Optional[str] = None):
+    """The reference module for `isa` (default: GATEENG_CPU_ISA, else the best this CPU
+    runs that builds and passes its probe). Raises ReferenceUnavailable."""
+    forced = isa or requested()
+    if forced is not None:
+        if forced not in runnable():
+            raise ReferenceUnavailable(f"this CPU cannot run the {forced} build of {REFERENCE} (it lacks "
+                                       f"{', '.join(sorted(NEEDS[forced] - set(cpp_build.cpu_flags().split())))})")
+        return _usable(forced)
+    reasons = []
+    for candidate in runnable():
+        try:
+            return _usable(candidate)
+        except ReferenceUnavailable as exc:
+            reasons.append(str(exc))
+            log(f"{exc}; trying the next build")
+    raise ReferenceUnavailable("; ".join(reasons))
+
+
+def _usable(isa: str):
+    with _lock:
+        if isa not in _modules:
+            _modules[isa] = _build(isa)
+    module = _modules[isa]
+    if isinstance(module, ReferenceUnavailable):
+        raise module
+    return module
+
+
+def _build(isa: str):
+    """The module, or the ReferenceUnavailable to raise (kept, so a failed build is
+    not retried on every call)."""
+    cflags = CFLAGS + ISA_CFLAGS[isa]
+    try:
+        digest = cpp_build.digest(SOURCE, cflags)
+        key = hashlib.sha256(f"{digest}:{isa}".encode()).hexdigest()[:16]
+        module = cpp_build.build(f"gateeng_ref_{isa}", SOURCE, cflags, LDFLAGS, key,
+                                 f"the {REFERENCE} kernels ({isa})")
+    except Exception as exc:   # no compiler, no headers, a failed build
+        return ReferenceUnavailable(f"the {isa} build of {REFERENCE} failed ({cpp_build.failure(exc)})")
+    module.digest = digest
+    problem = probe(module)
+    if problem:
+        return ReferenceUnavailable(f"the {isa} build of {REFERENCE} disagrees with the spec here ({problem})")
+    return module
+
+
+def probe_inputs(seed: int = 0) -> tuple:
+    """bf16 x [5, 96] and w [37, 96] whose products include denormals (flushed by the
+    spec), exact cancellations and sums that land near the flush boundary."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(5, 96, generator=gen)
+    w = torch.randn(37, 96, generator=gen)
+    x[1] *= 2.0 ** -64                           # products near 2^-126: flushed or not
+    w[3] *= 2.0 ** -63
+    x[2, :48] = x[2, 48:]                         # cancellation: sums of x2 * (w_a - w_a)
+    w[5, 48:] = -w[5, :48]
+    x[3, ::7] = torch.tensor(2.0 ** -130)         # denormal inputs (read as zero)
+    w[7, 1::5] = torch.tensor(-(2.0 ** -133))
+    return x.to(torch.bfloat16), w.to(torch.bfloat16)
+
+
+def probe(module) -> str:
+    """'' when the module's matmul equals its portable dot on probe_inputs, bit for bit
+    (both outputs, every pair of rows), else what differs."""
+    x, w = probe_inputs()
+    got = module.linear(x, module.pack(w), w.shape[0], True)
+    rows = torch.arange(x.shape[0]).repeat_interleave(w.shape[0])
+    cols = torch.arange(w.shape[0]).repeat(x.shape[0])
+    want = module.dot_rows(x[rows].contiguous(), w[cols].contiguous()).view(x.shape[0], w.shape[0])
+    if not torch.equal(got.view(torch.int32), want.view(torch.int32)):
+        bad = int((got.view(torch.int32) != want.view(torch.int32)).sum())
+        return f"matmul: {bad} of {got.numel()} probe outputs differ from the portable dot"
+    rounded = module.linear(x, module.pack(w), w.shape[0], False)
+    if not torch.equal(rounded.view(torch.int16), want.to(torch.bfloat16).view(torch.int16)):
+        return "matmul: the bf16 outputs are not the binary32 sums rounded to nearest even"
+    return ""

@@ -1,0 +1,946 @@
+// The reference kernels: gateeng-ref-1, the arithmetic kernels/SPEC.md writes down.
+//
+// Every function here computes the spec's exact sequence of IEEE-754 binary32
+// operations, so every build of this file gives the same bits: the portable
+// scalar build (any C++ compiler), the AVX2 FMA build and the AVX-512 BF16 build
+// (gateeng/plans/reference_ops.py builds them). Rules that keep it so:
+//   - built with -ffp-contract=off and without fast math: no operation is fused,
+//     reordered or approximated by the compiler; a fused multiply-add appears only
+//     where the spec has one (std::fma or an FMA/VDPBF16PS intrinsic), and only on
+//     products of two bf16 values, which are exact in binary32;
+//   - every reduction follows the spec's order (`fold`, `dot`, `sum`): no
+//     reduction is left to the compiler or split across threads. Threads split
+//     rows and output columns only;
+//   - denormals are flushed, as VDPBF16PS does: each kernel runs under `Flush`
+//     (inputs read as zero, results flushed to zero of their sign);
+//   - exp and log are the spec's own polynomials, never libm.
+// A row's output depends on that row's inputs only: row-invariant at any row count.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+#if defined(GATEENG_REF_AVX512BF16)
+#if !(defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__))
+#error "the avx512_bf16 build needs -mavx512f -mavx512bf16 -mavx512bw -mavx512vl"
+#endif
+#define GATEENG_REF_ISA "avx512_bf16"
+#elif defined(GATEENG_REF_AVX2)
+#if !(defined(__AVX2__) && defined(__FMA__))
+#error "the avx2 build needs -mavx2 -mfma"
+#endif
+#define GATEENG_REF_ISA "avx2"
+#else
+#define GATEENG_REF_ISA "scalar"
+#endif
+
+namespace {
+
+using u16 = uint16_t;
+using u32 = uint32_t;
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// Denormals flushed for this scope, on this thread: the spec's binary32 model
+// (SPEC.md, "numbers"). The control register is per thread, so every parallel
+// region's body takes its own.
+class Flush {
+ public:
+#if defined(__x86_64__) || defined(__i386__)
+  Flush() : saved_(_mm_getcsr()) {
+    _mm_setcsr(saved_ | 0x8040u);   // FTZ (bit 15): results; DAZ (bit 6): inputs
+    asm volatile("" ::: "memory");
+  }
+  ~Flush() {
+    asm volatile("" ::: "memory");
+    _mm_setcsr(saved_);
+  }
+
+ private:
+  unsigned saved_;
+#elif defined(__aarch64__)
+  Flush() {
+    asm volatile("mrs %0, fpcr" : "=r"(saved_));
+    asm volatile("msr fpcr, %0" ::"r"(saved_ | (uint64_t(1) << 24)) : "memory");   // FZ
+  }
+  ~Flush() { asm volatile("msr fpcr, %0" ::"r"(saved_) : "memory"); }
+
+ private:
+  uint64_t saved_;
+#else
+#error "no flush-to-zero control known for this architecture"
+#endif
+};
+
+inline float from_bits(u32 u) {
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+inline u32 to_bits(float f) {
+  u32 u;
+  std::memcpy(&u, &f, sizeof(u));
+  return u;
+}
+inline float bf(u16 b) { return from_bits(static_cast<u32>(b) << 16); }   // exact
+
+// binary32 -> bf16, round to nearest even (SPEC.md, "bf16 rounding"); NaN stays NaN.
+inline u16 to_bf(float v) {
+  const u32 u = to_bits(v);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<u16>((u >> 16) | 0x40u);
+  return static_cast<u16>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// The pairwise tree (SPEC.md, "the tree"): block results arrive in order l = 0..15 and
+// are combined ((0+1)+(2+3))+((4+5)+(6+7)) ... as they come: lvl[i] holds the finished
+// subtree of 2^i blocks waiting for its right neighbour. After l = 15, lvl[4] is the sum.
+template <typename V, typename Add>
+inline void fold(int l, V t, V* lvl, Add add) {
+  int i = 0;
+  for (; (l >> i) & 1; ++i) t = add(lvl[i], t);
+  lvl[i] = t;
+}
+inline float add_f(float a, float b) { return a + b; }
+
+// The dot product of two bf16 vectors (SPEC.md, "dot"): pairs (2p, 2p+1) in 16 blocks
+// of ceil(pairs / 16) consecutive pairs, each block one chain of fused multiply-adds
+// (the pair's odd element first), blocks combined by the tree.
+inline float dot(const u16* a, const u16* b, int64_t k) {
+  const int64_t pairs = (k + 1) / 2, per = (pairs + 15) / 16;
+  float lvl[5];
+  for (int l = 0; l < 16; ++l) {
+    float acc = 0.f;
+    for (int64_t p = l * per, end = std::min(pairs, (l + 1) * per); p < end; ++p) {
+      if (2 * p + 1 < k) acc = std::fma(bf(a[2 * p + 1]), bf(b[2 * p + 1]), acc);
+      acc = std::fma(bf(a[2 * p]), bf(b[2 * p]), acc);
+    }
+    fold(l, acc, lvl, add_f);
+  }
+  return lvl[4];
+}
+
+// The sum of n binary32 values (SPEC.md, "sum"): 16 blocks of ceil(n / 16) consecutive
+// values, each a chain of additions from +0, combined by the tree.
+inline float sum(const float* x, int64_t n) {
+  const int64_t per = (n + 15) / 16;
+  float lvl[5];
+  for (int l = 0; l < 16; ++l) {
+    float acc = 0.f;
+    for (int64_t i = l * per, end = std::min(n, (l + 1) * per); i < end; ++i) acc = acc + x[i];
+    fold(l, acc, lvl, add_f);
+  }
+  return lvl[4];
+}
+
+// exp (SPEC.md, "exp"): Cody-Waite reduction by ln 2, the Cephes polynomial, scaled by
+// 2^k built from bits. +0 below -86 (and for -inf), +inf above 88, NaN for NaN.
+inline float spec_exp(float x) {
+  if (x != x) return x;
+  if (x > 88.f) return kInf;
+  if (x < -86.f) return 0.f;
+  const float t = x * 1.44269504088896341f;
+  const float k = (t + 12582912.f) - 12582912.f;   // nearest integer, ties to even
+  float r = x - k * 0.693359375f;                  // exact product: 9 bits x 8 bits
+  r = r - k * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  float y = p * (r * r);
+  y = y + r;
+  y = y + 1.f;
+  return y * from_bits(static_cast<u32>(static_cast<int>(k) + 127) << 23);
+}
+
+// log (SPEC.md, "log"): x = m 2^e with m in [sqrt(1/2), sqrt(2)), the Cephes
+// polynomial in m - 1. -inf for 0 (a denormal reads as 0), NaN below 0, +inf for +inf.
+inline float spec_log(float x) {
+  if (x != x || x < 0.f) return std::numeric_limits<float>::quiet_NaN();
+  if (x == 0.f) return -kInf;
+  if (x == kInf) return kInf;
+  const u32 u = to_bits(x);
+  int e = static_cast<int>((u >> 23) & 0xFFu) - 126;
+  float m = from_bits((u & 0x807FFFFFu) | 0x3F000000u);   // [0.5, 1)
+  if (m < 0.707106781186547524f) {
+    e -= 1;
+    m = (m + m) - 1.f;
+  } else {
+    m = m - 1.f;
+  }
+  const float z = m * m;
+  float y = 7.0376836292e-2f;
+  y = y * m - 1.1514610310e-1f;
+  y = y * m + 1.1676998740e-1f;
+  y = y * m - 1.2420140846e-1f;
+  y = y * m + 1.4249322787e-1f;
+  y = y * m - 1.6668057665e-1f;
+  y = y * m + 2.0000714765e-1f;
+  y = y * m - 2.4999993993e-1f;
+  y = y * m + 3.3333331174e-1f;
+  y = (y * m) * z;
+  const float fe = static_cast<float>(e);
+  y = y + fe * -2.12194440e-4f;
+  y = y + -0.5f * z;
+  float out = m + y;
+  out = out + fe * 0.693359375f;
+  return out;
+}
+
+// ---- the matmul -------------------------------------------------------------------
+// Weights packed once (pack) as [ceil(N/16)][K/2][16] pairs: per block of 16 output
+// columns and per pair p, the 16 columns' (w[2p], w[2p+1]) side by side as one u32
+// (the even element in the low half). Zero columns pad the last block. Output (m, n)
+// is dot(x[m], w[n]): every build computes each column's 16 block chains over the
+// same pairs, in the same order, and folds them by the same tree.
+
+// tile(rows, r, b, next) over row tiles of up to MR rows (from row r) and column
+// blocks b; `next` is the following block's weights, prefetched while this one
+// computes (or nullptr). Threads split column blocks; each runs over the whole K.
+template <int MR, typename F>
+inline void with_rows(int mr, F&& f) {
+  if constexpr (MR > 1) {
+    if (mr < MR) return with_rows<MR - 1>(mr, f);
+  }
+  f(std::integral_constant<int, MR>{});
+}
+
+template <int MR, typename Tile>
+void for_each_tile(int64_t m, int64_t blocks, Tile tile) {
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    Flush flush;
+    for (int64_t b = begin; b < end; ++b) {
+      for (int64_t r = 0; r < m; r += MR) {
+        with_rows<MR>(static_cast<int>(std::min<int64_t>(MR, m - r)), [&](auto rows) {
+          tile(rows, r, b, b + 1 < end ? b + 1 : -1);
+        });
+      }
+    }
+  });
+}
+
+// Where the tile's sums go: bf16 (a projection) or binary32 (the lm_head's logits).
+struct Out {
+  u16* bf = nullptr;
+  float* f32 = nullptr;
+  int64_t n = 0;
+  inline void put(int64_t row, int64_t col, float v) const {
+    if (bf != nullptr) {
+      bf[row * n + col] = to_bf(v);
+    } else {
+      f32[row * n + col] = v;
+    }
+  }
+};
+
+// The portable tile: any CPU. rows x 16 columns, chains in arrays.
+template <int MR>
+void tile_portable(const u16* x, int64_t k, const u32* w, const Out& out, int64_t row, int64_t col) {
+  const int64_t pairs = k / 2, per = (pairs + 15) / 16;
+  float lvl[5][MR][16];
+  for (int l = 0; l < 16; ++l) {
+    float acc[MR][16];
+    for (int i = 0; i < MR; ++i)
+      for (int c = 0; c < 16; ++c) acc[i][c] = 0.f;
+    for (int64_t p = l * per, end = std::min(pairs, (l + 1) * per); p < end; ++p) {
+      const u32* wp = w + p * 16;
+      for (int i = 0; i < MR; ++i) {
+        const float xo = bf(x[i * k + 2 * p + 1]), xe = bf(x[i * k + 2 * p]);
+        for (int c = 0; c < 16; ++c) {
+          acc[i][c] = std::fma(xo, bf(static_cast<u16>(wp[c] >> 16)), acc[i][c]);
+          acc[i][c] = std::fma(xe, bf(static_cast<u16>(wp[c] & 0xFFFFu)), acc[i][c]);
+        }
+      }
+    }
+    int j = 0;
+    for (; (l >> j) & 1; ++j) {
+      for (int i = 0; i < MR; ++i)
+        for (int c = 0; c < 16; ++c) acc[i][c] = lvl[j][i][c] + acc[i][c];
+    }
+    std::memcpy(lvl[j], acc, sizeof(acc));
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int c = 0; c < 16 && col + c < out.n; ++c) out.put(row + i, col + c, lvl[4][i][c]);
+}
+
+#if defined(GATEENG_REF_AVX2) || defined(GATEENG_REF_AVX512BF16)
+// 8 binary32 sums rounded to bf16 (to_bf, finite values) and stored, the first `valid`.
+inline void store_bf16x8(u16* out, __m256 v, int64_t valid) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i hi = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m128i packed = _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(hi, hi), 0x08));
+  alignas(16) u16 tmp[8];
+  _mm_store_si128(reinterpret_cast<__m128i*>(tmp), packed);
+  std::memcpy(out, tmp, valid * sizeof(u16));
+}
+
+inline void store8(const Out& out, int64_t row, int64_t col, __m256 v) {
+  const int64_t valid = std::min<int64_t>(8, out.n - col);
+  if (valid <= 0) return;
+  if (out.bf != nullptr) {
+    store_bf16x8(out.bf + row * out.n + col, v, valid);
+  } else {
+    alignas(32) float tmp[8];
+    _mm256_store_ps(tmp, v);
+    std::memcpy(out.f32 + row * out.n + col, tmp, valid * sizeof(float));
+  }
+}
+#endif
+
+#if defined(GATEENG_REF_AVX2)
+// The AVX2 tile: rows x 16 columns as two 8-lane halves. A pair's two elements come
+// out of the packed u32 by a mask (odd: the high half) and a shift (even), and take
+// one FMA each, odd first: VDPBF16PS's two steps, under Flush's DAZ/FTZ. xo, xe: the
+// rows' odd and even elements as binary32, [rows][pairs].
+template <int MR>
+void tile_avx2(const float* xo, const float* xe, int64_t pairs, const u32* w, const u32* next, const Out& out,
+               int64_t row, int64_t col) {
+  const int64_t per = (pairs + 15) / 16;
+  const __m256i hi_mask = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m256 lvl[5][MR][2];
+  for (int l = 0; l < 16; ++l) {
+    __m256 acc[MR][2];
+    for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int64_t p = l * per, end = std::min(pairs, (l + 1) * per); p < end; ++p) {
+      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 16));
+      const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 16 + 8));
+      if (next != nullptr) _mm_prefetch(reinterpret_cast<const char*>(next + p * 16), _MM_HINT_T1);
+      const __m256 o0 = _mm256_castsi256_ps(_mm256_and_si256(w0, hi_mask));
+      const __m256 o1 = _mm256_castsi256_ps(_mm256_and_si256(w1, hi_mask));
+      const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16));
+      const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(w1, 16));
+      for (int i = 0; i < MR; ++i) {
+        const __m256 xov = _mm256_broadcast_ss(xo + i * pairs + p);
+        const __m256 xev = _mm256_broadcast_ss(xe + i * pairs + p);
+        acc[i][0] = _mm256_fmadd_ps(xev, e0, _mm256_fmadd_ps(xov, o0, acc[i][0]));
+        acc[i][1] = _mm256_fmadd_ps(xev, e1, _mm256_fmadd_ps(xov, o1, acc[i][1]));
+      }
+    }
+    int j = 0;
+    for (; (l >> j) & 1; ++j) {
+      for (int i = 0; i < MR; ++i) {
+        acc[i][0] = _mm256_add_ps(lvl[j][i][0], acc[i][0]);
+        acc[i][1] = _mm256_add_ps(lvl[j][i][1], acc[i][1]);
+      }
+    }
+    for (int i = 0; i < MR; ++i) lvl[j][i][0] = acc[i][0], lvl[j][i][1] = acc[i][1];
+  }
+  for (int i = 0; i < MR; ++i) {
+    store8(out, row + i, col, lvl[4][i][0]);
+    store8(out, row + i, col + 8, lvl[4][i][1]);
+  }
+}
+#endif
+
+#if defined(GATEENG_REF_AVX512BF16)
+// The AVX-512 BF16 tile: rows x 16 columns, one VDPBF16PS per row and pair, which is
+// the spec's two FMAs (odd element first, DAZ in, FTZ out, round to nearest even).
+template <int MR>
+void tile_dpbf16(const u16* x, int64_t k, const u32* w, const u32* next, const Out& out, int64_t row,
+                 int64_t col) {
+  const int64_t pairs = k / 2, per = (pairs + 15) / 16;
+  __m512 lvl[5][MR];
+  for (int l = 0; l < 16; ++l) {
+    __m512 acc[MR];
+    for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t p = l * per, end = std::min(pairs, (l + 1) * per); p < end; ++p) {
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(w + p * 16));
+      if (next != nullptr) _mm_prefetch(reinterpret_cast<const char*>(next + p * 16), _MM_HINT_T1);
+      for (int i = 0; i < MR; ++i) {
+        int32_t pair;
+        std::memcpy(&pair, x + i * k + 2 * p, sizeof(pair));
+        acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32(pair), wv);
+      }
+    }
+    int j = 0;
+    for (; (l >> j) & 1; ++j) {
+      for (int i = 0; i < MR; ++i) acc[i] = _mm512_add_ps(lvl[j][i], acc[i]);
+    }
+    for (int i = 0; i < MR; ++i) lvl[j][i] = acc[i];
+  }
+  for (int i = 0; i < MR; ++i) {
+    store8(out, row + i, col, _mm512_castps512_ps256(lvl[4][i]));
+    store8(out, row + i, col + 8, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(lvl[4][i]), 1)));
+  }
+}
+#endif
+
+torch::Tensor pack(torch::Tensor w) {
+  TORCH_CHECK(w.scalar_type() == torch::kBFloat16 && w.dim() == 2 && w.size(1) % 2 == 0 && w.device().is_cpu(),
+              "w must be a bf16 [N, K] CPU matrix with K even");
+  w = w.contiguous();
+  const int64_t n = w.size(0), kp = w.size(1) / 2, blocks = (n + 15) / 16;
+  auto out = torch::zeros({blocks, kp, 16, 2}, w.options());
+  const u32* src = reinterpret_cast<const u32*>(w.data_ptr<at::BFloat16>());
+  u32* dst = reinterpret_cast<u32*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      for (int64_t c = b * 16; c < std::min(n, b * 16 + 16); ++c) {
+        for (int64_t p = 0; p < kp; ++p) dst[(b * kp + p) * 16 + (c - b * 16)] = src[c * kp + p];
+      }
+    }
+  });
+  return out;
+}
+
+// x @ w.T on a packed weight: bf16 out (rounded), or binary32 out (f32 = true).
+torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n, bool f32) {
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.device().is_cpu(), "x must be bf16 [M, K]");
+  TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.dim() == 4 && packed.size(2) == 16 &&
+                  packed.size(3) == 2 && packed.is_contiguous(), "packed must come from pack");
+  const int64_t m = x.size(0), k = x.size(1), blocks = packed.size(0);
+  TORCH_CHECK(packed.size(1) * 2 == k && (n + 15) / 16 == blocks, "packed weight does not match x or n");
+  x = x.contiguous();
+  auto result = torch::empty({m, n}, x.options().dtype(f32 ? torch::kFloat : torch::kBFloat16));
+  Out out;
+  out.n = n;
+  if (f32) {
+    out.f32 = result.data_ptr<float>();
+  } else {
+    out.bf = reinterpret_cast<u16*>(result.data_ptr<at::BFloat16>());
+  }
+  const u16* xp = reinterpret_cast<const u16*>(x.data_ptr<at::BFloat16>());
+  const u32* wp = reinterpret_cast<const u32*>(packed.data_ptr<at::BFloat16>());
+  const int64_t block_stride = k / 2 * 16;   // u32 per column block
+  if (m == 0 || n == 0) return result;
+#if defined(GATEENG_REF_AVX512BF16)
+  for_each_tile<8>(m, blocks, [&](auto rows, int64_t r, int64_t b, int64_t nb) {
+    tile_dpbf16<decltype(rows)::value>(xp + r * k, k, wp + b * block_stride,
+                                       nb >= 0 ? wp + nb * block_stride : nullptr, out, r, b * 16);
+  });
+#elif defined(GATEENG_REF_AVX2)
+  const int64_t pairs = k / 2;
+  std::vector<float> xo(m * pairs), xe(m * pairs);   // exact: a bf16 is a binary32
+  for (int64_t i = 0; i < m * pairs; ++i) xo[i] = bf(xp[2 * i + 1]), xe[i] = bf(xp[2 * i]);
+  for_each_tile<4>(m, blocks, [&](auto rows, int64_t r, int64_t b, int64_t nb) {
+    tile_avx2<decltype(rows)::value>(xo.data() + r * pairs, xe.data() + r * pairs, pairs, wp + b * block_stride,
+                                     nb >= 0 ? wp + nb * block_stride : nullptr, out, r, b * 16);
+  });
+#else
+  for_each_tile<4>(m, blocks, [&](auto rows, int64_t r, int64_t b, int64_t) {
+    tile_portable<decltype(rows)::value>(xp + r * k, k, wp + b * block_stride, out, r, b * 16);
+  });
+#endif
+  return result;
+}
+
+// ---- the row-wise ops -------------------------------------------------------------
+
+void check_bf16(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kBFloat16, name, " must be a bf16 CPU tensor");
+}
+const u16* cbits(const torch::Tensor& t) { return reinterpret_cast<const u16*>(t.data_ptr<at::BFloat16>()); }
+u16* bits(torch::Tensor& t) { return reinterpret_cast<u16*>(t.data_ptr<at::BFloat16>()); }
+
+// RMSNorm of one row (SPEC.md, "RMSNorm"): the mean square from dot(x, x), the
+// normalized value rounded to bf16 before the weight multiplies it.
+inline void rms_norm_row(const u16* x, const u16* w, u16* y, int64_t h, float eps) {
+  const float ms = dot(x, x, h) / static_cast<float>(h);
+  const float inv = 1.f / std::sqrt(ms + eps);
+  for (int64_t i = 0; i < h; ++i) y[i] = to_bf(bf(w[i]) * bf(to_bf(bf(x[i]) * inv)));
+}
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  check_bf16(x, "x");
+  check_bf16(w, "w");
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(-1), "w must be [hidden]");
+  x = x.contiguous();
+  w = w.contiguous();
+  auto out = torch::empty_like(x);
+  const int64_t h = x.size(-1), rows = h ? x.numel() / h : 0;
+  const u16 *xp = cbits(x), *wp = cbits(w);
+  u16* op = bits(out);
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    Flush flush;
+    for (int64_t r = begin; r < end; ++r) rms_norm_row(xp + r * h, wp, op + r * h, h, e);
+  });
+  return out;
+}
+
+// (bf16(h + add), rms_norm of it): the residual add and the norm after it.
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor h, torch::Tensor add, torch::Tensor w, double eps) {
+  check_bf16(h, "h");
+  check_bf16(add, "add");
+  check_bf16(w, "w");
+  TORCH_CHECK(add.sizes() == h.sizes() && w.dim() == 1 && w.size(0) == h.size(-1), "add must match h, w [hidden]");
+  h = h.contiguous();
+  add = add.contiguous();
+  w = w.contiguous();
+  auto h_out = torch::empty_like(h), x_out = torch::empty_like(h);
+  const int64_t n = h.size(-1), rows = n ? h.numel() / n : 0;
+  const u16 *hp = cbits(h), *ap = cbits(add), *wp = cbits(w);
+  u16 *ho = bits(h_out), *xo = bits(x_out);
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    Flush flush;
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t i = 0; i < n; ++i) ho[r * n + i] = to_bf(bf(hp[r * n + i]) + bf(ap[r * n + i]));
+      rms_norm_row(ho + r * n, wp, xo + r * n, n, e);
+    }
+  });
+  return {h_out, x_out};
+}
+
+// bf16(a + b), elementwise (a bias add); b broadcasts over a's rows when 1-D.
+torch::Tensor add(torch::Tensor a, torch::Tensor b) {
+  check_bf16(a, "a");
+  check_bf16(b, "b");
+  a = a.contiguous();
+  b = b.contiguous();
+  const int64_t n = a.size(-1), rows = n ? a.numel() / n : 0;
+  TORCH_CHECK(b.numel() == n || b.sizes() == a.sizes(), "b must be [n] or a's shape");
+  const int64_t stride = b.numel() == n ? 0 : n;
+  auto out = torch::empty_like(a);
+  const u16 *ap = cbits(a), *bp = cbits(b);
+  u16* op = bits(out);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    Flush flush;
+    for (int64_t r = begin; r < end; ++r)
+      for (int64_t i = 0; i < n; ++i) op[r * n + i] = to_bf(bf(ap[r * n + i]) + bf(bp[r * stride + i]));
+  });
+  return out;
+}
+
+// out = bf16(bf16(x / (1 + exp(-x))) * up) for gate_up = [gate | up] (SPEC.md, "SiLU").
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  check_bf16(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up must be [rows, 2 * n]");
+  gate_up = gate_up.contiguous();
+  const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
+  auto out = torch::empty({rows, n}, gate_up.options());
+  const u16* gp = cbits(gate_up);
+  u16* op = bits(out);
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    Flush flush;
+    for (int64_t r = begin; r < end; ++r) {
+      const u16* g = gp + r * 2 * n;
+      const u16* u = g + n;
+      for (int64_t i = 0; i < n; ++i) {
+        const float x = bf(g[i]);
+        const float s = x / (1.f + spec_exp(-x));
+        op[r * n + i] = to_bf(bf(to_bf(s)) * bf(u[i]));
+      }
+    }
+  });
+  return out;
+}
+
+// RoPE (rotate-half) on a row's query and key heads, its key and value stored at its
+// cache slot (SPEC.md, "RoPE"): y = bf16(bf16(x cos) + bf16(rot(x) sin)). qkv [rows,
+// (Hq + 2 Hkv) D]; cos, sin [rows, D] (the spec's tables at the rows' positions).
+// Slot -1 (a padding row) stores nothing. Returns q [rows, Hq, D].
+torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
+                         torch::Tensor v_cache, torch::Tensor slots, int64_t hq) {
+  check_bf16(qkv, "qkv");
+  check_bf16(cos, "cos");
+  check_bf16(sin, "sin");
+  check_bf16(k_cache, "k_cache");
+  check_bf16(v_cache, "v_cache");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous(), "the KV cache must be contiguous [blocks, block_size, Hkv, D]");
+  TORCH_CHECK(slots.scalar_type() == torch::kLong, "slots: int64");
+  const int64_t hkv = k_cache.size(2), d = k_cache.size(3), rows = qkv.size(0);
+  TORCH_CHECK(d % 2 == 0 && qkv.dim() == 2 && qkv.size(1) == (hq + 2 * hkv) * d, "qkv must be [rows, (Hq + 2 Hkv) D]");
+  TORCH_CHECK(cos.numel() == rows * d && sin.numel() == rows * d && slots.numel() == rows,
+              "cos, sin: [rows, D]; slots: [rows]");
+  qkv = qkv.contiguous();
+  cos = cos.contiguous();
+  sin = sin.contiguous();
+  slots = slots.contiguous();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t capacity = k_cache.size(0) * k_cache.size(1);
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(sp[r] >= -1 && sp[r] < capacity, "row ", r, " names slot ", sp[r], " of ", capacity);
+  }
+  auto q = torch::empty({rows, hq, d}, qkv.options());
+  const u16 *xp = cbits(qkv), *cp = cbits(cos), *snp = cbits(sin);
+  u16 *qp = bits(q), *kp = bits(k_cache), *vp = bits(v_cache);
+  const int64_t half = d / 2, width = (hq + 2 * hkv) * d;
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    Flush flush;
+    auto rotate = [&](const u16* x, const u16* c, const u16* s, u16* y) {
+      for (int64_t i = 0; i < d; ++i) {
+        const float rot = i < half ? -bf(x[i + half]) : bf(x[i - half]);
+        y[i] = to_bf(bf(to_bf(bf(x[i]) * bf(c[i]))) + bf(to_bf(rot * bf(s[i]))));
+      }
+    };
+    for (int64_t r = begin; r < end; ++r) {
+      const u16* row = xp + r * width;
+      for (int64_t h = 0; h < hq; ++h) rotate(row + h * d, cp + r * d, snp + r * d, qp + (r * hq + h) * d);
+      if (sp[r] < 0) continue;
+      for (int64_t h = 0; h < hkv; ++h) rotate(row + (hq + h) * d, cp + r * d, snp + r * d, kp + (sp[r] * hkv + h) * d);
+      std::memcpy(vp + sp[r] * hkv * d, row + (hq + hkv) * d, hkv * d * sizeof(u16));
+    }
+  });
+  return q;
+}
+
+// ---- attention --------------------------------------------------------------------
+// One query row per call row (SPEC.md, "attention"). Keys in chunks of 16 at absolute
+// positions [16c, 16c + 16); per chunk the scores s_t = dot(q, k_t) * scale, an online
+// softmax step and the value chain. Nothing depends on the KV block size or on the
+// call's rows.
+constexpr int64_t CHUNK = 16;
+constexpr int64_t MAX_GROUP = 16;   // query heads per KV head the vector scores take (more: portable)
+
+// The scores of one chunk for the G query heads sharing a KV head: s[j * 16 + t] for
+// key t < n (keys[t] points at its D values); -inf for t >= n.
+void chunk_scores(const u16* const* q, int64_t g, const u16* const* keys, int64_t n, int64_t d, float scale,
+                  float* s) {
+#if defined(GATEENG_REF_AVX512BF16) || defined(GATEENG_REF_AVX2)
+  // Lanes are the chunk's keys: each gather takes pair p of 16 keys, and each lane's
+  // chain is its own key's dot, in the spec's order. Offsets from the first key, in
+  // u32, must fit the gathers' int32 indices.
+  alignas(64) int32_t idx[CHUNK];
+  bool near = d % 32 == 0 && g <= MAX_GROUP;
+  for (int64_t t = 0; t < CHUNK && near; ++t) {
+    const int64_t off = (keys[t < n ? t : 0] - keys[0]) / 2;
+    near = off > -(int64_t(1) << 30) && off < (int64_t(1) << 30);
+    idx[t] = static_cast<int32_t>(off);
+  }
+  if (near) {
+    const u32* base = reinterpret_cast<const u32*>(keys[0]);
+    const int64_t pairs = d / 2, per = pairs / 16;
+#if defined(GATEENG_REF_AVX512BF16)
+    const __m512i vidx = _mm512_load_si512(idx);
+    __m512 acc[MAX_GROUP], lvl[5 * MAX_GROUP];
+    for (int l = 0; l < 16; ++l) {
+      for (int64_t j = 0; j < g; ++j) acc[j] = _mm512_setzero_ps();
+      for (int64_t p = l * per; p < (l + 1) * per; ++p) {
+        const __m512bh kv = (__m512bh)_mm512_i32gather_epi32(vidx, reinterpret_cast<const int*>(base + p), 4);
+        for (int64_t j = 0; j < g; ++j) {
+          int32_t pair;
+          std::memcpy(&pair, q[j] + 2 * p, sizeof(pair));
+          acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_set1_epi32(pair), kv);
+        }
+      }
+      for (int64_t j = 0; j < g; ++j) {
+        __m512 t = acc[j];
+        int i = 0;
+        for (; (l >> i) & 1; ++i) t = _mm512_add_ps(lvl[i * g + j], t);
+        lvl[i * g + j] = t;
+      }
+    }
+    for (int64_t j = 0; j < g; ++j) _mm512_storeu_ps(s + j * CHUNK, _mm512_mul_ps(lvl[4 * g + j], _mm512_set1_ps(scale)));
+#else
+    const __m256i v0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(idx));
+    const __m256i v1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(idx + 8));
+    const __m256i hi_mask = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+    __m256 acc[2 * MAX_GROUP], lvl[10 * MAX_GROUP];
+    for (int l = 0; l < 16; ++l) {
+      for (int64_t j = 0; j < 2 * g; ++j) acc[j] = _mm256_setzero_ps();
+      for (int64_t p = l * per; p < (l + 1) * per; ++p) {
+        const int* at = reinterpret_cast<const int*>(base + p);
+        const __m256i k0 = _mm256_i32gather_epi32(at, v0, 4), k1 = _mm256_i32gather_epi32(at, v1, 4);
+        const __m256 o0 = _mm256_castsi256_ps(_mm256_and_si256(k0, hi_mask));
+        const __m256 o1 = _mm256_castsi256_ps(_mm256_and_si256(k1, hi_mask));
+        const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(k0, 16));
+        const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(k1, 16));
+        for (int64_t j = 0; j < g; ++j) {
+          const __m256 qo = _mm256_set1_ps(bf(q[j][2 * p + 1])), qe = _mm256_set1_ps(bf(q[j][2 * p]));
+          acc[2 * j] = _mm256_fmadd_ps(qe, e0, _mm256_fmadd_ps(qo, o0, acc[2 * j]));
+          acc[2 * j + 1] = _mm256_fmadd_ps(qe, e1, _mm256_fmadd_ps(qo, o1, acc[2 * j + 1]));
+        }
+      }
+      for (int64_t j = 0; j < 2 * g; ++j) {
+        __m256 t = acc[j];
+        int i = 0;
+        for (; (l >> i) & 1; ++i) t = _mm256_add_ps(lvl[i * 2 * g + j], t);
+        lvl[i * 2 * g + j] = t;
+      }
+    }
+    const __m256 sc = _mm256_set1_ps(scale);
+    for (int64_t j = 0; j < g; ++j) {
+      _mm256_storeu_ps(s + j * CHUNK, _mm256_mul_ps(lvl[8 * g + 2 * j], sc));
+      _mm256_storeu_ps(s + j * CHUNK + 8, _mm256_mul_ps(lvl[8 * g + 2 * j + 1], sc));
+    }
+#endif
+    for (int64_t j = 0; j < g; ++j)
+      for (int64_t t = n; t < CHUNK; ++t) s[j * CHUNK + t] = -kInf;
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < g; ++j) {
+    for (int64_t t = 0; t < CHUNK; ++t) s[j * CHUNK + t] = t < n ? dot(q[j], keys[t], d) * scale : -kInf;
+  }
+}
+
+torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
+                               torch::Tensor lens, double scale) {
+  check_bf16(q, "q");
+  check_bf16(k_cache, "k_cache");
+  check_bf16(v_cache, "v_cache");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV cache must be contiguous");
+  TORCH_CHECK(tables.scalar_type() == torch::kLong && lens.scalar_type() == torch::kLong, "tables, lens: int64");
+  const int64_t batch = q.size(0), hq = q.size(1), d = q.size(2);
+  const int64_t block_size = k_cache.size(1), hkv = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == d && hq % hkv == 0, "head shapes do not match");
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == batch && lens.numel() == batch, "tables [B, W], lens [B]");
+  q = q.contiguous();
+  tables = tables.contiguous();
+  lens = lens.contiguous();
+  const int64_t width = tables.size(1), blocks = k_cache.size(0);
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(lp[b] >= 1 && lp[b] <= width * block_size, "row ", b, " attends ", lp[b],
+                " keys, outside its block table");
+    for (int64_t i = 0; i < (lp[b] + block_size - 1) / block_size; ++i) {
+      TORCH_CHECK(tp[b * width + i] >= 0 && tp[b * width + i] < blocks, "row ", b, " names block ",
+                  tp[b * width + i], " of ", blocks);
+    }
+  }
+  auto out = torch::empty_like(q);
+  const u16 *qp = cbits(q), *kp = cbits(k_cache), *vp = cbits(v_cache);
+  u16* op = bits(out);
+  const int64_t g = hq / hkv, tok = hkv * d;
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, batch * hkv, 1, [&](int64_t begin, int64_t end) {
+    Flush flush;
+    std::vector<const u16*> qs(g), keys(CHUNK), values(CHUNK);
+    std::vector<float> s(g * CHUNK), e(CHUNK), acc(g * d), m(g), l(g), vf(CHUNK * d);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / hkv, h = item % hkv, len = lp[b];
+      for (int64_t j = 0; j < g; ++j) qs[j] = qp + (b * hq + h * g + j) * d;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(m.begin(), m.end(), -kInf);
+      std::fill(l.begin(), l.end(), 0.f);
+      for (int64_t start = 0; start < len; start += CHUNK) {
+        const int64_t n = std::min(CHUNK, len - start);
+        for (int64_t t = 0; t < n; ++t) {
+          const int64_t pos = start + t;
+          const int64_t slot = tp[b * width + pos / block_size] * block_size + pos % block_size;
+          keys[t] = kp + slot * tok + h * d;
+          values[t] = vp + slot * tok + h * d;
+          for (int64_t i = 0; i < d; ++i) vf[t * d + i] = bf(values[t][i]);
+        }
+        chunk_scores(qs.data(), g, keys.data(), n, d, sc, s.data());
+        for (int64_t j = 0; j < g; ++j) {
+          const float* sj = s.data() + j * CHUNK;
+          float mx = m[j];
+          for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sj[t]);
+          const float rescale = spec_exp(m[j] - mx);
+          for (int64_t t = 0; t < CHUNK; ++t) e[t] = spec_exp(sj[t] - mx);   // 0 past the keys
+          float lvl[5];
+          for (int t = 0; t < CHUNK; ++t) fold(t, e[t], lvl, add_f);
+          m[j] = mx;
+          l[j] = l[j] * rescale + lvl[4];
+          float* aj = acc.data() + j * d;
+          for (int64_t i = 0; i < d; ++i) aj[i] = aj[i] * rescale;
+          for (int64_t t = 0; t < n; ++t) {
+            const float p = e[t];
+            const float* v = vf.data() + t * d;
+            for (int64_t i = 0; i < d; ++i) aj[i] = aj[i] + p * v[i];
+          }
+        }
+      }
+      for (int64_t j = 0; j < g; ++j) {
+        const float inv = 1.f / l[j];
+        u16* o = op + (b * hq + h * g + j) * d;
+        for (int64_t i = 0; i < d; ++i) o[i] = to_bf(acc[j * d + i] * inv);
+      }
+    }
+  });
+  return out;
+}
+
+// ---- token choice -----------------------------------------------------------------
+
+void check_f32(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat && t.is_contiguous(), name,
+              " must be a contiguous float32 CPU tensor");
+}
+
+// Per row of scores [R, V]: the lowest id of the largest value, and that value minus
+// the largest of the others (0 where the largest is tied).
+std::vector<torch::Tensor> argmax_margin(torch::Tensor scores) {
+  check_f32(scores, "scores");
+  TORCH_CHECK(scores.dim() == 2 && scores.size(1) >= 2, "scores must be [rows, vocab >= 2]");
+  const int64_t rows = scores.size(0), v = scores.size(1);
+  auto tokens = torch::empty({rows}, torch::kLong);
+  auto margins = torch::empty({rows}, torch::kFloat);
+  const float* sp = scores.data_ptr<float>();
+  int64_t* tk = tokens.data_ptr<int64_t>();
+  float* mg = margins.data_ptr<float>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    Flush flush;
+    for (int64_t r = begin; r < end; ++r) {
+      const float* x = sp + r * v;
+      int64_t best = 0;
+      float first = x[0], second = -kInf;
+      for (int64_t i = 1; i < v; ++i) {
+        if (x[i] > first) {
+          second = first;
+          first = x[i];
+          best = i;
+        } else if (x[i] > second) {
+          second = x[i];
+        }
+      }
+      tk[r] = best;
+      mg[r] = first - second;
+    }
+  });
+  return {tokens, margins};
+}
+
+// The spec's scores for one sampled row (SPEC.md, "sampling"): z / T, then top-k,
+// then top-p; dropped ids -inf.
+torch::Tensor sample_scores(torch::Tensor z, double temperature, int64_t top_k, double top_p) {
+  check_f32(z, "z");
+  TORCH_CHECK(z.dim() == 1 && temperature > 0, "z must be [vocab], temperature > 0");
+  Flush flush;
+  const int64_t v = z.size(0);
+  auto out = torch::empty_like(z);
+  const float* zp = z.data_ptr<float>();
+  float* s = out.data_ptr<float>();
+  const float t = static_cast<float>(temperature);
+  for (int64_t i = 0; i < v; ++i) s[i] = zp[i] / t;
+  if (top_k > 0 && top_k < v) {
+    std::vector<float> copy(s, s + v);
+    std::nth_element(copy.begin(), copy.begin() + (top_k - 1), copy.end(), std::greater<float>());
+    const float kth = copy[top_k - 1];
+    for (int64_t i = 0; i < v; ++i) {
+      if (s[i] < kth) s[i] = -kInf;
+    }
+  }
+  const float p_max = static_cast<float>(top_p);
+  if (p_max < 1.f) {
+    std::vector<int64_t> order(v);
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return s[a] > s[b]; });
+    std::vector<float> e(v);
+    const float top = s[order[0]];
+    for (int64_t j = 0; j < v; ++j) e[j] = spec_exp(s[order[j]] - top);
+    const float total = sum(e.data(), v);
+    float before = 0.f;   // the probability of the ids above this one
+    std::vector<char> drop(v, 0);
+    for (int64_t j = 0; j < v; ++j) {
+      const float p = e[j] / total;
+      drop[j] = before > p_max;
+      before = before + p;
+    }
+    for (int64_t j = 0; j < v; ++j) {
+      if (drop[j]) s[order[j]] = -kInf;
+    }
+  }
+  return out;
+}
+
+// Gumbel noise for one row (SPEC.md, "sampling"): u = (2 (h >> 9) + 1) 2^-24 from the
+// id's 32-bit hash h, then -log(-log(u)).
+torch::Tensor gumbel(int64_t key, int64_t vocab) {
+  Flush flush;
+  auto out = torch::empty({vocab}, torch::kFloat);
+  float* g = out.data_ptr<float>();
+  const u32 k = static_cast<u32>(key);
+  for (int64_t i = 0; i < vocab; ++i) {
+    u32 x = (static_cast<u32>(i) * 0x9E3779B1u) ^ k;
+    x ^= x >> 16;
+    x *= 0x7FEB352Du;
+    x ^= x >> 15;
+    x *= 0x846CA68Bu;
+    x ^= x >> 16;
+    const float u = static_cast<float>(2u * (x >> 9) + 1u) * 0x1p-24f;
+    g[i] = -spec_log(-spec_log(u));
+  }
+  return out;
+}
+
+// Elementwise a + b in binary32 (flushed), e.g. scores plus their Gumbel noise.
+torch::Tensor add_f32(torch::Tensor a, torch::Tensor b) {
+  check_f32(a, "a");
+  check_f32(b, "b");
+  TORCH_CHECK(a.sizes() == b.sizes(), "a and b must have one shape");
+  Flush flush;
+  auto out = torch::empty_like(a);
+  const float *ap = a.data_ptr<float>(), *bp = b.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t i = 0; i < a.numel(); ++i) op[i] = ap[i] + bp[i];
+  return out;
+}
+
+// log_softmax of one row (SPEC.md, "logprobs"): (s - max) - log(sum(exp(s - max))).
+torch::Tensor log_softmax(torch::Tensor s) {
+  check_f32(s, "s");
+  TORCH_CHECK(s.dim() == 1 && s.numel() >= 1, "s must be [vocab]");
+  Flush flush;
+  const int64_t v = s.size(0);
+  const float* x = s.data_ptr<float>();
+  float mx = -kInf;
+  for (int64_t i = 0; i < v; ++i) mx = std::max(mx, x[i]);
+  std::vector<float> e(v);
+  for (int64_t i = 0; i < v; ++i) e[i] = spec_exp(x[i] - mx);
+  const float lz = spec_log(sum(e.data(), v));
+  auto out = torch::empty_like(s);
+  float* o = out.data_ptr<float>();
+  for (int64_t i = 0; i < v; ++i) o[i] = (x[i] - mx) - lz;
+  return out;
+}
+
+// The spec's functions one at a time, for the tests against the oracle.
+torch::Tensor map_f32(torch::Tensor x, int64_t which) {
+  check_f32(x, "x");
+  Flush flush;
+  auto out = torch::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for (int64_t i = 0; i < x.numel(); ++i) op[i] = which == 0 ? spec_exp(xp[i]) : spec_log(xp[i]);
+  return out;
+}
+
+torch::Tensor dot_rows(torch::Tensor a, torch::Tensor b) {
+  check_bf16(a, "a");
+  check_bf16(b, "b");
+  TORCH_CHECK(a.dim() == 2 && a.sizes() == b.sizes(), "a, b: [rows, K]");
+  a = a.contiguous();
+  b = b.contiguous();
+  Flush flush;
+  auto out = torch::empty({a.size(0)}, torch::kFloat);
+  for (int64_t r = 0; r < a.size(0); ++r)
+    out.data_ptr<float>()[r] = dot(cbits(a) + r * a.size(1), cbits(b) + r * a.size(1), a.size(1));
+  return out;
+}
+
+torch::Tensor sum_f32(torch::Tensor x) {
+  check_f32(x, "x");
+  Flush flush;
+  return torch::full({}, sum(x.data_ptr<float>(), x.numel()), torch::kFloat);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.attr("isa") = GATEENG_REF_ISA;
+  m.def("pack", &pack, "a bf16 [N, K] weight in linear's layout");
+  m.def("linear", &linear, "x @ w.T on a packed weight, bf16 or float32 out");
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dim");
+  m.def("add_rms_norm", &add_rms_norm, "(h + add, RMSNorm(h + add))");
+  m.def("add", &add, "bf16(a + b), b broadcast over rows when 1-D");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up for gate_up = [gate | up]");
+  m.def("rope_store", &rope_store, "RoPE on q and k heads; k and v stored at their cache slots; returns q");
+  m.def("decode_attention", &decode_attention, "one-query-per-row attention over a paged KV cache");
+  m.def("argmax_margin", &argmax_margin, "(lowest argmax id, top-1 minus top-2) per row");
+  m.def("sample_scores", &sample_scores, "z / T with top-k and top-p applied (-inf: dropped)");
+  m.def("gumbel", &gumbel, "Gumbel noise of one row from its 32-bit key");
+  m.def("add_f32", &add_f32, "a + b in float32");
+  m.def("log_softmax", &log_softmax, "log_softmax of one row");
+  m.def("map_f32", &map_f32, "the spec's exp (0) or log (1), elementwise");
+  m.def("dot_rows", &dot_rows, "the spec's dot of a[r] and b[r] per row");
+  m.def("sum_f32", &sum_f32, "the spec's sum of all elements");
+}
