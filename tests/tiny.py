@@ -105,3 +105,25 @@ def save_family(family: str, path) -> None:
     fast.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
                           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     fast.save_pretrained(path)
+
+
+def spec_tiny(seed=0, head_dim=32, max_positions=256) -> LoadedModel:
+    """A tiny bf16 Llama whose weights come from integers (numpy's PCG64), so they have
+    the same bits on every machine: the golden file's tiny model. head_dim 32 takes the
+    vector attention scores of the reference builds; 16 their portable ones."""
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    heads, kv_heads = 4, 2
+    cfg = ModelConfig(vocab_size=256, hidden_size=heads * head_dim, intermediate_size=192, num_layers=2,
+                      num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, rms_norm_eps=1e-5,
+                      rope_theta=10000.0, max_position=max_positions, tie_word_embeddings=True,
+                      eos_token_ids=(255,))
+    model = LlamaModel(cfg, torch.bfloat16)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            values = rng.integers(-1000, 1001, size=tuple(p.shape)) / 5000.0
+            if p.dim() == 1:   # norm weights near 1
+                values = 1.0 + values / 4
+            p.copy_(torch.from_numpy(values.astype(np.float32)).to(torch.bfloat16))
+    model.finalize()
+    return LoadedModel(model, ByteTokenizer(), cfg, "tiny-spec", "tiny-spec")
