@@ -1,9 +1,12 @@
 """The Reproducibility record: everything a VERIFIED request's bits depend on.
 
 Built once per engine. Two engines whose records are equal give equal VERIFIED
-bits for the same request; a record that differs in any field promises nothing.
-The CPU's ISA is part of it because the kernels torch picks (AVX2 emulated bf16,
-AVX-512 BF16, AMX) round differently.
+bits for the same request. Where kernel_plan names the reference (gateeng-ref-1,
+kernels/SPEC.md: a bf16 model on CPU), equal model_fingerprint, dtype and
+reference version suffice, on any machine: the device, ISA, torch and thread
+fields are then information. Otherwise (a float32 model, CUDA) a record that
+differs in any field promises nothing: the CPU's ISA is in it because the kernels
+torch picks (AVX2 emulated bf16, AVX-512 BF16, AMX) round differently.
 """
 from __future__ import annotations
 

@@ -96,10 +96,10 @@ inline u32 to_bits(float f) {
 inline float bf(u16 b) { return from_bits(static_cast<u32>(b) << 16); }   // exact
 
 // binary32 -> bf16, round to nearest even (SPEC.md, "bf16 rounding"); NaN stays NaN.
-inline u16 to_bf(float v) {
+inline u16 to_bf(float v) {   // branch-free, so loops over it vectorize
   const u32 u = to_bits(v);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<u16>((u >> 16) | 0x40u);
-  return static_cast<u16>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  const u32 rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return static_cast<u16>((u & 0x7FFFFFFFu) > 0x7F800000u ? (u >> 16) | 0x40u : rounded);
 }
 
 // The pairwise tree (SPEC.md, "the tree"): block results arrive in order l = 0..15 and
@@ -145,13 +145,13 @@ inline float sum(const float* x, int64_t n) {
 
 // exp (SPEC.md, "exp"): Cody-Waite reduction by ln 2, the Cephes polynomial, scaled by
 // 2^k built from bits. +0 below -86 (and for -inf), +inf above 88, NaN for NaN.
+// Branch-free (the out-of-range cases are selected at the end, from a clamped
+// argument), so loops over it vectorize: lane by lane the same operations.
 inline float spec_exp(float x) {
-  if (x != x) return x;
-  if (x > 88.f) return kInf;
-  if (x < -86.f) return 0.f;
-  const float t = x * 1.44269504088896341f;
+  const float xc = std::min(std::max(x, -86.f), 88.f);
+  const float t = xc * 1.44269504088896341f;
   const float k = (t + 12582912.f) - 12582912.f;   // nearest integer, ties to even
-  float r = x - k * 0.693359375f;                  // exact product: 9 bits x 8 bits
+  float r = xc - k * 0.693359375f;                 // exact product: 9 bits x 8 bits
   r = r - k * -2.12194440e-4f;
   float p = 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
@@ -162,7 +162,10 @@ inline float spec_exp(float x) {
   float y = p * (r * r);
   y = y + r;
   y = y + 1.f;
-  return y * from_bits(static_cast<u32>(static_cast<int>(k) + 127) << 23);
+  float out = y * from_bits(static_cast<u32>(static_cast<int>(k) + 127) << 23);
+  out = x > 88.f ? kInf : out;
+  out = x < -86.f ? 0.f : out;
+  return x != x ? x : out;
 }
 
 // log (SPEC.md, "log"): x = m 2^e with m in [sqrt(1/2), sqrt(2)), the Cephes
@@ -595,89 +598,112 @@ torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin
 // softmax step and the value chain. Nothing depends on the KV block size or on the
 // call's rows.
 constexpr int64_t CHUNK = 16;
-constexpr int64_t MAX_GROUP = 16;   // query heads per KV head the vector scores take (more: portable)
 
-// The scores of one chunk for the G query heads sharing a KV head: s[j * 16 + t] for
-// key t < n (keys[t] points at its D values); -inf for t >= n.
-void chunk_scores(const u16* const* q, int64_t g, const u16* const* keys, int64_t n, int64_t d, float scale,
-                  float* s) {
-#if defined(GATEENG_REF_AVX512BF16) || defined(GATEENG_REF_AVX2)
-  // Lanes are the chunk's keys: each gather takes pair p of 16 keys, and each lane's
-  // chain is its own key's dot, in the spec's order. Offsets from the first key, in
-  // u32, must fit the gathers' int32 indices.
-  alignas(64) int32_t idx[CHUNK];
-  bool near = d % 32 == 0 && g <= MAX_GROUP;
-  for (int64_t t = 0; t < CHUNK && near; ++t) {
-    const int64_t off = (keys[t < n ? t : 0] - keys[0]) / 2;
-    near = off > -(int64_t(1) << 30) && off < (int64_t(1) << 30);
-    idx[t] = static_cast<int32_t>(off);
-  }
-  if (near) {
-    const u32* base = reinterpret_cast<const u32*>(keys[0]);
-    const int64_t pairs = d / 2, per = pairs / 16;
-#if defined(GATEENG_REF_AVX512BF16)
-    const __m512i vidx = _mm512_load_si512(idx);
-    __m512 acc[MAX_GROUP], lvl[5 * MAX_GROUP];
-    for (int l = 0; l < 16; ++l) {
-      for (int64_t j = 0; j < g; ++j) acc[j] = _mm512_setzero_ps();
-      for (int64_t p = l * per; p < (l + 1) * per; ++p) {
-        const __m512bh kv = (__m512bh)_mm512_i32gather_epi32(vidx, reinterpret_cast<const int*>(base + p), 4);
-        for (int64_t j = 0; j < g; ++j) {
-          int32_t pair;
-          std::memcpy(&pair, q[j] + 2 * p, sizeof(pair));
-          acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_set1_epi32(pair), kv);
-        }
+#if defined(GATEENG_REF_AVX2) || defined(GATEENG_REF_AVX512BF16)
+// kt[p * 16 + t] = pair p of key t, for a chunk's 16 keys (past n: key 0's, whose
+// scores are discarded): 8 x 8 transposes of u32, so the score chains read a pair
+// of all 16 keys as one vector. pairs: a multiple of 8.
+inline void transpose_keys(const u16* const* keys, int64_t n, int64_t pairs, u32* kt) {
+  for (int64_t half = 0; half < 2; ++half) {
+    const u32* src[8];
+    for (int64_t i = 0; i < 8; ++i) src[i] = reinterpret_cast<const u32*>(keys[half * 8 + i < n ? half * 8 + i : 0]);
+    for (int64_t p0 = 0; p0 < pairs; p0 += 8) {
+      __m256i r[8], t[8], u[8];
+      for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src[i] + p0));
+      for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
       }
-      for (int64_t j = 0; j < g; ++j) {
-        __m512 t = acc[j];
-        int i = 0;
-        for (; (l >> i) & 1; ++i) t = _mm512_add_ps(lvl[i * g + j], t);
-        lvl[i * g + j] = t;
+      for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+        u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+        u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+        u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
       }
+      for (int j = 0; j < 4; ++j) {
+        r[j] = _mm256_permute2x128_si256(u[j], u[j + 4], 0x20);
+        r[j + 4] = _mm256_permute2x128_si256(u[j], u[j + 4], 0x31);
+      }
+      for (int j = 0; j < 8; ++j) _mm256_storeu_si256(reinterpret_cast<__m256i*>(kt + (p0 + j) * 16 + half * 8), r[j]);
     }
-    for (int64_t j = 0; j < g; ++j) _mm512_storeu_ps(s + j * CHUNK, _mm512_mul_ps(lvl[4 * g + j], _mm512_set1_ps(scale)));
-#else
-    const __m256i v0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(idx));
-    const __m256i v1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(idx + 8));
-    const __m256i hi_mask = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
-    __m256 acc[2 * MAX_GROUP], lvl[10 * MAX_GROUP];
-    for (int l = 0; l < 16; ++l) {
-      for (int64_t j = 0; j < 2 * g; ++j) acc[j] = _mm256_setzero_ps();
-      for (int64_t p = l * per; p < (l + 1) * per; ++p) {
-        const int* at = reinterpret_cast<const int*>(base + p);
-        const __m256i k0 = _mm256_i32gather_epi32(at, v0, 4), k1 = _mm256_i32gather_epi32(at, v1, 4);
-        const __m256 o0 = _mm256_castsi256_ps(_mm256_and_si256(k0, hi_mask));
-        const __m256 o1 = _mm256_castsi256_ps(_mm256_and_si256(k1, hi_mask));
-        const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(k0, 16));
-        const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(k1, 16));
-        for (int64_t j = 0; j < g; ++j) {
-          const __m256 qo = _mm256_set1_ps(bf(q[j][2 * p + 1])), qe = _mm256_set1_ps(bf(q[j][2 * p]));
-          acc[2 * j] = _mm256_fmadd_ps(qe, e0, _mm256_fmadd_ps(qo, o0, acc[2 * j]));
-          acc[2 * j + 1] = _mm256_fmadd_ps(qe, e1, _mm256_fmadd_ps(qo, o1, acc[2 * j + 1]));
-        }
-      }
-      for (int64_t j = 0; j < 2 * g; ++j) {
-        __m256 t = acc[j];
-        int i = 0;
-        for (; (l >> i) & 1; ++i) t = _mm256_add_ps(lvl[i * 2 * g + j], t);
-        lvl[i * 2 * g + j] = t;
-      }
-    }
-    const __m256 sc = _mm256_set1_ps(scale);
-    for (int64_t j = 0; j < g; ++j) {
-      _mm256_storeu_ps(s + j * CHUNK, _mm256_mul_ps(lvl[8 * g + 2 * j], sc));
-      _mm256_storeu_ps(s + j * CHUNK + 8, _mm256_mul_ps(lvl[8 * g + 2 * j + 1], sc));
-    }
-#endif
-    for (int64_t j = 0; j < g; ++j)
-      for (int64_t t = n; t < CHUNK; ++t) s[j * CHUNK + t] = -kInf;
-    return;
-  }
-#endif
-  for (int64_t j = 0; j < g; ++j) {
-    for (int64_t t = 0; t < CHUNK; ++t) s[j * CHUNK + t] = t < n ? dot(q[j], keys[t], d) * scale : -kInf;
   }
 }
+
+// The scores of a chunk's 16 keys for G query heads (lanes are the keys; each lane's
+// chain is its own key's dot, in the spec's order): s[j * 16 + t] = dot(q_j, k_t) * scale.
+// qp: the heads' queries as pairs (u32, [G][pairs]); qo, qe: their odd and even
+// elements as binary32 ([G][pairs]).
+template <int G>
+void chunk_scores(const u32* qp, const float* qo, const float* qe, const u32* kt, int64_t pairs, float scale,
+                  float* s) {
+  const int64_t per = pairs / 16;
+#if defined(GATEENG_REF_AVX512BF16)
+  (void)qo, (void)qe;
+  __m512 lvl[5][G];
+  for (int l = 0; l < 16; ++l) {
+    __m512 acc[G];
+    for (int j = 0; j < G; ++j) acc[j] = _mm512_setzero_ps();
+    for (int64_t p = l * per; p < (l + 1) * per; ++p) {
+      const __m512bh kv = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(kt + p * 16));
+      for (int j = 0; j < G; ++j) {
+        acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[j * pairs + p])), kv);
+      }
+    }
+    int i = 0;
+    for (; (l >> i) & 1; ++i) {
+      for (int j = 0; j < G; ++j) acc[j] = _mm512_add_ps(lvl[i][j], acc[j]);
+    }
+    for (int j = 0; j < G; ++j) lvl[i][j] = acc[j];
+  }
+  for (int j = 0; j < G; ++j) _mm512_storeu_ps(s + j * CHUNK, _mm512_mul_ps(lvl[4][j], _mm512_set1_ps(scale)));
+#else
+  (void)qp;
+  const __m256i hi_mask = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m256 lvl[5][G][2];
+  for (int l = 0; l < 16; ++l) {
+    __m256 acc[G][2];
+    for (int j = 0; j < G; ++j) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
+    for (int64_t p = l * per; p < (l + 1) * per; ++p) {
+      const __m256i k0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kt + p * 16));
+      const __m256i k1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kt + p * 16 + 8));
+      const __m256 o0 = _mm256_castsi256_ps(_mm256_and_si256(k0, hi_mask));
+      const __m256 o1 = _mm256_castsi256_ps(_mm256_and_si256(k1, hi_mask));
+      const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(k0, 16));
+      const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(k1, 16));
+      for (int j = 0; j < G; ++j) {
+        const __m256 vo = _mm256_broadcast_ss(qo + j * pairs + p), ve = _mm256_broadcast_ss(qe + j * pairs + p);
+        acc[j][0] = _mm256_fmadd_ps(ve, e0, _mm256_fmadd_ps(vo, o0, acc[j][0]));
+        acc[j][1] = _mm256_fmadd_ps(ve, e1, _mm256_fmadd_ps(vo, o1, acc[j][1]));
+      }
+    }
+    int i = 0;
+    for (; (l >> i) & 1; ++i) {
+      for (int j = 0; j < G; ++j) {
+        acc[j][0] = _mm256_add_ps(lvl[i][j][0], acc[j][0]);
+        acc[j][1] = _mm256_add_ps(lvl[i][j][1], acc[j][1]);
+      }
+    }
+    for (int j = 0; j < G; ++j) lvl[i][j][0] = acc[j][0], lvl[i][j][1] = acc[j][1];
+  }
+  const __m256 sc = _mm256_set1_ps(scale);
+  for (int j = 0; j < G; ++j) {
+    _mm256_storeu_ps(s + j * CHUNK, _mm256_mul_ps(lvl[4][j][0], sc));
+    _mm256_storeu_ps(s + j * CHUNK + 8, _mm256_mul_ps(lvl[4][j][1], sc));
+  }
+#endif
+}
+
+constexpr int64_t MAX_GROUP = 8;   // query heads per KV head the vector scores take (more: portable)
+
+template <int G = MAX_GROUP>
+inline void chunk_scores_for(int64_t g, const u32* qp, const float* qo, const float* qe, const u32* kt, int64_t pairs,
+                             float scale, float* s) {
+  if constexpr (G > 1) {
+    if (g < G) return chunk_scores_for<G - 1>(g, qp, qo, qe, kt, pairs, scale, s);
+  }
+  chunk_scores<G>(qp, qo, qe, kt, pairs, scale, s);
+}
+#endif
 
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
                                torch::Tensor lens, double scale) {
@@ -713,10 +739,22 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
   at::parallel_for(0, batch * hkv, 1, [&](int64_t begin, int64_t end) {
     Flush flush;
     std::vector<const u16*> qs(g), keys(CHUNK), values(CHUNK);
-    std::vector<float> s(g * CHUNK), e(CHUNK), acc(g * d), m(g), l(g), vf(CHUNK * d);
+    std::vector<float> s(g * CHUNK), e(CHUNK), es(g * CHUNK), acc(g * d), m(g), l(g);
+    const int64_t pairs = d / 2;
+#if defined(GATEENG_REF_AVX2) || defined(GATEENG_REF_AVX512BF16)
+    const bool vector = d % 32 == 0 && g <= MAX_GROUP;   // pairs in whole 16-lane blocks of 8
+    std::vector<u32> qpairs(g * pairs), kt(pairs * CHUNK);
+    std::vector<float> qo(g * pairs), qe(g * pairs);
+#endif
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / hkv, h = item % hkv, len = lp[b];
       for (int64_t j = 0; j < g; ++j) qs[j] = qp + (b * hq + h * g + j) * d;
+#if defined(GATEENG_REF_AVX2) || defined(GATEENG_REF_AVX512BF16)
+      for (int64_t j = 0; j < g && vector; ++j) {
+        std::memcpy(qpairs.data() + j * pairs, qs[j], pairs * sizeof(u32));
+        for (int64_t p = 0; p < pairs; ++p) qo[j * pairs + p] = bf(qs[j][2 * p + 1]), qe[j * pairs + p] = bf(qs[j][2 * p]);
+      }
+#endif
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(m.begin(), m.end(), -kInf);
       std::fill(l.begin(), l.end(), 0.f);
@@ -727,25 +765,55 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
           const int64_t slot = tp[b * width + pos / block_size] * block_size + pos % block_size;
           keys[t] = kp + slot * tok + h * d;
           values[t] = vp + slot * tok + h * d;
-          for (int64_t i = 0; i < d; ++i) vf[t * d + i] = bf(values[t][i]);
         }
-        chunk_scores(qs.data(), g, keys.data(), n, d, sc, s.data());
+#if defined(GATEENG_REF_AVX2) || defined(GATEENG_REF_AVX512BF16)
+        if (vector) {
+          transpose_keys(keys.data(), n, pairs, kt.data());
+          chunk_scores_for(g, qpairs.data(), qo.data(), qe.data(), kt.data(), pairs, sc, s.data());
+        } else
+#endif
+        {
+          for (int64_t j = 0; j < g; ++j)
+            for (int64_t t = 0; t < n; ++t) s[j * CHUNK + t] = dot(qs[j], keys[t], d) * sc;
+        }
         for (int64_t j = 0; j < g; ++j) {
           const float* sj = s.data() + j * CHUNK;
           float mx = m[j];
           for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sj[t]);
           const float rescale = spec_exp(m[j] - mx);
-          for (int64_t t = 0; t < CHUNK; ++t) e[t] = spec_exp(sj[t] - mx);   // 0 past the keys
+          for (int64_t t = 0; t < CHUNK; ++t) e[t] = t < n ? spec_exp(sj[t] - mx) : 0.f;   // +0 past the keys
           float lvl[5];
           for (int t = 0; t < CHUNK; ++t) fold(t, e[t], lvl, add_f);
           m[j] = mx;
           l[j] = l[j] * rescale + lvl[4];
           float* aj = acc.data() + j * d;
           for (int64_t i = 0; i < d; ++i) aj[i] = aj[i] * rescale;
+          std::memcpy(es.data() + j * CHUNK, e.data(), CHUNK * sizeof(float));
+        }
+        // The value chains: acc[j][i] = acc[j][i] + e[j][t] * v_t[i] for each key t in
+        // order (a multiply, then an add). Each element's chain is the same whichever
+        // loop runs outside; eight elements of the G heads at a time stay in registers.
+        int64_t i0 = 0;
+#if defined(GATEENG_REF_AVX2) || defined(GATEENG_REF_AVX512BF16)
+        if (g <= MAX_GROUP) {
+          for (; i0 + 8 <= d; i0 += 8) {
+            __m256 a[MAX_GROUP];
+            for (int64_t j = 0; j < g; ++j) a[j] = _mm256_loadu_ps(acc.data() + j * d + i0);
+            for (int64_t t = 0; t < n; ++t) {
+              const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(values[t] + i0));
+              const __m256 v = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+              for (int64_t j = 0; j < g; ++j)
+                a[j] = _mm256_add_ps(a[j], _mm256_mul_ps(_mm256_broadcast_ss(es.data() + j * CHUNK + t), v));
+            }
+            for (int64_t j = 0; j < g; ++j) _mm256_storeu_ps(acc.data() + j * d + i0, a[j]);
+          }
+        }
+#endif
+        for (int64_t j = 0; j < g; ++j) {
+          float* aj = acc.data() + j * d;
           for (int64_t t = 0; t < n; ++t) {
-            const float p = e[t];
-            const float* v = vf.data() + t * d;
-            for (int64_t i = 0; i < d; ++i) aj[i] = aj[i] + p * v[i];
+            const float p = es[j * CHUNK + t];
+            for (int64_t i = i0; i < d; ++i) aj[i] = aj[i] + p * bf(values[t][i]);
           }
         }
       }

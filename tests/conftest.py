@@ -22,7 +22,9 @@ def smollm():
 
 @pytest.fixture(scope="session", autouse=True)
 def cpu_kernels():
-    """Build the fast plan's CPU kernels once, before any test starts a server
-    subprocess whose start-up timeout would otherwise include the build."""
-    from gateeng.plans import cpu_ops
+    """Build the fast plan's CPU kernels and the reference's default build once,
+    before any test starts a server subprocess whose start-up timeout would otherwise
+    include the builds."""
+    from gateeng.plans import cpu_ops, reference_ops
+    reference_ops.load()
     return cpu_ops.load()

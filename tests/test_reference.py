@@ -189,3 +189,18 @@ def test_a_whole_decode_equals_the_oracle(tiny_engine, params):
         tokens, lps = model.decode(prompt, 10, sp.temperature, sp.top_k, sp.top_p, sp.seed or 0)
         assert list(c.token_ids) == tokens
         assert [int(np.float32(lp.logprob).view(np.uint32)) for lp in c.logprobs] == lps
+
+
+def test_without_a_reference_build_verified_is_refused_and_the_record_says_so(monkeypatch):
+    from gateeng.engine.errors import DeterminismUnavailable
+    from gateeng.request import DeterminismParams, Mode
+    monkeypatch.setenv(ISA_ENV, "no-such-build")
+    engine = Engine(EngineConfig(dtype="bfloat16", num_kv_blocks=32, max_model_len=64, block_size=4),
+                    loaded=spec_tiny())
+    try:
+        assert REFERENCE not in engine.core.reproducibility.kernel_plan
+        with pytest.raises(DeterminismUnavailable, match="no build of the reference gateeng-ref-1.*no-such-build"):
+            engine.generate([1, 2, 3], SamplingParams(max_tokens=2), DeterminismParams(Mode.VERIFIED))
+        assert len(engine.generate([1, 2, 3], SamplingParams(max_tokens=2)).token_ids) == 2   # OFF still serves
+    finally:
+        engine.shutdown()

@@ -45,9 +45,11 @@ def isa_cflags(isa: str) -> list:
     same (exact) result as the library call it replaces, many times faster."""
     extra = ["-mfma"] if isa == "scalar" and "fma" in cpp_build.cpu_flags().split() else []
     return ISA_CFLAGS[isa] + extra
-# No fast math, no contraction: every rounding is the spec's. -fopenmp: at::parallel_for
-# runs on torch's OpenMP threads (cpu_ops.py says why).
-CFLAGS = ["-O3", "-fno-fast-math", "-ffp-contract=off", "-fopenmp"]
+# No fast math, no contraction: every rounding is the spec's. -fno-trapping-math lets the
+# compiler vectorize loops with selects (exp's range cases, bf16's NaN case); it
+# changes no value, only the floating-point exception flags nobody reads. -fopenmp:
+# at::parallel_for runs on torch's OpenMP threads (cpu_ops.py says why).
+CFLAGS = ["-O3", "-fno-fast-math", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
 
 _lock = threading.Lock()
