@@ -705,8 +705,9 @@ inline void chunk_scores_for(int64_t g, const u32* qp, const float* qo, const fl
 }
 #endif
 
+// portable: the portable code only (the start-up probe's yardstick for the vector paths).
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
-                               torch::Tensor lens, double scale) {
+                               torch::Tensor lens, double scale, bool portable) {
   check_bf16(q, "q");
   check_bf16(k_cache, "k_cache");
   check_bf16(v_cache, "v_cache");
@@ -742,7 +743,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
     std::vector<float> s(g * CHUNK), e(CHUNK), es(g * CHUNK), acc(g * d), m(g), l(g);
     const int64_t pairs = d / 2;
 #if defined(GATEENG_REF_AVX2) || defined(GATEENG_REF_AVX512BF16)
-    const bool vector = d % 32 == 0 && g <= MAX_GROUP;   // pairs in whole 16-lane blocks of 8
+    const bool vector = !portable && d % 32 == 0 && g <= MAX_GROUP;   // pairs in whole 16-lane blocks of 8
     std::vector<u32> qpairs(g * pairs), kt(pairs * CHUNK);
     std::vector<float> qo(g * pairs), qe(g * pairs);
 #endif
@@ -795,7 +796,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
         // loop runs outside; eight elements of the G heads at a time stay in registers.
         int64_t i0 = 0;
 #if defined(GATEENG_REF_AVX2) || defined(GATEENG_REF_AVX512BF16)
-        if (g <= MAX_GROUP) {
+        if (!portable && g <= MAX_GROUP) {
           for (; i0 + 8 <= d; i0 += 8) {
             __m256 a[MAX_GROUP];
             for (int64_t j = 0; j < g; ++j) a[j] = _mm256_loadu_ps(acc.data() + j * d + i0);
@@ -1002,7 +1003,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add", &add, "bf16(a + b), b broadcast over rows when 1-D");
   m.def("silu_mul", &silu_mul, "silu(gate) * up for gate_up = [gate | up]");
   m.def("rope_store", &rope_store, "RoPE on q and k heads; k and v stored at their cache slots; returns q");
-  m.def("decode_attention", &decode_attention, "one-query-per-row attention over a paged KV cache");
+  m.def("decode_attention", &decode_attention, "one-query-per-row attention over a paged KV cache", py::arg("q"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("tables"), py::arg("lens"), py::arg("scale"),
+        py::arg("portable") = false);
   m.def("argmax_margin", &argmax_margin, "(lowest argmax id, top-1 minus top-2) per row");
   m.def("sample_scores", &sample_scores, "z / T with top-k and top-p applied (-inf: dropped)");
   m.def("gumbel", &gumbel, "Gumbel noise of one row from its 32-bit key");

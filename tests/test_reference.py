@@ -204,3 +204,17 @@ def test_without_a_reference_build_verified_is_refused_and_the_record_says_so(mo
         assert len(engine.generate([1, 2, 3], SamplingParams(max_tokens=2)).token_ids) == 2   # OFF still serves
     finally:
         engine.shutdown()
+
+
+@pytest.mark.model
+def test_a_few_smollm2_steps_equal_the_oracle(smollm):
+    loaded = smollm("bfloat16")
+    engine = Engine(EngineConfig(plan="invariant", num_kv_blocks=32, max_model_len=64), loaded=loaded)
+    try:
+        prompt = list(loaded.tokenizer.encode("The capital of France is"))
+        got = engine.generate([prompt], SamplingParams(max_tokens=3, ignore_eos=True, logprobs=0))[0]
+        tokens, lps = oracle.Model(engine.core.model).decode(prompt, 3)
+        assert list(got.token_ids) == tokens
+        assert [int(np.float32(lp.logprob).view(np.uint32)) for lp in got.logprobs] == lps
+    finally:
+        engine.shutdown()

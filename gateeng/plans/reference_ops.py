@@ -8,9 +8,9 @@ built for one of three instruction sets, each giving the spec's bits.
 The default is the first of them this CPU runs; GATEENG_CPU_ISA forces one. Each is
 built without fast math and with -ffp-contract=off (the spec decides every rounding,
 not the compiler), on first use, into $GATEENG_CACHE. Before a build serves, a
-probe checks its matmul against its own portable dot product on inputs that include
-denormals and cancellations; a build that disagrees is never used (the default then
-falls back to the next one). Where none can be had, `load` raises
+probe checks its vector code against its own portable code (the matmul on inputs
+that include denormals and cancellations, attention at the vector scores' shapes);
+a build that disagrees is never used (the default then falls back to the next one). Where none can be had, `load` raises
 ReferenceUnavailable, whose message says why: VERIFIED requests are then refused.
 """
 from __future__ import annotations
@@ -141,8 +141,9 @@ def probe_inputs(seed: int = 0) -> tuple:
 
 
 def probe(module) -> str:
-    """'' when the module's matmul equals its portable dot on probe_inputs, bit for bit
-    (both outputs, every pair of rows), else what differs."""
+    """'' when the module's vector code equals its portable code, bit for bit: the
+    matmul against the portable dot on probe_inputs (both outputs, every pair of
+    rows), attention against the portable attention; else what differs."""
     x, w = probe_inputs()
     got = module.linear(x, module.pack(w), w.shape[0], True)
     rows = torch.arange(x.shape[0]).repeat_interleave(w.shape[0])
@@ -154,4 +155,13 @@ def probe(module) -> str:
     rounded = module.linear(x, module.pack(w), w.shape[0], False)
     if not torch.equal(rounded.view(torch.int16), want.to(torch.bfloat16).view(torch.int16)):
         return "matmul: the bf16 outputs are not the binary32 sums rounded to nearest even"
+    gen = torch.Generator().manual_seed(1)
+    for d, group in ((64, 3), (128, 8)):   # the vector scores' head dims and group sizes
+        k_cache, v_cache = (torch.randn(12, 16, 2, d, generator=gen).to(torch.bfloat16) for _ in range(2))
+        q = (torch.randn(3, 2 * group, d, generator=gen) * 3).to(torch.bfloat16)
+        tables, lens = torch.randperm(12, generator=gen)[:9].view(3, 3), torch.tensor([1, 21, 48])
+        args = (q, k_cache, v_cache, tables, lens, d ** -0.5)
+        if not torch.equal(module.decode_attention(*args).view(torch.int16),
+                           module.decode_attention(*args, portable=True).view(torch.int16)):
+            return f"attention (head dim {d}, {group} heads per KV head) differs from the portable code"
     return ""

@@ -7,7 +7,7 @@ import sys
 
 from gateeng import __version__
 from gateeng.config import HTTP_BODY_SLACK_BYTES, ROUTE_POLICIES, EngineConfig, GateBounds, ServerConfig
-from gateeng.plans.kernel_names import TORCH_MM
+from gateeng.plans.kernel_names import ISA_ENV, REFERENCE, REFERENCE_ISAS, TORCH_MM
 from gateeng.request import DEFAULT_MAX_TOKENS
 
 DEFAULTS = EngineConfig()
@@ -57,15 +57,18 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "which bounds inter-token latency (0 = no limit beyond --max-num-batched-tokens)")
     p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse the KV of shared prompt prefixes")
     p.add_argument("--no-packed-weights", action="store_true",
-                   help="CPU: both plans multiply the plain weights instead of a packed copy (a C++ "
-                        "row-invariant kernel's layout: VDPBF16PS on AVX-512 BF16, else AVX2 FMA; else oneDNN's); "
-                        "saves that copy's memory; steps get slower, and the invariant plan's bits change: "
+                   help="CPU: the fast plan (and a float32 model's invariant plan) multiplies the plain weights "
+                        "instead of a packed copy (a C++ row-invariant kernel's layout: VDPBF16PS on AVX-512 BF16, "
+                        "else AVX2 FMA; else oneDNN's); saves that copy's memory; steps get slower. A bf16 model's "
+                        f"invariant plan is the reference ({REFERENCE}) either way; a float32 model's bits change: "
                         f"kernel_plan says matmul={TORCH_MM}")
     p.add_argument("--no-cpu-kernels", action="store_true",
-                   help="CPU: both plans use torch ops instead of the C++ kernels (norms, RoPE, SiLU, attention "
-                        "over the paged cache, the row-invariant matmul), which are otherwise built on first use "
-                        "(needs a C++ compiler; about a minute, cached in $GATEENG_CACHE); the invariant plan's "
-                        "bits change, and kernel_plan says attention=split")
+                   help="CPU: the fast plan (and a float32 model's invariant plan) uses torch ops instead of the "
+                        "C++ kernels (norms, RoPE, SiLU, attention over the paged cache, the row-invariant matmul), "
+                        "which are otherwise built on first use (needs a C++ compiler; about a minute, cached in "
+                        f"$GATEENG_CACHE). A bf16 model's invariant plan is the reference ({REFERENCE}, "
+                        f"kernels/SPEC.md) either way, on its own kernels: the best build this CPU runs, or the "
+                        f"one ${ISA_ENV}={'|'.join(REFERENCE_ISAS)} names; without a compiler VERIFIED is refused")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's choice, usually the core count)")
 
