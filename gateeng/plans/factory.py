@@ -41,8 +41,7 @@ def build(cfg: EngineConfig, model, model_config, dtype) -> Plans:
     """Both plans for `model` on cfg.device. On CPU this packs the model's weights
     (LlamaModel.pack_weights) where cfg.pack_fast_weights says so."""
     if cfg.device != "cpu":
-        fast, invariant, sample = _cuda_plans(cfg, model_config, dtype)
-        return Plans(fast, invariant, sample, sampler.logprobs, "torch matmuls (cuBLAS)", lambda: None)
+        return _cuda_plans(cfg, model, model_config, dtype)
     kernels = cpu_ops.load() if cfg.cpu_kernels else None
     if cfg.pack_fast_weights:
         model.pack_weights(kernels)
@@ -67,17 +66,23 @@ def build(cfg: EngineConfig, model, model_config, dtype) -> Plans:
 def _reference(model, cfg: EngineConfig) -> tuple:
     """(ReferencePlan, '') where the reference serves this model here, else (None, why
     VERIFIED is refused: '' for a float32 model, whose VERIFIED is this machine's)."""
-    if not ReferencePlan.applies(model):
-        if model.dtype == torch.bfloat16:
-            return None, f"{kernel_names.REFERENCE} is not defined for this model (a matmul with an odd K)"
+    ops, why = _reference_ops(model)
+    return (ReferencePlan(model, ops, cfg.block_size), "") if ops is not None else (None, why)
+
+
+def _reference_ops(model) -> tuple:
+    """(the CPU reference kernels, '') for a bf16 model they apply to, else (None, why
+    VERIFIED is refused: '' for another dtype, whose VERIFIED is this machine's)."""
+    if model.dtype != torch.bfloat16:
         return None, ""
+    if not ReferencePlan.applies(model):
+        return None, f"{kernel_names.REFERENCE} is not defined for this model (a matmul with an odd K)"
     try:
-        ops = reference_ops.load()
+        return reference_ops.load(), ""
     except reference_ops.ReferenceUnavailable as exc:
         why = f"no build of the reference {kernel_names.REFERENCE} can serve here: {exc}"
         log(f"{why}; VERIFIED requests will be refused")
         return None, why
-    return ReferencePlan(model, ops, cfg.block_size), ""
 
 
 def _fast_matmul(model, cfg: EngineConfig) -> str:
@@ -91,9 +96,10 @@ def _fast_matmul(model, cfg: EngineConfig) -> str:
     return f"{kernel.instructions} packed weights up to {model.fast_rowwise_max_rows} rows, another kernel above"
 
 
-def _cuda_plans(cfg: EngineConfig, mc, dtype) -> tuple:
-    """flashinfer + Triton kernels, imported only here, only on CUDA."""
-    from gateeng.plans.gpu import FlashInferFastPlan, TritonInvariantPlan, gpu_sample
+def _cuda_plans(cfg: EngineConfig, model, mc, dtype) -> Plans:
+    """flashinfer + Triton kernels, imported only here, only on CUDA. A bf16 model's
+    invariant plan is the reference in Triton, sampled on the CPU reference kernels."""
+    from gateeng.plans.gpu import FlashInferFastPlan, TritonInvariantPlan, TritonReferencePlan, gpu_sample, host_sampler
     fast: Optional[FastPlan]
     try:
         fast = FlashInferFastPlan(mc.num_heads, mc.num_kv_heads, mc.head_dim, dtype, cfg.device,
@@ -101,4 +107,10 @@ def _cuda_plans(cfg: EngineConfig, mc, dtype) -> tuple:
     except ImportError:
         log("flashinfer is not installed (pip install 'gateeng[cuda]'): fast path uses torch attention")
         fast = FastPlan(cfg.fast_logit_noise)
-    return fast, TritonInvariantPlan(cfg.attention_split), gpu_sample
+    ops, unavailable = _reference_ops(model)
+    matmul = "torch matmuls (cuBLAS)"
+    if ops is not None:
+        sample, logprobs = host_sampler(ops)
+        return Plans(fast, TritonReferencePlan(model, cfg.block_size), sample, logprobs, matmul, lambda: None)
+    return Plans(fast, TritonInvariantPlan(cfg.attention_split), gpu_sample, sampler.logprobs, matmul, lambda: None,
+                 unavailable)

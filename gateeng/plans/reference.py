@@ -39,10 +39,10 @@ class ReferencePlan(InvariantPlan):
 
     @staticmethod
     def applies(model) -> bool:
-        """Whether the reference is defined for this model: bf16 weights on CPU whose
-        every matmul has an even K (the kernels take K in pairs)."""
+        """Whether the reference is defined for this model: bf16 weights whose every
+        matmul has an even K (the kernels take K in pairs)."""
         ks = [w.shape[1] for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        return model.dtype == torch.bfloat16 and model.embed.device.type == "cpu" and all(k % 2 == 0 for k in ks)
+        return model.dtype == torch.bfloat16 and all(k % 2 == 0 for k in ks)
 
     @staticmethod
     def selfcheck_weights(model) -> list:
