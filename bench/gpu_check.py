@@ -8,8 +8,11 @@ It covers
      batch 1..256; attention with 1 vs many queries, moved rows, other pages);
   2. speed of each invariant kernel relative to its cuBLAS / flashinfer / torch
      counterpart, in the same run (anchor: batch-invariant matmul within ~20% of cuBLAS);
-  3. end to end, a random-weight ~1B Llama decoding a batch of 64 with the fast
-     plan, the invariant plan and VERIFIED, in tokens/s.
+  3. the reference (gateeng-ref-1): each Triton reference kernel on the device against
+     the CPU reference build on the same inputs, bit for bit (matmul, RMSNorm, SiLU,
+     attention, exp and log, Gumbel noise);
+  4. end to end, a random-weight ~1B Llama decoding a batch of 64 with the fast
+     plan, the invariant plan (the reference, for bf16) and VERIFIED, in tokens/s.
 On a machine without CUDA it exits 2 with a message.
 """
 from __future__ import annotations
@@ -20,6 +23,8 @@ import time
 import torch
 
 ROWS = []
+# Decode steps per request end to end: the reference's Triton kernels run without tensor cores.
+TOKENS = 32
 
 
 def row(section, name, value, verdict=""):
@@ -134,6 +139,45 @@ def check_sampling(dev):
     row("sampling", "argmax+margin equal to torch; seeded Gumbel equal to the CPU hash", str(ok), "ok" if ok else "FAIL")
 
 
+def check_reference(dev):
+    """The Triton reference kernels on the device give the CPU reference build's bits."""
+    from gateeng.kernels import triton_reference as tr
+    from gateeng.plans import reference_ops
+    ops = reference_ops.load()
+
+    def same(got, want):
+        view = torch.int16 if want.dtype == torch.bfloat16 else torch.int32
+        return torch.equal(got.cpu().contiguous().view(view), want.contiguous().view(view))
+
+    def bf(*shape, scale=1.0):
+        return (torch.randn(*shape) * scale).to(torch.bfloat16)
+    x, w = bf(64, 2048), bf(1536, 2048, scale=0.05)
+    packed = ops.pack(w)
+    ok = same(tr.matmul(x.to(dev), w.to(dev), f32=True), ops.linear(x, packed, 1536, True))
+    ok &= same(tr.matmul(x.to(dev), w.to(dev)), ops.linear(x, packed, 1536, False))
+    px, pw = reference_ops.probe_inputs()
+    ok &= same(tr.matmul(px.to(dev), pw.to(dev), f32=True), ops.linear(px, ops.pack(pw), pw.shape[0], True))
+    row("reference", "matmul (64x2048x1536, and the denormal probe) == CPU build", str(ok), "ok" if ok else "FAIL")
+    h, nw, gu = bf(64, 2048, scale=3.0), bf(2048), bf(64, 2 * 5632, scale=8.0)
+    ok = same(tr.rms_norm(h.to(dev), nw.to(dev), 1e-5), ops.rms_norm(h, nw, 1e-5))
+    ok &= same(tr.silu_mul(gu.to(dev)), ops.silu_mul(gu))
+    v = torch.cat([torch.linspace(-90, 90, 100001), torch.randn(100000) * 20]).float()
+    ok &= same(tr.map_f32(v.to(dev), False), ops.map_f32(v, 0)) and same(tr.map_f32(v.abs().to(dev), True),
+                                                                          ops.map_f32(v.abs(), 1))
+    ok &= same(tr.gumbel(12345, 128256, dev), ops.gumbel(12345, 128256))
+    row("reference", "RMSNorm, SiLU, exp, log, Gumbel noise == CPU build", str(ok), "ok" if ok else "FAIL")
+    ok = True
+    for d in (64, 128):
+        k_cache, v_cache = bf(256, 16, 8, d, scale=2.0), bf(256, 16, 8, d)
+        lens = torch.randint(1, 1000, (16,))
+        tables = torch.stack([torch.randperm(256)[:63] for _ in range(16)])
+        q = bf(16, 32, d, scale=3.0)
+        want = ops.decode_attention(q, k_cache, v_cache, tables, lens, d ** -0.5)
+        got = tr.decode_attention(q.to(dev), k_cache.to(dev), v_cache.to(dev), tables.to(dev), lens.to(dev), d ** -0.5)
+        ok &= same(got, want)
+    row("reference", "attention (head dim 64 and 128, up to 1000 keys) == CPU build", str(ok), "ok" if ok else "FAIL")
+
+
 def check_end_to_end(dev):
     from gateeng.config import EngineConfig, ModelConfig
     from gateeng.engine.client import Engine
@@ -160,7 +204,7 @@ def check_end_to_end(dev):
     loaded = LoadedModel(model, Tok(), cfg, "random-1b", "random")
     n_params = sum(p.numel() for p in model.parameters()) / 1e9
     prompts = [[(i * 31 + j) % 31999 + 1 for j in range(64 + i)] for i in range(64)]
-    params = SamplingParams(max_tokens=128, ignore_eos=True)
+    params = SamplingParams(max_tokens=TOKENS, ignore_eos=True)
     results = {}
     for name, plan, det in (("fast", "fast", None), ("invariant", "invariant", None),
                             ("VERIFIED", "fast", DeterminismParams(Mode.VERIFIED))):
@@ -171,12 +215,13 @@ def check_end_to_end(dev):
         out = e.generate(prompts, params, det)
         torch.cuda.synchronize()
         dt = time.perf_counter() - t0
-        results[name] = (out, 64 * 128 / dt)
+        results[name] = (out, 64 * TOKENS / dt)
         extra = ""
         if det is not None:
             st = [c.stats for c in out]
             extra = f"trigger rate {sum(s.triggers for s in st) / max(1, sum(s.decode_steps for s in st)):.1%}"
-        row("e2e", f"{n_params:.2f}B random Llama, batch 64 x 128 tok, {name}", f"{64 * 128 / dt:.0f} tok/s", extra)
+        row("e2e", f"{n_params:.2f}B random Llama, batch 64 x {TOKENS} tok, {name}", f"{64 * TOKENS / dt:.0f} tok/s",
+            extra)
         e.shutdown()
     same = [a.token_ids for a in results["VERIFIED"][0]] == [a.token_ids for a in results["invariant"][0]]
     row("e2e", "VERIFIED outputs == invariant-plan outputs", str(same), "ok" if same else "FAIL")
@@ -190,7 +235,7 @@ def main() -> int:
         return 2
     dev = torch.device("cuda")
     print(f"gpu_check on {torch.cuda.get_device_name()} (torch {torch.__version__})", file=sys.stderr)
-    for check in (check_matmul, check_rmsnorm, check_attention, check_sampling, check_end_to_end):
+    for check in (check_matmul, check_rmsnorm, check_attention, check_sampling, check_reference, check_end_to_end):
         t0 = time.perf_counter()
         try:
             check(dev)
