@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from gateeng.kernels.triton_sampling import mix32   # the spec's lowbias32 hash
+
 TINY = 1.1754943508222875e-38   # 2^-126: below it a binary32 value is flushed to zero
 OPTIONS = dict(enable_fp_fusion=False)
 
@@ -373,18 +375,9 @@ def decode_attention(q, k_cache, v_cache, tables, lens, scale: float) -> torch.T
 # ---- token choice -----------------------------------------------------------------
 
 @triton.jit
-def _mix32(x):
-    x = x ^ (x >> 16)
-    x = x * 0x7FEB352D
-    x = x ^ (x >> 15)
-    x = x * 0x846CA68B
-    return x ^ (x >> 16)
-
-
-@triton.jit
 def _gumbel_kernel(out_ptr, key, vocab, BLOCK: tl.constexpr):
     ids = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    h = _mix32((ids.to(tl.uint32) * 0x9E3779B1) ^ key.to(tl.uint32))
+    h = mix32((ids.to(tl.uint32) * 0x9E3779B1) ^ key.to(tl.uint32))
     u = _flush(((h >> 9) * 2 + 1).to(tl.float32) * 5.9604644775390625e-08)   # (2 (h >> 9) + 1) 2^-24
     tl.store(out_ptr + ids, _flush(-_log(_flush(-_log(u)))), mask=ids < vocab)
 

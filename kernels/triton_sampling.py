@@ -18,7 +18,7 @@ BLOCK = 1024
 
 
 @triton.jit
-def _mix32(x):
+def mix32(x):
     x = x ^ (x >> 16)
     x = x * 0x7FEB352D
     x = x ^ (x >> 15)
@@ -40,7 +40,7 @@ def _sample_kernel(logits_ptr, keys_ptr, inv_temp_ptr, tok_ptr, margin_ptr, V, s
         mask = ids < V
         s = tl.load(logits_ptr + row * stride + ids, mask=mask, other=-float("inf")).to(tl.float32)
         if SEEDED:
-            h = _mix32((ids.to(tl.uint32) * 0x9E3779B1) ^ key)
+            h = mix32((ids.to(tl.uint32) * 0x9E3779B1) ^ key)
             u = ((h >> 8).to(tl.float64) + 0.5) * (1.0 / 16777216.0)
             g = (-tl.log(-tl.log(u))).to(tl.float32)
             s = tl.where(mask, s * inv_t + g, -float("inf"))
