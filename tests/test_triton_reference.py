@@ -84,7 +84,7 @@ def test_the_triton_plan_gives_the_cpu_references_bits():
     from tests.tiny import spec_tiny
     model = spec_tiny(head_dim=16).model
     outs = []
-    for plan in (ReferencePlan(model, reference_ops.load(), 4), TritonReferencePlan(model, 4)):
+    for plan in (ReferencePlan(model, reference_ops.load(), 4), TritonReferencePlan(4)):
         kv = KVCache(model.cfg, 16, 4, torch.bfloat16, "cpu")
         tables = [[3, 7], [5]]
         got = []

@@ -111,6 +111,6 @@ def _cuda_plans(cfg: EngineConfig, model, mc, dtype) -> Plans:
     matmul = "torch matmuls (cuBLAS)"
     if ops is not None:
         sample, logprobs = host_sampler(ops)
-        return Plans(fast, TritonReferencePlan(model, cfg.block_size), sample, logprobs, matmul, lambda: None)
+        return Plans(fast, TritonReferencePlan(cfg.block_size), sample, logprobs, matmul, lambda: None)
     return Plans(fast, TritonInvariantPlan(cfg.attention_split), gpu_sample, sampler.logprobs, matmul, lambda: None,
                  unavailable)

@@ -69,7 +69,7 @@ class TritonReferencePlan(InvariantPlan):
     """Every op of the reference in Triton; rows run unpadded, one forward per step."""
     sparse_greedy = False   # dense binary32 logits, argmaxed by the reference sampler
 
-    def __init__(self, model, block_size: int = 16):
+    def __init__(self, block_size: int = 16):
         super().__init__(rows=0, split=64, block_size=block_size)
         from gateeng.kernels import triton_reference
         self.tr = triton_reference
