@@ -112,17 +112,20 @@ class EngineConfig:
     # inter-token latency. 16: bench/serve.py's prefill phase (bench/RESULTS.md).
     prefill_chunk: int = 16
     enable_prefix_caching: bool = True
-    # CPU: both plans multiply a packed copy of the weights (LlamaModel.pack_weights):
+    # CPU: the fast plan multiplies a packed copy of the weights (LlamaModel.pack_weights):
     # with the C++ kernels on, in the layout of a row-invariant matmul (VDPBF16PS where
     # the CPU has AVX-512 BF16, else AVX2 FMA), else in oneDNN's; steps are several
     # times faster, for one or two more copies of the projection and lm_head weights
-    # in memory. The invariant plan's bits depend on it (kernel_plan: matmul=
-    # cpu_dpbf16, cpu_fma, onednn_packed or torch_mm).
+    # in memory. A float32 model's invariant plan's bits depend on it (kernel_plan:
+    # matmul=cpu_dpbf16, cpu_fma, onednn_packed or torch_mm); a bf16 model's invariant
+    # plan is the reference (gateeng-ref-1) either way, on its own packed copy.
     pack_fast_weights: bool = True
     # CPU: the C++ kernels (gateeng/cpu_ops.py: RMSNorm with the residual add, RoPE with
     # the KV store, the SiLU gate, attention over the paged cache in place, the
-    # VDPBF16PS matmul) for both plans, built on first use; torch ops where they cannot
-    # be built. The invariant plan's bits depend on it (kernel_plan names which).
+    # VDPBF16PS matmul) for the fast plan and a float32 model's invariant plan, built on
+    # first use; torch ops where they cannot be built. A float32 model's invariant
+    # plan's bits depend on it (kernel_plan names which); a bf16 model's invariant plan
+    # is the reference, on its own kernels (plans/reference_ops.py) either way.
     cpu_kernels: bool = True
     # Invariant plan shape: matmuls that are not row-invariant by construction (oneDNN,
     # torch.mm) and the sampled rows' float32 lm_head run on row groups of exactly

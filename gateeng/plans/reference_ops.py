@@ -10,8 +10,9 @@ built without fast math and with -ffp-contract=off (the spec decides every round
 not the compiler), on first use, into $GATEENG_CACHE. Before a build serves, a
 probe checks its vector code against its own portable code (the matmul on inputs
 that include denormals and cancellations, attention at the vector scores' shapes);
-a build that disagrees is never used (the default then falls back to the next one). Where none can be had, `load` raises
-ReferenceUnavailable, whose message says why: VERIFIED requests are then refused.
+a build that disagrees is never used (the default then falls back to the next
+one). Where none can be had, `load` raises ReferenceUnavailable, whose message
+says why: VERIFIED requests are then refused.
 """
 from __future__ import annotations
 
@@ -41,10 +42,12 @@ ISA_CFLAGS = {"avx512_bf16": ["-march=x86-64-v4", "-mavx512bf16", "-DGATEENG_REF
 
 def isa_cflags(isa: str) -> list:
     """The build's own flags. The scalar build stays scalar (no vectorizer); on an x86
-    CPU with FMA it may use the scalar FMA instruction for std::fma, which gives the
-    same (exact) result as the library call it replaces, many times faster."""
+    CPU with FMA, std::fma becomes the scalar FMA instruction instead of a library
+    call: the same exact result, inlined."""
     extra = ["-mfma"] if isa == "scalar" and "fma" in cpp_build.cpu_flags().split() else []
     return ISA_CFLAGS[isa] + extra
+
+
 # No fast math, no contraction: every rounding is the spec's. -fno-trapping-math lets the
 # compiler vectorize loops with selects (exp's range cases, bf16's NaN case); it
 # changes no value, only the floating-point exception flags nobody reads. -fopenmp:
