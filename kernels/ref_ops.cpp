@@ -740,7 +740,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
   at::parallel_for(0, batch * hkv, 1, [&](int64_t begin, int64_t end) {
     Flush flush;
     std::vector<const u16*> qs(g), keys(CHUNK), values(CHUNK);
-    std::vector<float> s(g * CHUNK), e(CHUNK), es(g * CHUNK), acc(g * d), m(g), l(g);
+    std::vector<float> s(g * CHUNK), es(g * CHUNK), acc(g * d), m(g), l(g);
     const int64_t pairs = d / 2;
 #if defined(GATEENG_REF_AVX2) || defined(GATEENG_REF_AVX512BF16)
     const bool vector = !portable && d % 32 == 0 && g <= MAX_GROUP;   // pairs in whole 16-lane blocks of 8
@@ -782,6 +782,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
           float mx = m[j];
           for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sj[t]);
           const float rescale = spec_exp(m[j] - mx);
+          float* e = es.data() + j * CHUNK;   // head j's weights, kept for the value chains
           for (int64_t t = 0; t < CHUNK; ++t) e[t] = t < n ? spec_exp(sj[t] - mx) : 0.f;   // +0 past the keys
           float lvl[5];
           for (int t = 0; t < CHUNK; ++t) fold(t, e[t], lvl, add_f);
@@ -789,7 +790,6 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
           l[j] = l[j] * rescale + lvl[4];
           float* aj = acc.data() + j * d;
           for (int64_t i = 0; i < d; ++i) aj[i] = aj[i] * rescale;
-          std::memcpy(es.data() + j * CHUNK, e.data(), CHUNK * sizeof(float));
         }
         // The value chains: acc[j][i] = acc[j][i] + e[j][t] * v_t[i] for each key t in
         // order (a multiply, then an add). Each element's chain is the same whichever

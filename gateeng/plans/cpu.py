@@ -16,6 +16,7 @@ canonical reference well defined.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Optional
 
 import torch
@@ -222,6 +223,11 @@ class InvariantAttnMeta:
     split: int
     real: Optional[int] = None   # rows 0..real-1 are real, the rest padding (None: all)
 
+    @cached_property
+    def key_counts(self) -> torch.Tensor:
+        """[R] keys each row attends (its position + 1): once per forward, not per layer."""
+        return self.positions + 1
+
 
 def default_invariant_rows(isa: str) -> int:
     """Rows per group on a CPU with these ISA flags. Every group re-reads the
@@ -347,8 +353,7 @@ class InvariantPlan(CpuKernelOps):
         k = self._kernel(q)
         if k is not None:   # per row: padding rows are skipped (their output is zeros)
             n = q.shape[0] if meta.real is None else meta.real
-            lens = meta.positions[:n] + 1
-            out = k.decode_attention(q[:n], k_cache, v_cache, meta.block_tables[:n], lens, scale)
+            out = k.decode_attention(q[:n], k_cache, v_cache, meta.block_tables[:n], meta.key_counts[:n], scale)
             if n == q.shape[0]:
                 return out
             return torch.cat([out, out.new_zeros((q.shape[0] - n,) + tuple(q.shape[1:]))])

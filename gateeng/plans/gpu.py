@@ -20,7 +20,7 @@ import torch
 
 from gateeng.kernels import reference as ref
 from gateeng.plans.cpu import FastPlan, InvariantAttnMeta, InvariantPlan
-from gateeng.plans.kernel_names import REFERENCE
+from gateeng.plans.reference import ReferenceBase
 from gateeng.plans.rows import Rows, seq_block_tables
 
 
@@ -65,62 +65,31 @@ class TritonInvariantPlan(InvariantPlan):
     full_logits = choice_logits
 
 
-class TritonReferencePlan(InvariantPlan):
+class TritonReferencePlan(ReferenceBase):
     """Every op of the reference in Triton; rows run unpadded, one forward per step."""
-    sparse_greedy = False   # dense binary32 logits, argmaxed by the reference sampler
 
     def __init__(self, block_size: int = 16):
-        super().__init__(rows=0, split=64, block_size=block_size)
         from gateeng.kernels import triton_reference
-        self.tr = triton_reference
-        self.grouped = False
-
-    @property
-    def group_rows(self) -> int:
-        return 0
-
-    def describe(self, dtype: str = "bfloat16") -> str:
-        return REFERENCE
-
-    @staticmethod
-    def selfcheck_weights(model) -> list:
-        layer = model.layers[0]
-        return [layer.qkv, layer.o, layer.gate_up, layer.down, model.lm_head]
+        super().__init__(triton_reference, block_size)
 
     def linear(self, x, w):
-        return self.tr.matmul(x, w)
-
-    def add(self, x, b):
-        return self.tr.add(x, b)
-
-    def rms_norm(self, x, w, eps):
-        return self.tr.rms_norm(x, w, eps)
+        return self.ops.matmul(x, w)
 
     def add_rms_norm(self, h, add, w, eps):
-        h = self.tr.add(h, add)
-        return h, self.tr.rms_norm(h, w, eps)
-
-    def silu_mul(self, gate_up):
-        return self.tr.silu_mul(gate_up)
+        h = self.ops.add(h, add)
+        return h, self.ops.rms_norm(h, w, eps)
 
     def rope_store(self, qkv, cos, sin, kv, layer, slots, num_heads):
         hkv, d = kv.k.shape[-2], kv.k.shape[-1]
-        q = self.tr.rope(qkv, cos, sin, 0, num_heads, d)
-        k = self.tr.rope(qkv, cos, sin, num_heads, hkv, d)
+        q = self.ops.rope(qkv, cos, sin, 0, num_heads, d)
+        k = self.ops.rope(qkv, cos, sin, num_heads, hkv, d)
         v = qkv[:, (num_heads + hkv) * d:].reshape(-1, hkv, d)
         kv.write(layer, k, v, slots)
         return q
 
-    def attention(self, q, k_cache, v_cache, meta: InvariantAttnMeta, scale: float):
-        return self.tr.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.positions + 1, scale)
-
     @torch.inference_mode()
     def full_logits(self, model, hidden):
-        return self.tr.matmul(hidden.contiguous(), model.lm_head, f32=True)
-
-    @torch.inference_mode()
-    def choice_logits(self, model, hidden, greedy):
-        return self.full_logits(model, hidden)
+        return self.ops.matmul(hidden.contiguous(), model.lm_head, f32=True)
 
 
 def host_sampler(ops):

@@ -22,16 +22,18 @@ from gateeng.plans.cpu import InvariantAttnMeta, InvariantPlan
 from gateeng.plans.kernel_names import REFERENCE
 
 
-class ReferencePlan(InvariantPlan):
+class ReferenceBase(InvariantPlan):
+    """What every implementation of the reference shares: its name, unpadded rows,
+    dense binary32 logits, and the row-wise ops of `self.ops`, a kernel module with
+    the reference's rms_norm, add, silu_mul and decode_attention (ref_ops.cpp's
+    build, or kernels/triton_reference.py). Subclasses give the matmul, the residual
+    add with its norm, RoPE with the KV store, and the logits."""
     sparse_greedy = False   # logits are dense binary32 sums: argmax them directly
 
-    def __init__(self, model, ops, block_size: int = 16):
+    def __init__(self, ops, block_size: int = 16):
         super().__init__(rows=0, split=64, block_size=block_size)
-        self.ops = ops   # plans.reference_ops' module
+        self.ops = ops
         self.grouped = False   # every op is row-invariant at any row count: no padding rows
-        weights = [w for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        self._packed = {id(w): (ops.pack(w.detach()), w.shape[0]) for w in weights + [model.lm_head]}
-        self._lm_head = id(model.lm_head)
 
     @property
     def group_rows(self) -> int:
@@ -53,36 +55,44 @@ class ReferencePlan(InvariantPlan):
         """The reference's version: what its bits depend on besides the model and dtype."""
         return REFERENCE
 
-    def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        packed, n = self._packed[id(w)]
-        return self.ops.linear(x, packed, n, False)
-
     def add(self, x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return self.ops.add(x, b)
 
     def rms_norm(self, x, w, eps):
         return self.ops.rms_norm(x, w, eps)
 
-    def add_rms_norm(self, h, add, w, eps):
-        return tuple(self.ops.add_rms_norm(h, add, w, eps))
-
     def silu_mul(self, gate_up):
         return self.ops.silu_mul(gate_up)
+
+    def attention(self, q, k_cache, v_cache, meta: InvariantAttnMeta, scale: float):
+        return self.ops.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.key_counts, scale)
+
+    @torch.inference_mode()
+    def choice_logits(self, model, hidden: torch.Tensor, greedy: list) -> torch.Tensor:
+        return self.full_logits(model, hidden)
+
+
+class ReferencePlan(ReferenceBase):
+    """The reference on the CPU build `ops` (plans.reference_ops), on weights packed
+    once into its matmul's layout."""
+
+    def __init__(self, model, ops, block_size: int = 16):
+        super().__init__(ops, block_size)
+        weights = [w for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        self._packed = {id(w): (ops.pack(w.detach()), w.shape[0]) for w in weights + [model.lm_head]}
+        self._lm_head = id(model.lm_head)
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        packed, n = self._packed[id(w)]
+        return self.ops.linear(x, packed, n, False)
+
+    def add_rms_norm(self, h, add, w, eps):
+        return tuple(self.ops.add_rms_norm(h, add, w, eps))
 
     def rope_store(self, qkv, cos, sin, kv, layer, slots, num_heads):
         return self.ops.rope_store(qkv, cos, sin, kv.k[layer], kv.v[layer], slots.all, num_heads)
 
-    def attention(self, q, k_cache, v_cache, meta: InvariantAttnMeta, scale: float):
-        return self.ops.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.positions + 1, scale)
-
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        packed, n = self._packed[self._lm_head]
-        return self.ops.linear(hidden.contiguous(), packed, n, True)
-
-    @torch.inference_mode()
-    def choice_logits(self, model, hidden: torch.Tensor, greedy: list) -> torch.Tensor:
-        return self._logits(hidden)
-
     @torch.inference_mode()
     def full_logits(self, model, hidden: torch.Tensor) -> torch.Tensor:
-        return self._logits(hidden)
+        packed, n = self._packed[self._lm_head]
+        return self.ops.linear(hidden.contiguous(), packed, n, True)
