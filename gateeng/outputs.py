@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
-from gateeng.request import DeterminismStats, FinishReason, Mode
+from gateeng.request import DeterminismStats, FinishReason, Mode, SamplingParams
 
 if TYPE_CHECKING:   # the record is built by the engine core (reproducibility imports torch)
     from gateeng.reproducibility import Reproducibility
@@ -33,7 +33,7 @@ class Completion:
     cached_tokens: int
     mode: Mode
     margin_threshold: float
-    seed: Optional[int]
+    sampling: SamplingParams   # as run: the seed the engine drew filled in (None for greedy)
     stats: DeterminismStats = field(default_factory=DeterminismStats)
     reproducibility: Optional[Reproducibility] = None   # what the bits depend on (shared, immutable)
     logprobs: list = field(default_factory=list)   # sampler.Logprobs per token, if asked for
@@ -43,3 +43,8 @@ class Completion:
     @property
     def completion_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def seed(self) -> Optional[int]:
+        """The seed used; None for greedy (no seed used)."""
+        return self.sampling.seed

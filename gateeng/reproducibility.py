@@ -1,12 +1,13 @@
 """The Reproducibility record: everything a VERIFIED request's bits depend on.
 
 Built once per engine. Two engines whose records are equal give equal VERIFIED
-bits for the same request. Where kernel_plan names the reference (gateeng-ref-1,
-kernels/SPEC.md: a bf16 model on CPU), equal model_fingerprint, dtype and
-reference version suffice, on any machine: the device, ISA, torch and thread
-fields are then information. Otherwise (a float32 model, CUDA) a record that
-differs in any field promises nothing: the CPU's ISA is in it because the kernels
-torch picks (AVX2 emulated bf16, AVX-512 BF16, AMX) round differently.
+bits for the same request. Where `reference` is the written spec (gateeng-ref-1,
+kernels/SPEC.md: a bf16 model), equal model_fingerprint, dtype and reference
+suffice, on any machine: the device, ISA, torch and thread fields are then
+information. Otherwise (a float32 model's machine-specific invariant plan) a
+record that differs in any field but the self-check's wording promises nothing:
+the CPU's ISA is in it because the kernels torch picks (AVX2 emulated bf16,
+AVX-512 BF16, AMX) round differently. `differences` owns that rule.
 """
 from __future__ import annotations
 
@@ -14,10 +15,13 @@ import hashlib
 import importlib.metadata
 import json
 import platform
+import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Optional
 
 import torch
+
+from gateeng.plans.kernel_names import REFERENCE
 
 # The ISA extensions that change which CPU kernels run (and so their rounding).
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "avx_vnni",
@@ -32,7 +36,8 @@ class Reproducibility:
     device_kind: str       # one line: "cpu:<arch>:<model>:<isa>" or "cuda:<name>:sm_<cc>"
     device_name: str       # CPU model or GPU name
     isa: str               # CPU ISA flags (comma-separated) or the GPU's compute capability
-    kernel_plan: str
+    kernel_plan: str      # "<engine plan>; <reference>"
+    reference: str        # the arithmetic VERIFIED bits follow: a spec's name, or the machine-specific plan
     torch_version: str
     triton_version: str
     cuda_version: str
@@ -81,14 +86,36 @@ def _triton_version() -> str:
         return "none"
 
 
-def build(*, engine_version: str, model_fingerprint: str, dtype: str, device: str, kernel_plan: str,
+def build(*, engine_version: str, model_fingerprint: str, dtype: str, device: str, plan: str, reference: str,
           self_check_passed: bool, self_check: str, num_threads: Optional[int] = None) -> Reproducibility:
     name, isa = device_identity(device)
     kind = "cuda" if device == "cuda" else f"cpu:{platform.machine()}"
     return Reproducibility(
         engine_version=engine_version, model_fingerprint=model_fingerprint, dtype=dtype,
-        device_kind=f"{kind}:{name}:{isa}", device_name=name, isa=isa, kernel_plan=kernel_plan,
+        device_kind=f"{kind}:{name}:{isa}", device_name=name, isa=isa, kernel_plan=f"{plan}; {reference}",
+        reference=reference,
         torch_version=torch.__version__, triton_version=_triton_version(),
         cuda_version=torch.version.cuda or "none",
         num_threads=num_threads or torch.get_num_threads(),
         self_check_passed=self_check_passed, self_check=self_check)
+
+
+# Fields that describe a record rather than decide its bits.
+INFORMATION = ("self_check", "self_check_passed")
+# Where the reference is a written spec, only these decide the bits.
+SPEC_FIELDS = ("reference", "model_fingerprint", "dtype")
+
+
+def differences(stored: dict, here: dict) -> list:
+    """Why a target whose record is `here` cannot reproduce a response whose record
+    is `stored` (both as plain fields: asdict, or as a response carries them), as
+    "field: stored X, here Y" lines; empty when it can. A spec reference
+    (REFERENCE) needs equal SPEC_FIELDS, on any machine; any other needs every
+    field equal but the self-check's wording."""
+    spec = stored.get("reference") == REFERENCE
+    fields = SPEC_FIELDS if spec else [f.name for f in dataclasses.fields(Reproducibility)
+                                       if f.name not in INFORMATION]
+    out = [f"{f}: stored {stored.get(f)!r}, here {here.get(f)!r}" for f in fields if stored.get(f) != here.get(f)]
+    if not here.get("self_check_passed"):
+        out.append(f"self_check: here {here.get('self_check')}")
+    return out

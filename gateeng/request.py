@@ -95,6 +95,21 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
 
+    def to_dict(self) -> dict:
+        """Plain JSON values: what a response carries so that it can be replayed."""
+        return {**dataclasses.asdict(self), "stop": list(self.stop), "stop_token_ids": list(self.stop_token_ids)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SamplingParams":
+        """The inverse of to_dict; unknown fields are refused, never dropped."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown sampling fields {unknown}; known: {sorted(names)}")
+        params = cls(**{**d, "stop": tuple(d.get("stop") or ()), "stop_token_ids": tuple(d.get("stop_token_ids") or ())})
+        params.validate()
+        return params
+
 
 @dataclass
 class DeterminismParams:

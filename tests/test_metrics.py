@@ -36,9 +36,11 @@ def test_off_and_verified_decode_steps_and_margins_are_counted(served):
     _, m, res = served
     verified = [r for r in res if r.mode is Mode.VERIFIED]
     # OFF: one decode step per token after the first (which the prefill samples).
-    assert value(m, "gateeng_decode_steps_total", determinism="off") == 4 * (12 - 1)
-    assert value(m, "gateeng_decode_steps_total", determinism="verified") == sum(r.stats.decode_steps
-                                                                                  for r in verified) > 0
+    assert value(m, "gateeng_decode_steps_total", determinism="off", route="fast") == 4 * (12 - 1)
+    assert value(m, "gateeng_decode_steps_total", determinism="verified", route="speculative") == sum(
+        r.stats.decode_steps for r in verified) > 0
+    assert value(m, "gateeng_decode_steps_total", determinism="verified", route="direct") == sum(
+        r.stats.direct_steps for r in verified)
     assert value(m, "gateeng_margin_count") == sum(r.stats.decode_steps for r in verified)
 
 

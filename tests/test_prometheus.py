@@ -1,8 +1,11 @@
 """A real Prometheus (Debian's `prometheus` package) scraping a real `gateeng serve`
 every second, with the project's recording rules and alerts loaded. The README's
 trigger-rate query must equal what the per-request DeterminismReports add up to,
-and every shipped expression must evaluate. Then `gateeng calibrate --apply` sets
-tau on the live server, and Prometheus sees the new value."""
+on the speculative route and on the default (adaptive) one, where it says
+`all_direct` if no decode reached the gate; and every shipped expression must
+evaluate. Then `gateeng calibrate --apply` sets tau on the live server, and
+Prometheus sees the new value."""
+import contextlib
 import json
 import os
 import shutil
@@ -49,12 +52,11 @@ def wait_for(fn, timeout=90, what="condition"):
     raise TimeoutError(f"timed out waiting for {what}")
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
+@contextlib.contextmanager
+def prometheus_over(tmp, *server_args):
+    """A gateeng server started with server_args, and a Prometheus scraping it."""
     from grpc_health.v1 import health_pb2
-    # The speculative route: the README trigger-rate query is over gated (speculative) steps.
-    proc, target, mport = start_server("--verified-route", "speculative")
-    tmp = tmp_path_factory.mktemp("prometheus")
+    proc, target, mport = start_server(*server_args)
     port = free_port()
     (tmp / "prometheus.yml").write_text(json.dumps({
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
@@ -77,6 +79,54 @@ def stack(tmp_path_factory):
                 p.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    # The speculative route: the README trigger-rate query is over gated (speculative) steps.
+    with prometheus_over(tmp_path_factory.mktemp("prometheus"), "--verified-route", "speculative") as s:
+        yield s
+
+
+def run_verified(target, n, params):
+    """n VERIFIED requests at once; their DeterminismReports."""
+    reports = [None] * n
+
+    def run(i):
+        with Client(target) as c:
+            reports[i] = c.complete(f"Name {i + 2} things that are blue.", params, DeterminismParams(Mode.VERIFIED),
+                                    chat=True, timeout=600).determinism
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return reports
+
+
+def test_readme_trigger_rate_is_the_recorded_rule():
+    rules = expressions()
+    assert " ".join(rules["rules.yml:gateeng:verifier_trigger_rate:ratio_rate5m"].split()) == readme_trigger_rate()
+
+
+def test_readme_trigger_rate_answers_under_the_default_route(tmp_path):
+    with prometheus_over(tmp_path) as (target, base):
+        reports = run_verified(target, 4, SamplingParams(max_tokens=16, ignore_eos=True))
+        wait_for(lambda: scalar(base, "sum(gateeng_request_success_total)") == 4, what="the requests to be scraped")
+        steps = sum(r.decode_steps for r in reports)
+        direct = sum(r.direct_steps for r in reports)
+        assert steps + direct == 4 * 15
+        got = query(base, readme_trigger_rate())
+        assert len(got) == 1, got
+        if steps == 0:       # every VERIFIED decode went direct: the explicit answer, not NaN
+            assert got[0]["metric"] == {"gate": "all_direct"} and float(got[0]["value"][1]) == 0.0
+        else:
+            triggers = sum(r.triggers_margin + r.triggers_window + r.triggers_finish for r in reports)
+            assert got[0]["metric"] == {}
+            assert float(got[0]["value"][1]) == pytest.approx(triggers / steps, rel=0.02)
+        routes = {r["metric"]["route"]: float(r["value"][1]) for r in
+                  query(base, 'sum by (route) (rate(gateeng_decode_steps_total{determinism="verified"}[5m]))')}
+        assert set(routes) == {"speculative", "direct"} and (routes["direct"] > 0) == (direct > 0)
 
 
 def test_readme_trigger_rate_in_prometheus_equals_the_reports(stack):
@@ -117,7 +167,7 @@ def test_readme_trigger_rate_in_prometheus_equals_the_reports(stack):
         pass
     assert recorded() == pytest.approx(want, rel=0.02, abs=1e-9)
     assert scalar(base, "sum(gateeng_margin_count)") == steps
-    assert scalar(base, 'gateeng_decode_steps_total{determinism="off"}') == 6 * (24 - 1)
+    assert scalar(base, 'sum(gateeng_decode_steps_total{determinism="off"})') == 6 * (24 - 1)
 
 
 def test_every_shipped_expression_evaluates_on_live_data(stack):

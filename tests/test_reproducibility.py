@@ -30,7 +30,7 @@ def test_isa_is_read_from_cpuinfo_and_tells_cpu_kinds_apart(tmp_path):
 
 def test_records_are_equal_exactly_when_every_field_is():
     kw = dict(engine_version="1.2.3", model_fingerprint="abc", dtype="bfloat16", device="cpu",
-              kernel_plan="fast; invariant(rows=8,split=64)", self_check_passed=True, self_check="ok")
+              plan="fast", reference="invariant(rows=8,split=64)", self_check_passed=True, self_check="ok")
     a, b = rp.build(**kw), rp.build(**kw)
     assert a == b and a.fingerprint() == b.fingerprint()
     assert a.torch_version == torch.__version__ and a.num_threads == torch.get_num_threads()

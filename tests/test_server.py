@@ -307,7 +307,7 @@ def test_32_concurrent_mixed_streams_and_metrics(server, client, smollm):
     trig = sum(r.triggers_margin + r.triggers_window + r.triggers_finish for r in reports)
     direct = sum(r.direct_steps for r in reports)
     assert trig + direct > 0   # the adaptive route decides which of the two happen
-    assert delta("gateeng_verified_direct_steps_total") == direct
+    assert delta('gateeng_decode_steps_total{determinism="verified",route="direct"}') == direct
     assert delta('gateeng_verifier_triggers_total{reason="margin"}') == sum(r.triggers_margin for r in reports)
     assert delta('gateeng_verifier_triggers_total{reason="window"}') == sum(r.triggers_window for r in reports)
     assert delta('gateeng_verifier_triggers_total{reason="finish"}') == sum(r.triggers_finish for r in reports)

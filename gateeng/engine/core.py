@@ -110,7 +110,7 @@ class EngineCore:
         self.version = __version__
         self.reproducibility = reproducibility.build(
             engine_version=self.version, model_fingerprint=self.loaded.fingerprint, dtype=cfg.dtype,
-            device=cfg.device, kernel_plan=f"{cfg.plan}; {self.invariant_plan.describe(cfg.dtype)}",
+            device=cfg.device, plan=cfg.plan, reference=self.invariant_plan.describe(cfg.dtype),
             self_check_passed=self.selfcheck.passed, self_check=self.selfcheck.describe())
         self.observer = observer or Observer()
         self.outputs = OutputProcessor(self.observer, self.reproducibility)

@@ -14,6 +14,7 @@ Invariants:
 """
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
@@ -73,7 +74,8 @@ class OutputProcessor:
             text = text[:req.stop_text_len]
         return Completion(req.request_id, list(req.output_ids), text, req.finish_reason, req.num_prompt,
                           req.num_cached_tokens, req.mode, req.tau,
-                          req.seed if not req.params.greedy else None, req.stats.snapshot(),
+                          dataclasses.replace(req.params, seed=req.seed if not req.params.greedy else None),
+                          req.stats.snapshot(),
                           self.reproducibility, list(req.logprobs), list(req.prompt_logprobs),
                           list(req.prompt_ids))
 

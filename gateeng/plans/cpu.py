@@ -238,7 +238,7 @@ def default_invariant_rows(isa: str) -> int:
     VERIFIED. Where bf16 is emulated, cost is linear in rows and a small group
     wastes less on padding. The row count is part of the reference's description
     (kernel_plan), as the CPU kind already is."""
-    flags = set(isa.split(","))
+    flags = set(isa.split(","))   # comma-separated: the record's ISA list, or every cpuinfo flag
     return 32 if flags & {"avx512_bf16", "amx_bf16"} else 8
 
 

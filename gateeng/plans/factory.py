@@ -18,10 +18,9 @@ from typing import Callable, Optional
 
 import torch
 
-from gateeng import reproducibility
 from gateeng.config import EngineConfig
 from gateeng.logs import log
-from gateeng.plans import cpu_ops, kernel_names, reference_ops, sampler
+from gateeng.plans import cpp_build, cpu_ops, kernel_names, reference_ops, sampler
 from gateeng.plans.cpu import FastPlan, InvariantPlan, default_invariant_rows
 from gateeng.plans.reference import ReferencePlan
 
@@ -45,7 +44,7 @@ def build(cfg: EngineConfig, model, model_config, dtype) -> Plans:
     kernels = cpu_ops.load() if cfg.cpu_kernels else None
     if cfg.pack_fast_weights:
         model.pack_weights(kernels)
-    rows = cfg.invariant_rows or default_invariant_rows(reproducibility.cpu_model_and_isa()[1])
+    rows = cfg.invariant_rows or default_invariant_rows(",".join(cpp_build.cpu_flags().split()))
     inv_packed, matmul = model.invariant_packed, model.invariant_matmul
     if not cfg.pack_fast_weights or (matmul in kernel_names.ROWWISE_MATMULS and kernels is None):
         inv_packed, matmul = {}, kernel_names.TORCH_MM   # the row-invariant matmul is one of the kernels

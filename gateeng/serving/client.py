@@ -16,18 +16,26 @@ from gateeng.v1 import engine_pb2 as pb
 from gateeng.v1 import engine_pb2_grpc as pb_grpc
 
 
-def to_proto(prompt: Union[str, list], params: Optional[SamplingParams] = None,
-             det: Optional[DeterminismParams] = None, chat: bool = False, request_id: str = "") -> pb.GenerateRequest:
-    p = params or SamplingParams()
-    d = det or DeterminismParams()
+def sampling_proto(p: SamplingParams) -> pb.SamplingParams:
+    """Every field set; seed, logprobs and prompt_logprobs only where not None."""
     sp = pb.SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, max_tokens=p.max_tokens,
                            stop=list(p.stop), stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos)
-    if p.seed is not None:
-        sp.seed = p.seed
-    if p.logprobs is not None:
-        sp.logprobs = p.logprobs
-    if p.prompt_logprobs is not None:
-        sp.prompt_logprobs = p.prompt_logprobs
+    for name in ("seed", "logprobs", "prompt_logprobs"):
+        if getattr(p, name) is not None:
+            setattr(sp, name, getattr(p, name))
+    return sp
+
+
+def sampling_from_proto(sp: pb.SamplingParams) -> SamplingParams:
+    """The inverse of sampling_proto (unset fields take SamplingParams' defaults)."""
+    fields = {f.name: value for f, value in sp.ListFields()}
+    return SamplingParams.from_dict({**fields, "stop": list(sp.stop), "stop_token_ids": list(sp.stop_token_ids)})
+
+
+def to_proto(prompt: Union[str, list], params: Optional[SamplingParams] = None,
+             det: Optional[DeterminismParams] = None, chat: bool = False, request_id: str = "") -> pb.GenerateRequest:
+    sp = sampling_proto(params or SamplingParams())
+    d = det or DeterminismParams()
     dp = pb.Determinism(
         mode=pb.Determinism.MODE_VERIFIED if d.mode is Mode.VERIFIED else pb.Determinism.MODE_OFF,
         stream_policy=pb.Determinism.EAGER if d.stream_policy is StreamPolicy.EAGER else pb.Determinism.VERIFIED_ONLY)

@@ -41,6 +41,7 @@ from gateeng.outputs import Chunk, Completion, Rollback
 from gateeng.reproducibility import Reproducibility
 from gateeng.request import FinishReason
 from gateeng.serving import edge, refusals
+from gateeng.serving.client import sampling_proto
 from gateeng.serving.refusals import Kind, Refusal, internal_error
 from gateeng.serving.gateway import REQUEST_ID_HEADER, Gateway
 from gateeng.v1 import engine_pb2 as pb
@@ -94,7 +95,8 @@ def complete_proto(c: Completion, request_id: str) -> pb.CompleteResponse:
             rollbacks_window=s.mismatches_window, rollbacks_finish=s.mismatches_finish,
             direct_steps=s.direct_steps, rollbacks_direct=s.mismatches_direct),
         reproducibility=reproducibility_proto(c.reproducibility, c.seed), logprobs=logprobs_proto(c.logprobs),
-        prompt_logprobs=logprobs_proto(c.prompt_logprobs))
+        prompt_logprobs=logprobs_proto(c.prompt_logprobs), prompt_token_ids=pb.TokenIds(ids=c.prompt_ids),
+        sampling=sampling_proto(c.sampling))
 
 
 class EngineService:
@@ -216,7 +218,8 @@ class EngineService:
                              self_check_passed=e.selfcheck.passed, self_check=e.selfcheck.describe(),
                              gate=pb.GateConfig(margin_threshold=e.margin_threshold, max_window=e.max_window),
                              requests_running=counts.running, requests_waiting=counts.waiting,
-                             kv_cache_usage=counts.kv_usage, max_queue=e.config.max_queue)
+                             kv_cache_usage=counts.kv_usage, max_queue=e.config.max_queue,
+                             reproducibility=reproducibility_proto(e.reproducibility, None))
 
     async def UpdateGateConfig(self, raw: bytes, context):
         if not self.admin_token:

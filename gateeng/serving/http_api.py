@@ -8,8 +8,11 @@ refusals (refusals.py). Per-request determinism rides in an extension field:
     {"determinism": {"mode": "verified", "margin_threshold": 0.3, "max_window": 32}}
 
 The response carries the Reproducibility record in `reproducibility`, the
-determinism report in `determinism`, and the record's fingerprint in
-`system_fingerprint`. Defaults follow the OpenAI API (temperature 1, max_tokens
+determinism report in `determinism`, the record's fingerprint in
+`system_fingerprint`, and in `replay` what `gateeng replay` needs to decode it
+again: the prompt's token ids (after the chat template), the output's token ids
+and the sampling parameters as run (the drawn seed filled in). GET /v1/models
+shows the server's record, so a replay can refuse a server before it decodes. Defaults follow the OpenAI API (temperature 1, max_tokens
 16 for completions). Fail closed: an unknown field, an option we do not
 implement (n > 1, penalties, logit_bias, ...), a field of the wrong type or an
 unknown determinism mode is a 400, never ignored or coerced. Errors are
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import math
 import secrets
@@ -187,8 +191,10 @@ class OpenAIFront:
 
     def _extension(self, c: Completion) -> dict:
         return {"system_fingerprint": c.reproducibility.fingerprint(),
-                "reproducibility": {**c.reproducibility.__dict__, "seed": c.seed},
-                "determinism": {"mode": c.mode.value, **vars(c.stats)}}
+                "reproducibility": {**record_json(c.reproducibility), "seed": c.seed},
+                "determinism": {"mode": c.mode.value, **vars(c.stats)},
+                "replay": {"prompt_token_ids": c.prompt_ids, "token_ids": c.token_ids,
+                           "sampling": c.sampling.to_dict()}}
 
     def _token_text(self, token: int) -> str:
         return self.engine.tokenizer.decode([token])
@@ -227,8 +233,10 @@ class OpenAIFront:
         return JSONResponse({"status": "serving"})
 
     async def models(self, request: HttpRequest):
-        return JSONResponse({"object": "list", "data": [{"id": self.model_name, "object": "model",
-                                                         "created": self.created, "owned_by": "gateeng"}]})
+        model = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "gateeng"}
+        if self.gateway.engine is not None:    # what `gateeng replay --openai` checks before it decodes
+            model["reproducibility"] = record_json(self.gateway.engine.reproducibility)
+        return JSONResponse({"object": "list", "data": [model]})
 
     async def completions(self, request: HttpRequest, request_id: str):
         body = await self._body(request, COMPLETION_FIELDS)
@@ -301,12 +309,12 @@ class OpenAIFront:
         for token, logprob, top in items:
             text = self._token_text(token)
             out["tokens"].append(text)
-            out["token_logprobs"].append(None if logprob is None else _finite(logprob))
+            out["token_logprobs"].append(None if logprob is None else json_logprob(logprob))
             alternatives = None
             if top is not None:
                 alternatives = {}
                 for t, v in top:
-                    alternatives.setdefault(self._token_text(t), _finite(v))
+                    alternatives.setdefault(self._token_text(t), json_logprob(v))
             out["top_logprobs"].append(alternatives)
             out["text_offset"].append(pos)
             pos += len(text)
@@ -332,7 +340,7 @@ class OpenAIFront:
     def _chat_logprobs(self, entries: list) -> dict:
         def item(t, v):
             text = self._token_text(t)
-            return {"token": text, "logprob": _finite(v), "bytes": list(text.encode())}
+            return {"token": text, "logprob": json_logprob(v), "bytes": list(text.encode())}
         return {"content": [dict(item(e.token, e.logprob), top_logprobs=[item(t, v) for t, v in e.top])
                             for e in entries]}
 
@@ -418,13 +426,18 @@ async def _disconnect(request: HttpRequest) -> None:
         pass
 
 
+def record_json(r) -> dict:
+    """A Reproducibility record as the HTTP front shows it, with its fingerprint."""
+    return {**dataclasses.asdict(r), "fingerprint": r.fingerprint()}
+
+
 def _usage(c: Completion) -> dict:
     return {"prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
             "total_tokens": c.prompt_tokens + c.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": c.cached_tokens}}
 
 
-def _finite(v: float):
+def json_logprob(v: float):
     """JSON has no -inf: a token top-k/top-p removed gets the most negative float."""
     return v if math.isfinite(v) else -3.4028234663852886e38
 

@@ -6,15 +6,18 @@ counters are deltas of the per-request DeterminismStats carried in the step
 records, so the exported counters and the per-request reports cannot disagree.
 Labels stay low-cardinality: determinism, reason, finish_reason.
 
-Trigger rate (PromQL; each side is summed because the labels differ):
-  sum(rate(gateeng_verifier_triggers_total[5m]))
-    / sum(rate(gateeng_decode_steps_total{determinism="verified"}[5m]))
-By reason: sum by (reason) (rate(gateeng_verifier_triggers_total[5m])) / <the same denominator>.
+Decode steps carry their route: a VERIFIED decode is `speculative` (the fast
+plan, which the gate looks at) or `direct` (the invariant plan at once: nothing
+for the gate to decide); other decodes carry the plan they ran on. The trigger
+rate is over the speculative steps, so where the route sends every VERIFIED
+decode direct it has no denominator: deploy/rules.yml (and the README) then
+answer `{gate="all_direct"} 0` instead of NaN.
 """
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
+from gateeng.config import DIRECT, SPECULATIVE
 from gateeng.engine.client import Engine
 from gateeng.engine.core import Observer
 from gateeng.engine.gate import REASONS
@@ -26,15 +29,19 @@ LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 # so the histogram tells an operator what a tau change would trigger.
 MARGINS = (0.0, 0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
 DETERMINISM = tuple(m.value for m in Mode)
-# DeterminismStats field -> (counter attribute, label value or None)
+# The (determinism, route) pairs a decode step can have: VERIFIED by route, the
+# others by the plan they ran on (an OFF request may fill a spare invariant row).
+DECODE_ROUTES = ((Mode.OFF.value, "fast"), (Mode.OFF.value, "invariant"), (Mode.REFERENCE.value, "invariant"),
+                 (Mode.VERIFIED.value, SPECULATIVE), (Mode.VERIFIED.value, DIRECT))
+# DeterminismStats field -> (counter attribute, label values)
 COUNTED = {
-    "decode_steps": ("decode_steps", "verified"),
-    "direct_steps": ("direct_steps", None),
-    **{f"triggers_{r}": ("triggers", r) for r in REASONS},
-    **{f"mismatches_{r}": ("mismatches", r) for r in MISMATCH_REASONS},
-    "verify_passes": ("passes", None),
-    "replayed_tokens": ("replayed", None),
-    "rolled_back_tokens": ("rolled_back", None),
+    "decode_steps": ("decode_steps", (Mode.VERIFIED.value, SPECULATIVE)),
+    "direct_steps": ("decode_steps", (Mode.VERIFIED.value, DIRECT)),
+    **{f"triggers_{r}": ("triggers", (r,)) for r in REASONS},
+    **{f"mismatches_{r}": ("mismatches", (r,)) for r in MISMATCH_REASONS},
+    "verify_passes": ("passes", ()),
+    "replayed_tokens": ("replayed", ()),
+    "rolled_back_tokens": ("rolled_back", ()),
 }
 
 
@@ -42,12 +49,10 @@ class Metrics(Observer):
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = r = registry or CollectorRegistry()
         ProcessCollector(registry=r)
-        self.decode_steps = Counter("gateeng_decode_steps", "Decode steps (one sampled token each); for "
-                                    "VERIFIED the speculative ones, which the gate looks at", ["determinism"],
-                                    registry=r)
-        self.direct_steps = Counter("gateeng_verified_direct_steps",
-                                    "VERIFIED decodes the route policy ran directly on the invariant plan",
-                                    registry=r)
+        self.decode_steps = Counter("gateeng_decode_steps", "Decode steps (one sampled token each) by route: "
+                                    "VERIFIED ones speculative (fast plan, the gate looks at them) or direct "
+                                    "(invariant plan, no gate needed); others the plan they ran on",
+                                    ["determinism", "route"], registry=r)
         self.triggers = Counter("gateeng_verifier_triggers", "Verifier triggers by reason", ["reason"], registry=r)
         self.passes = Counter("gateeng_verifier_passes", "Verify replays run", registry=r)
         self.replayed = Counter("gateeng_verifier_replayed_tokens", "Positions replayed on the invariant plan",
@@ -100,8 +105,9 @@ class Metrics(Observer):
             self.triggers.labels(reason)
         for reason in MISMATCH_REASONS:
             self.mismatches.labels(reason)
+        for det, route in DECODE_ROUTES:
+            self.decode_steps.labels(det, route)
         for det in DETERMINISM:
-            self.decode_steps.labels(det)
             self.gen_tokens.labels(det)
             self.ttft.labels(det)
             self.itl.labels(det)
@@ -132,13 +138,13 @@ class Metrics(Observer):
                 if seq.kind == "fast" and seq.margin is not None:
                     self.margin.observe(_clamp(seq.margin))
             else:   # VERIFIED decode steps come from the step's counts below, like the reports
-                self.decode_steps.labels(seq.mode.value).inc()
+                self.decode_steps.labels(seq.mode.value, seq.kind).inc()
         counted = record.counted
-        for name, (attr, label) in COUNTED.items():
+        for name, (attr, labels) in COUNTED.items():
             n = getattr(counted, name)
             if n:
                 counter = getattr(self, attr)
-                (counter.labels(label) if label else counter).inc(n)
+                (counter.labels(*labels) if labels else counter).inc(n)
         for _, margin in record.mismatches:
             self.mismatch_margin.observe(_clamp(margin))
         if any(seq.replay for seq in record.seqs):

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
 from gateeng import __version__
-from gateeng.config import HTTP_BODY_SLACK_BYTES, ROUTE_POLICIES, EngineConfig, GateBounds, ServerConfig
+from gateeng.config import DIRECT, HTTP_BODY_SLACK_BYTES, ROUTE_POLICIES, EngineConfig, GateBounds, ServerConfig
 from gateeng.plans.kernel_names import ISA_ENV, REFERENCE, REFERENCE_ISAS, TORCH_MM
 from gateeng.request import DEFAULT_MAX_TOKENS
 
@@ -114,6 +115,11 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--no-chat", action="store_true", help="send the prompt raw, without the chat template")
     p.add_argument("--verified", action="store_true", help="ask for a VERIFIED (bitwise reproducible) decode")
+    p.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="each output token's logprob and its K most likely alternatives (0-20)")
+    p.add_argument("--json", action="store_true",
+                   help="print the whole response as one line of JSON (a gRPC CompleteResponse: the record, the "
+                        "prompt's token ids and the sampling as run), which `gateeng replay` reads")
 
 
 # generate's engine options that a request to a server carries as its own settings.
@@ -155,7 +161,8 @@ def engine_options() -> list:
 def cmd_generate(args) -> int:
     from gateeng.request import DeterminismParams, Mode, SamplingParams
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop))
+                            seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop),
+                            logprobs=args.logprobs)
     det = DeterminismParams(mode=Mode.VERIFIED if args.verified else Mode.OFF)
     if getattr(args, "server", None):
         from gateeng.serving.client import Client
@@ -177,7 +184,7 @@ def cmd_generate(args) -> int:
             except grpc.RpcError as e:
                 print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
                 return 2
-            print(res.text)
+            print(_json_line(res) if args.json else res.text)
             d = res.determinism
             print(f"[{res.usage.completion_tokens} tokens, mode={d.mode}, triggers="
                   f"{d.triggers_margin + d.triggers_window + d.triggers_finish}, rollbacks={d.rollbacks}]",
@@ -191,13 +198,61 @@ def cmd_generate(args) -> int:
     except (ValueError, FileNotFoundError, DeterminismUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(res.text)
+    if args.json:
+        from gateeng.serving.grpc_api import complete_proto
+        print(_json_line(complete_proto(res, res.request_id)))
+    else:
+        print(res.text)
     s = res.stats
     print(f"[{res.completion_tokens} tokens, finish={res.finish_reason.value}, mode={res.mode.value}"
           + (f", triggers={s.triggers}, rollbacks={s.mismatches}" if res.mode.value == "verified" else "")
           + "]", file=sys.stderr)
     engine.shutdown()
     return 0
+
+
+def _json_line(response) -> str:
+    from google.protobuf import json_format
+    return json.dumps(json_format.MessageToDict(response, preserving_proto_field_name=True))
+
+
+def cmd_replay(args) -> int:
+    from pathlib import Path
+
+    from gateeng.tools import replay as rp
+    remote = args.server or args.openai
+    if remote and (args.model or args.dtype or args.threads):
+        print("error: --model, --dtype and --threads set up a local engine; a server replays on its own: drop "
+              "them, or run without --server/--openai", file=sys.stderr)
+        return 2
+    try:
+        items = rp.read(Path(args.file))
+    except (OSError, UnicodeDecodeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not items:
+        print(f"error: {args.file} holds no responses", file=sys.stderr)
+        return 2
+    try:
+        if args.server:
+            target = rp.GrpcTarget(args.server)
+        elif args.openai:
+            target = rp.OpenAITarget(args.openai)
+        else:
+            dtypes = {it.record.get("dtype") for _, it in items if isinstance(it, rp.Stored)}
+            dtype = args.dtype or (dtypes.pop() if len(dtypes) == 1 else DEFAULTS.dtype)
+            # Direct: every VERIFIED decode on the invariant plan (the same bits; no plan pricing at start-up).
+            target = rp.LocalTarget(EngineConfig(model=args.model, dtype=dtype, num_threads=args.threads,
+                                                 verified_route=DIRECT))
+    except (ValueError, OSError, rp.Unreplayable) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        outcomes = rp.run(items, target)
+    finally:
+        target.close()
+    print(rp.summary(outcomes), file=sys.stderr)
+    return 0 if all(o.identical for o in outcomes if o.promised) else 1
 
 
 def server_config(args) -> ServerConfig:
@@ -399,6 +454,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="set the recommended tau on a running server (UpdateGateConfig)")
     _admin_token_arg(c, "for --apply")
     c.set_defaults(func=cmd_calibrate)
+    r = sub.add_parser("replay", help="decode stored responses again and check that VERIFIED ones are bitwise "
+                                      "identical",
+                       description="Read stored responses (a JSON file, or JSONL of many: gRPC CompleteResponse "
+                                   "JSON, `gateeng generate --json` output, or the HTTP front's response body), "
+                                   "check each one's Reproducibility record against the target's (another "
+                                   "reference, model or dtype is refused before decoding), decode it again as "
+                                   "VERIFIED and compare tokens and logprob bits. Exit 0 only if every VERIFIED "
+                                   "response is identical; OFF ones are compared but promise nothing.")
+    r.add_argument("file", help="the stored response(s)")
+    where = r.add_mutually_exclusive_group()
+    where.add_argument("--server", default=None, metavar="HOST:PORT",
+                       help="replay on a running gateeng server over gRPC (default: a local engine)")
+    where.add_argument("--openai", default=None, metavar="URL",
+                       help="replay on a running gateeng HTTP front, http://HOST:PORT[/v1]")
+    r.add_argument("--model", default=None,
+                   help="local engine: HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    r.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
+                   help="local engine: weights and KV dtype (default: the stored records' dtype)")
+    r.add_argument("--threads", type=int, default=None, help="local engine: torch CPU threads")
+    r.set_defaults(func=cmd_replay)
     m = sub.add_parser("model-dir", help="print a model's Hugging Face-format directory (config, weights, "
                                           "tokenizer), converting a .gguf once")
     m.add_argument("--model", default=None,

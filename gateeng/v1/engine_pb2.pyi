@@ -191,7 +191,7 @@ class DeterminismReport(_message.Message):
     def __init__(self, mode: _Optional[str] = ..., decode_steps: _Optional[int] = ..., triggers_margin: _Optional[int] = ..., triggers_window: _Optional[int] = ..., triggers_finish: _Optional[int] = ..., verify_passes: _Optional[int] = ..., replayed_tokens: _Optional[int] = ..., rollbacks: _Optional[int] = ..., rolled_back_tokens: _Optional[int] = ..., retractions: _Optional[int] = ..., margin_threshold: _Optional[float] = ..., rollbacks_margin: _Optional[int] = ..., rollbacks_window: _Optional[int] = ..., rollbacks_finish: _Optional[int] = ..., direct_steps: _Optional[int] = ..., rollbacks_direct: _Optional[int] = ...) -> None: ...
 
 class Reproducibility(_message.Message):
-    __slots__ = ("engine_version", "model_fingerprint", "dtype", "device_kind", "kernel_plan", "self_check_passed", "self_check", "seed", "seeded", "device_name", "isa", "torch_version", "triton_version", "cuda_version", "num_threads", "fingerprint")
+    __slots__ = ("engine_version", "model_fingerprint", "dtype", "device_kind", "kernel_plan", "self_check_passed", "self_check", "seed", "seeded", "device_name", "isa", "torch_version", "triton_version", "cuda_version", "num_threads", "fingerprint", "reference")
     ENGINE_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -208,6 +208,7 @@ class Reproducibility(_message.Message):
     CUDA_VERSION_FIELD_NUMBER: _ClassVar[int]
     NUM_THREADS_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_FIELD_NUMBER: _ClassVar[int]
     engine_version: str
     model_fingerprint: str
     dtype: str
@@ -224,10 +225,11 @@ class Reproducibility(_message.Message):
     cuda_version: str
     num_threads: int
     fingerprint: str
-    def __init__(self, engine_version: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., device_kind: _Optional[str] = ..., kernel_plan: _Optional[str] = ..., self_check_passed: _Optional[bool] = ..., self_check: _Optional[str] = ..., seed: _Optional[int] = ..., seeded: _Optional[bool] = ..., device_name: _Optional[str] = ..., isa: _Optional[str] = ..., torch_version: _Optional[str] = ..., triton_version: _Optional[str] = ..., cuda_version: _Optional[str] = ..., num_threads: _Optional[int] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+    reference: str
+    def __init__(self, engine_version: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., device_kind: _Optional[str] = ..., kernel_plan: _Optional[str] = ..., self_check_passed: _Optional[bool] = ..., self_check: _Optional[str] = ..., seed: _Optional[int] = ..., seeded: _Optional[bool] = ..., device_name: _Optional[str] = ..., isa: _Optional[str] = ..., torch_version: _Optional[str] = ..., triton_version: _Optional[str] = ..., cuda_version: _Optional[str] = ..., num_threads: _Optional[int] = ..., fingerprint: _Optional[str] = ..., reference: _Optional[str] = ...) -> None: ...
 
 class CompleteResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "determinism", "reproducibility", "logprobs", "prompt_logprobs")
+    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "determinism", "reproducibility", "logprobs", "prompt_logprobs", "prompt_token_ids", "sampling")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -237,6 +239,8 @@ class CompleteResponse(_message.Message):
     REPRODUCIBILITY_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -246,7 +250,9 @@ class CompleteResponse(_message.Message):
     reproducibility: Reproducibility
     logprobs: _containers.RepeatedCompositeFieldContainer[Logprobs]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[Logprobs]
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., determinism: _Optional[_Union[DeterminismReport, _Mapping]] = ..., reproducibility: _Optional[_Union[Reproducibility, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[Logprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[Logprobs, _Mapping]]] = ...) -> None: ...
+    prompt_token_ids: TokenIds
+    sampling: SamplingParams
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., determinism: _Optional[_Union[DeterminismReport, _Mapping]] = ..., reproducibility: _Optional[_Union[Reproducibility, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[Logprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[Logprobs, _Mapping]]] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("chunk", "rollback", "complete")
@@ -311,7 +317,7 @@ class GateConfig(_message.Message):
     def __init__(self, margin_threshold: _Optional[float] = ..., max_window: _Optional[int] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("engine_version", "device_kind", "kernel_plan", "self_check_passed", "self_check", "gate", "requests_running", "requests_waiting", "kv_cache_usage", "max_queue")
+    __slots__ = ("engine_version", "device_kind", "kernel_plan", "self_check_passed", "self_check", "gate", "requests_running", "requests_waiting", "kv_cache_usage", "max_queue", "reproducibility")
     ENGINE_VERSION_FIELD_NUMBER: _ClassVar[int]
     DEVICE_KIND_FIELD_NUMBER: _ClassVar[int]
     KERNEL_PLAN_FIELD_NUMBER: _ClassVar[int]
@@ -322,6 +328,7 @@ class ServerInfo(_message.Message):
     REQUESTS_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUE_FIELD_NUMBER: _ClassVar[int]
+    REPRODUCIBILITY_FIELD_NUMBER: _ClassVar[int]
     engine_version: str
     device_kind: str
     kernel_plan: str
@@ -332,7 +339,8 @@ class ServerInfo(_message.Message):
     requests_waiting: int
     kv_cache_usage: float
     max_queue: int
-    def __init__(self, engine_version: _Optional[str] = ..., device_kind: _Optional[str] = ..., kernel_plan: _Optional[str] = ..., self_check_passed: _Optional[bool] = ..., self_check: _Optional[str] = ..., gate: _Optional[_Union[GateConfig, _Mapping]] = ..., requests_running: _Optional[int] = ..., requests_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., max_queue: _Optional[int] = ...) -> None: ...
+    reproducibility: Reproducibility
+    def __init__(self, engine_version: _Optional[str] = ..., device_kind: _Optional[str] = ..., kernel_plan: _Optional[str] = ..., self_check_passed: _Optional[bool] = ..., self_check: _Optional[str] = ..., gate: _Optional[_Union[GateConfig, _Mapping]] = ..., requests_running: _Optional[int] = ..., requests_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., max_queue: _Optional[int] = ..., reproducibility: _Optional[_Union[Reproducibility, _Mapping]] = ...) -> None: ...
 
 class UpdateGateConfigRequest(_message.Message):
     __slots__ = ("margin_threshold", "max_window")
