@@ -255,6 +255,45 @@ def cmd_replay(args) -> int:
     return 0 if all(o.identical for o in outcomes if o.promised) else 1
 
 
+def cmd_probe(args) -> int:
+    from pathlib import Path
+
+    import grpc
+
+    from gateeng.tools import calibrate as cal
+    from gateeng.tools import probe as pr
+    try:
+        levels = [int(c) for c in args.concurrency.split(",")]
+        if not levels or min(levels) < 1:
+            raise ValueError(f"--concurrency takes counts >= 1, got {args.concurrency!r}")
+        extra = json.loads(args.extra) if args.extra else {}
+        if not isinstance(extra, dict):
+            raise ValueError("--extra must be a JSON object")
+        if args.server and (extra or args.model):
+            raise ValueError("--extra and --model are HTTP request fields; over gRPC use --verified")
+        if args.verified and args.openai:
+            extra = {"determinism": {"mode": "verified"}, **extra}
+        prompts = (cal.read_prompts(Path(args.prompts))[:args.num_prompts] if args.prompts
+                   else pr.default_prompts(args.num_prompts))
+        if args.server:
+            send = pr.GrpcSender(args.server, args.max_tokens, args.verified, args.chat, args.seed)
+        else:
+            send = pr.OpenAISender(args.openai, args.max_tokens, extra, args.chat, args.model, args.seed)
+        reports = pr.probe(prompts, send, levels)
+    except (ValueError, OSError) as e:     # an HTTP error, a refused connection, bad options
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except grpc.RpcError as e:
+        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 2
+    meta = {"target": send.name, "label": args.label, "extra": extra, "verified": args.verified,
+            "chat": args.chat, "max_tokens": args.max_tokens, "seed": args.seed, "concurrency": levels}
+    js, png = pr.write(reports, Path(args.out), meta)
+    print(pr.markdown(reports, send.name, extra))
+    print(f"\nwrote {js} and {png}", file=sys.stderr)
+    return 1 if any(r.distinct > 1 for r in reports) else 0
+
+
 def server_config(args) -> ServerConfig:
     return ServerConfig(host=args.host, port=args.port,
                         metrics_port=None if args.metrics_port < 0 else args.metrics_port,
@@ -474,6 +513,34 @@ def build_parser() -> argparse.ArgumentParser:
                    help="local engine: weights and KV dtype (default: the stored records' dtype)")
     r.add_argument("--threads", type=int, default=None, help="local engine: torch CPU threads")
     r.set_defaults(func=cmd_replay)
+    pb_ = sub.add_parser("probe", help="measure whether a server's completions change with concurrency and "
+                                        "caching (exit 1 if any prompt got more than one)",
+                         description="Send each prompt after a request sharing part of it, alone, then in batches "
+                                     "of 2..N at once (the other prompts are the noise), to any OpenAI-compatible "
+                                     "endpoint or a gateeng gRPC server, and count the distinct completions per "
+                                     "prompt. Prints a table; writes probe.json and probe.png. Exit 0 only if "
+                                     "every prompt got one completion.")
+    where = pb_.add_mutually_exclusive_group(required=True)
+    where.add_argument("--openai", default=None, metavar="URL", help="an OpenAI-compatible server, "
+                                                                     "http://HOST:PORT[/v1]")
+    where.add_argument("--server", default=None, metavar="HOST:PORT", help="a gateeng server over gRPC")
+    pb_.add_argument("--prompts", default=None, metavar="FILE",
+                     help="text lines, or JSONL with a `prompt` field (default: built-in prompts of three questions each)")
+    pb_.add_argument("--num-prompts", type=int, default=16, help="prompts to probe")
+    pb_.add_argument("--concurrency", default="1,2,4,8,16", help="batch sizes to send at once (1: alone)")
+    pb_.add_argument("--max-tokens", type=int, default=32, help="tokens per completion")
+    pb_.add_argument("--seed", type=int, default=None,
+                     help="sample at temperature 1 with this seed (default: greedy)")
+    pb_.add_argument("--chat", action="store_true",
+                     help="send each prompt as one user message (/v1/chat/completions; gRPC: the chat template)")
+    pb_.add_argument("--verified", action="store_true",
+                     help="ask gateeng for VERIFIED: the gRPC mode, or over HTTP the `determinism` field")
+    pb_.add_argument("--extra", default=None, metavar="JSON",
+                     help="fields merged into every HTTP request body as given, e.g. '{\"cache_prompt\": false}'")
+    pb_.add_argument("--model", default=None, help="the HTTP model id (default: the first one /v1/models lists)")
+    pb_.add_argument("--label", default=None, help="a title for the plot")
+    pb_.add_argument("--out", default="probe", help="folder for probe.json and probe.png")
+    pb_.set_defaults(func=cmd_probe)
     m = sub.add_parser("model-dir", help="print a model's Hugging Face-format directory (config, weights, "
                                           "tokenizer), converting a .gguf once")
     m.add_argument("--model", default=None,
