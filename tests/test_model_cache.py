@@ -45,10 +45,10 @@ def entries(root: Path) -> list:
 def test_converts_once_and_then_reads_the_cache(cache):
     root, gguf = cache
     conv = FakeConverter()
-    target, fp = model_cache.converted(gguf, conv)
-    assert model_cache.converted(gguf, conv) == (target, fp)
+    target = model_cache.converted(gguf, conv)
+    assert model_cache.converted(gguf, conv) == target
     assert conv.calls == 1 and entries(root) == [target.name]
-    assert fp == model_cache.fingerprint(target)
+    assert model_cache.check(target) is None
     assert json.loads((target / "gateeng.json").read_text())["files"]["model.safetensors"]["size"] == 1 << 16
 
 
@@ -62,13 +62,12 @@ def test_converts_once_and_then_reads_the_cache(cache):
 def test_damaged_cache_is_reported_and_converted_again(cache, capfd, damage, words):
     root, gguf = cache
     conv = FakeConverter()
-    target, _ = model_cache.converted(gguf, conv)
+    target = model_cache.converted(gguf, conv)
     damage(target)
-    problem, _ = model_cache.check(target)
-    assert words in problem
-    again, fp = model_cache.converted(gguf, conv)
+    assert words in model_cache.check(target)
+    again = model_cache.converted(gguf, conv)
     assert again == target and conv.calls == 2
-    assert model_cache.check(target) == (None, fp)
+    assert model_cache.check(target) is None
     assert "damaged" in capfd.readouterr().err
     assert entries(root) == [target.name]
 
@@ -83,7 +82,7 @@ def test_concurrent_starts_convert_once(cache):
         t.start()
     for t in threads:
         t.join()
-    assert conv.calls == 1 and len(set(results)) == 1 and entries(root) == [results[0][0].name]
+    assert conv.calls == 1 and len(set(results)) == 1 and entries(root) == [results[0].name]
 
 
 def test_killed_conversion_leaves_no_cache_and_is_cleaned_up(cache):
@@ -108,7 +107,7 @@ def test_killed_conversion_leaves_no_cache_and_is_cleaned_up(cache):
     proc.wait(timeout=30)
     assert all(".tmp-" in name for name in entries(root))   # nothing under the real name
     conv = FakeConverter()
-    target, _ = model_cache.converted(gguf, conv)
+    target = model_cache.converted(gguf, conv)
     assert conv.calls == 1 and entries(root) == [target.name]
 
 
@@ -132,7 +131,7 @@ def test_killed_real_conversion_then_load(tmp_path, monkeypatch):
     loaded = load(None)
     target = root / entries(root)[0]
     assert entries(root) == [target.name] and ".tmp-" not in target.name
-    assert model_cache.check(target) == (None, loaded.fingerprint)
+    assert model_cache.check(target) is None and len(loaded.fingerprint) == 64
 
 
 @pytest.mark.model

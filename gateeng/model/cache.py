@@ -12,9 +12,9 @@ Invariants:
 - A .tmp folder seen while holding the lock belongs to a converter that died: it is
   removed before converting again, so an interrupted conversion never doubles the cache.
 - The manifest (gateeng.json) records every file's size and sha256. Each start checks
-  them (one read of the files, which also yields the model fingerprint), so a
-  truncated or edited cache is reported and converted again instead of failing
-  every start.
+  them (one read of the files), so a truncated or edited cache is reported and
+  converted again instead of failing every start. (The model fingerprint is not the
+  files': gateeng.model.fingerprint.)
 """
 from __future__ import annotations
 
@@ -42,64 +42,36 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def _weight_files(names: list) -> list:
-    """What the model's numbers depend on, in fingerprint order."""
-    return [n for n in names if n == "config.json"] + sorted(n for n in names if n.endswith(".safetensors"))
+def hash_dir(hf_dir: Path) -> dict:
+    """{file name: {size, sha256}} for every file but the manifest."""
+    files = {}
+    for path in sorted(p for p in hf_dir.iterdir() if p.is_file() and p.name != MANIFEST):
+        files[path.name] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
+    return files
 
 
-def hash_dir(hf_dir: Path, names: Optional[list] = None) -> tuple[dict, str]:
-    """({file name: {size, sha256}}, model fingerprint) in one read of the files.
-
-    The fingerprint is sha256 over config.json and then the *.safetensors files in
-    name order; `names` defaults to every file but the manifest."""
-    if names is None:
-        names = sorted(p.name for p in hf_dir.iterdir() if p.is_file() and p.name != MANIFEST)
-    weights = _weight_files(names)
-    files, fp = {}, hashlib.sha256()
-    for name in weights + [n for n in names if n not in weights]:
-        h = hashlib.sha256()
-        size = 0
-        with open(hf_dir / name, "rb") as f:
-            for block in iter(lambda: f.read(1 << 22), b""):
-                h.update(block)
-                size += len(block)
-                if name in weights:
-                    fp.update(block)
-        files[name] = {"size": size, "sha256": h.hexdigest()}
-    return files, fp.hexdigest()
-
-
-def fingerprint(hf_dir: Path) -> str:
-    return hash_dir(hf_dir, _weight_files([p.name for p in hf_dir.iterdir() if p.is_file()]))[1]
-
-
-def check(target: Path) -> tuple[Optional[str], Optional[str]]:
-    """(None, fingerprint) for a whole cache entry, else (what is wrong, None)."""
+def check(target: Path) -> Optional[str]:
+    """None for a whole cache entry, else what is wrong with it."""
     meta = target / MANIFEST
     if not target.is_dir():
-        return "missing", None
+        return "missing"
     try:
-        manifest = json.loads(meta.read_text())
-        want = manifest["files"]
+        want = json.loads(meta.read_text())["files"]
     except FileNotFoundError:
-        return f"{MANIFEST} is missing", None
+        return f"{MANIFEST} is missing"
     except KeyError:
-        return f"{MANIFEST} lists no files (a cache from an older gateeng)", None
+        return f"{MANIFEST} lists no files (a cache from an older gateeng)"
     except (ValueError, TypeError) as exc:
-        return f"{MANIFEST} is unreadable ({type(exc).__name__})", None
+        return f"{MANIFEST} is unreadable ({type(exc).__name__})"
     for name, entry in want.items():
         path = target / name
         if not path.is_file():
-            return f"{name} is missing", None
+            return f"{name} is missing"
         if path.stat().st_size != entry.get("size"):
-            return f"{name} has {path.stat().st_size} bytes, expected {entry.get('size')}", None
-    files, fp = hash_dir(target)
-    for name, entry in want.items():
-        if files.get(name, {}).get("sha256") != entry.get("sha256"):
-            return f"{name} does not match its recorded sha256", None
-    if manifest.get("fingerprint") != fp:
-        return "the model fingerprint does not match", None
-    return None, fp
+            return f"{name} has {path.stat().st_size} bytes, expected {entry.get('size')}"
+        if sha256_file(path) != entry.get("sha256"):
+            return f"{name} does not match its recorded sha256"
+    return None
 
 
 @contextmanager
@@ -124,19 +96,19 @@ def _remove(path: Path) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
-def converted(gguf: Path, convert: Callable[[Path, Path], None]) -> tuple[Path, str]:
-    """(cache directory, fingerprint) for a GGUF file, converting it if needed.
+def converted(gguf: Path, convert: Callable[[Path, Path], None]) -> Path:
+    """The cache directory for a GGUF file, converting it if needed.
 
     `convert(gguf, out_dir)` writes an HF directory into the empty `out_dir`."""
     digest = sha256_file(gguf)
     target = cache_root() / f"gguf-{digest[:16]}"
-    problem, fp = check(target)
+    problem = check(target)
     if problem is None:
-        return target, fp
+        return target
     with _locked(target.with_name(target.name + ".lock")):
-        problem, fp = check(target)   # another process may have converted it meanwhile
+        problem = check(target)   # another process may have converted it meanwhile
         if problem is None:
-            return target, fp
+            return target
         if problem != "missing":
             log(f"the cached model in {target} is damaged ({problem}): converting it again")
             _remove(target)
@@ -148,12 +120,11 @@ def converted(gguf: Path, convert: Callable[[Path, Path], None]) -> tuple[Path, 
         t0 = time.time()
         log(f"converting {gguf.name} to safetensors (once; cached in {target}) ...")
         convert(gguf, tmp)
-        files, fp = hash_dir(tmp)
-        manifest = {"source": str(gguf), "sha256": digest, "fingerprint": fp, "files": files}
+        manifest = {"source": str(gguf), "sha256": digest, "files": hash_dir(tmp)}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         for path in tmp.iterdir():
             with open(path, "rb") as f:
                 os.fsync(f.fileno())
         os.replace(tmp, target)
         log(f"  converted in {time.time() - t0:.0f}s")
-    return target, fp
+    return target

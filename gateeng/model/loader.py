@@ -1,7 +1,7 @@
 """Model loading: a Hugging Face directory (config + safetensors) or a GGUF file.
 
 A GGUF file is converted once through transformers (dequantized to float32) and
-cached (gateeng.model_cache), so later starts read safetensors directly. Nothing
+cached (gateeng.model.cache), so later starts read safetensors directly. Nothing
 touches a model hub.
 """
 from __future__ import annotations
@@ -20,7 +20,8 @@ import torch
 from gateeng.config import ModelConfig
 from gateeng.logs import log
 from gateeng.model.llama import LlamaModel
-from gateeng.model.cache import converted, fingerprint
+from gateeng.model.cache import converted
+from gateeng.model.fingerprint import model_fingerprint
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "smollm")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -62,21 +63,16 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     tok.save_pretrained(out)
 
 
-def resolve(path: Path) -> tuple[Path, str]:
-    """(HF-format directory, model fingerprint) for a directory or a GGUF file;
-    a GGUF file is converted once and cached (gateeng.model_cache)."""
+def ensure_hf_dir(path: Path) -> Path:
+    """The HF-format directory for a directory or a GGUF file; a GGUF file is
+    converted once and cached (gateeng.model.cache)."""
     if path.is_dir():
-        return path, fingerprint(path)
+        return path
     if not path.is_file():
         raise FileNotFoundError(f"model path {path} does not exist")
     if path.suffix != ".gguf":
         raise ValueError(f"model path {path} is neither a directory nor a .gguf file")
     return converted(path, convert_gguf)
-
-
-def ensure_hf_dir(path: Path) -> Path:
-    """An HF-format directory for `path` (for tools that load it with transformers)."""
-    return resolve(path)[0]
 
 
 @dataclass
@@ -93,7 +89,7 @@ def load(path: Optional[str], dtype: str = "bfloat16", device: str = "cpu") -> L
     from transformers import AutoConfig, AutoTokenizer
 
     src = Path(path) if path else default_model_path()
-    hf_dir, fp = resolve(src)
+    hf_dir = ensure_hf_dir(src)
     hf_cfg = AutoConfig.from_pretrained(hf_dir)
     if hf_cfg.model_type not in SUPPORTED:
         raise ValueError(f"model type {hf_cfg.model_type!r} is not a supported Llama-family decoder "
@@ -110,4 +106,4 @@ def load(path: Optional[str], dtype: str = "bfloat16", device: str = "cpu") -> L
     model = LlamaModel(cfg, DTYPES[dtype], device)
     model.load_hf_state_dict(sd)
     tok = AutoTokenizer.from_pretrained(hf_dir)
-    return LoadedModel(model, tok, cfg, fp, str(src))
+    return LoadedModel(model, tok, cfg, model_fingerprint(cfg, sd), str(src))
