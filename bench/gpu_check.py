@@ -1,7 +1,8 @@
 """One-shot GPU check for gateeng's kernels and plans. Prints one table.
 
-Run on a CUDA machine (finishes well inside 8 minutes on an H100/H200):
-    python bench/gpu_check.py
+Run on a CUDA machine (about 3 minutes on an H200, most of it building the CPU
+reference and compiling the Triton kernels):
+    python bench/gpu_check.py [CHECK ...]
 It covers
   1. correctness of each Triton invariant kernel against a float64 torch reference
      (relative norm error) and bitwise batch invariance on real sizes (hidden 4096,
@@ -11,17 +12,24 @@ It covers
   3. the reference (gateeng-ref-1): each Triton reference kernel on the device against
      the CPU reference build on the same inputs, bit for bit (matmul, RMSNorm, SiLU,
      attention, exp and log, Gumbel noise);
-  4. end to end, a random-weight ~1B Llama decoding a batch of 64 with the fast
+  4. the golden file's tiny-model answers (tests/golden), made on a CPU, decoded
+     again on the device: token ids and logprob bits;
+  5. end to end, a random-weight ~1B Llama decoding a batch of 64 with the fast
      plan, the invariant plan (the reference, for bf16) and VERIFIED, in tokens/s.
 On a machine without CUDA it exits 2 with a message.
 """
 from __future__ import annotations
 
+import argparse
+import json
 import sys
 import time
+import traceback
+from pathlib import Path
 
 import torch
 
+ROOT = Path(__file__).resolve().parent.parent
 ROWS = []
 # Decode steps per request end to end: the reference's Triton kernels run without tensor cores.
 TOKENS = 32
@@ -178,6 +186,24 @@ def check_reference(dev):
     row("reference", "attention (head dim 64 and 128, up to 1000 keys) == CPU build", str(ok), "ok" if ok else "FAIL")
 
 
+def check_golden(dev):
+    """The golden file's tiny-model answers, made once on a CPU, decoded again here on
+    the device's invariant plan (the Triton reference): whole decodes, greedy and
+    seeded, token ids and logprob bits."""
+    sys.path.append(str(ROOT))   # after site-packages: the tests package, nothing it would shadow
+    from gateeng.plans.kernel_names import REFERENCE
+    from tests.golden.cases import CASES, answers
+    from tests.tiny import spec_tiny
+    golden = json.loads((ROOT / "tests" / "golden" / f"{REFERENCE}.json").read_text())["models"]["tiny"]
+    loaded = spec_tiny(device=str(dev))
+    for case, want in zip(CASES["tiny"], (c["answers"] for c in golden["cases"])):
+        got = answers(loaded, case, device=dev.type)
+        same = got == want
+        kind = "seeded" if case.get("seeds") else "greedy"
+        row("golden", f"tiny model, {kind}: {len(want)} answers x {case['params']['max_tokens']} tokens == "
+            f"{REFERENCE}.json (ids, logprob bits)", str(same), "ok" if same else "FAIL")
+
+
 def check_end_to_end(dev):
     from gateeng.config import EngineConfig, ModelConfig
     from gateeng.engine.client import Engine
@@ -229,17 +255,29 @@ def check_end_to_end(dev):
         f"{results['VERIFIED'][1] / results['fast'][1]:.2f}x; {results['invariant'][1] / results['fast'][1]:.2f}x")
 
 
+CHECKS = {"matmul": check_matmul, "rmsnorm": check_rmsnorm, "attention": check_attention,
+          "sampling": check_sampling, "reference": check_reference, "golden": check_golden,
+          "end_to_end": check_end_to_end}
+
+
 def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("checks", nargs="*", metavar="CHECK", help=f"run only these ({', '.join(CHECKS)}); default: all")
+    names = ap.parse_args().checks or list(CHECKS)
+    unknown = [c for c in names if c not in CHECKS]
+    if unknown:
+        ap.error(f"unknown check {', '.join(unknown)}: choose from {', '.join(CHECKS)}")
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device here; run this on a GPU machine (see bench/RESULTS.md)", file=sys.stderr)
         return 2
     dev = torch.device("cuda")
     print(f"gpu_check on {torch.cuda.get_device_name()} (torch {torch.__version__})", file=sys.stderr)
-    for check in (check_matmul, check_rmsnorm, check_attention, check_sampling, check_reference, check_end_to_end):
+    for check in (CHECKS[c] for c in names):
         t0 = time.perf_counter()
         try:
             check(dev)
         except Exception as e:   # report and go on: one table with everything we could measure
+            traceback.print_exc()
             row(check.__name__, "error", repr(e)[:120], "FAIL")
         print(f"  ({check.__name__}: {time.perf_counter() - t0:.0f}s)", file=sys.stderr)
     print("\n| section | check | value | verdict |\n| --- | --- | --- | --- |")

@@ -115,7 +115,7 @@ def attention_float64(q, k, v, positions, scale: float):
     k = k.double().repeat_interleave(H // Hkv, dim=1)
     v = v.double().repeat_interleave(H // Hkv, dim=1)
     s = torch.einsum("rhd,lhd->rhl", q.double() * scale, k)
-    mask = torch.arange(k.shape[0])[None, :] <= positions[:, None]
+    mask = torch.arange(k.shape[0], device=positions.device)[None, :] <= positions[:, None]
     s = s.masked_fill(~mask[:, None, :], float("-inf"))
     return torch.einsum("rhl,lhd->rhd", torch.softmax(s, -1), v)
 

@@ -173,6 +173,25 @@ def test_selfcheck_detects_a_batch_dependent_plan():
     assert run_selfcheck(InvariantPlan(rows=8, split=8), 64, 4, 2, 16, torch.float32, 4).passed
 
 
+def test_selfcheck_holds_only_plans_with_sparse_greedy_to_the_exact_logits(monkeypatch):
+    """Exact logits decide greedy tokens only where the plan skips dense logits: a
+    batch-dependent sum there fails the check, and does not fail a dense plan (the
+    reference), which never computes them."""
+    import torch
+    from gateeng.plans import selfcheck
+
+    def leaky(hidden, weight, rows, ids):
+        return (hidden.index_select(0, rows).float() * weight.index_select(0, ids)).sum(-1) + rows.numel() * 1e-3
+    monkeypatch.setattr(selfcheck, "exact_logits", leaky)
+
+    class Dense(InvariantPlan):
+        sparse_greedy = False
+
+    sparse = selfcheck.run_selfcheck(InvariantPlan(rows=8, split=8), 64, 4, 2, 16, torch.float32, 4)
+    assert sparse.failures == ["exact logits: one pair alone vs among many"]
+    assert selfcheck.run_selfcheck(Dense(rows=8, split=8), 64, 4, 2, 16, torch.float32, 4).passed
+
+
 def test_every_completion_carries_the_engine_reproducibility_record(engine):
     from gateeng.reproducibility import cpu_model_and_isa
     off = engine.generate([1, 2, 3], GOOD)

@@ -107,10 +107,11 @@ def save_family(family: str, path) -> None:
     fast.save_pretrained(path)
 
 
-def spec_tiny(seed=0, head_dim=32, max_positions=256) -> LoadedModel:
+def spec_tiny(seed=0, head_dim=32, max_positions=256, device="cpu") -> LoadedModel:
     """A tiny bf16 Llama whose weights come from integers (numpy's PCG64), so they have
     the same bits on every machine: the golden file's tiny model. head_dim 32 takes the
-    vector attention scores of the reference builds; 16 their portable ones."""
+    vector attention scores of the reference builds; 16 their portable ones. `device`:
+    where the weights live (bench/gpu_check.py decodes the golden answers on CUDA)."""
     import numpy as np
     rng = np.random.default_rng(seed)
     heads, kv_heads = 4, 2
@@ -118,7 +119,7 @@ def spec_tiny(seed=0, head_dim=32, max_positions=256) -> LoadedModel:
                       num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, rms_norm_eps=1e-5,
                       rope_theta=10000.0, max_position=max_positions, tie_word_embeddings=True,
                       eos_token_ids=(255,))
-    model = LlamaModel(cfg, torch.bfloat16)
+    model = LlamaModel(cfg, torch.bfloat16, device)
     with torch.no_grad():
         for name, p in model.named_parameters():
             values = rng.integers(-1000, 1001, size=tuple(p.shape)) / 5000.0

@@ -51,13 +51,13 @@ def record(completion) -> dict:
             "top2_sha256": hashlib.sha256(tops).hexdigest()}
 
 
-def answers(loaded, case: dict, prompts: int = None) -> list:
+def answers(loaded, case: dict, prompts: int = None, device: str = "cpu") -> list:
     """The reference's answers to the case's first `prompts` prompts (all: None), all in
-    one batch, from an engine with plan=invariant on this machine's default (or
-    GATEENG_CPU_ISA) build. The golden file was made with one prompt at a time: a
-    reference answer does not depend on its batch."""
-    engine = Engine(EngineConfig(plan="invariant", dtype="bfloat16", num_kv_blocks=512, max_model_len=256),
-                    loaded=loaded)
+    one batch, from an engine with plan=invariant on `device`: on CPU, this machine's
+    default (or GATEENG_CPU_ISA) build. The golden file was made with one prompt at a
+    time: a reference answer does not depend on its batch."""
+    engine = Engine(EngineConfig(plan="invariant", dtype="bfloat16", num_kv_blocks=512, max_model_len=256,
+                                 device=device), loaded=loaded)
     try:
         chosen = case["prompts"][:prompts]
         seeds = case.get("seeds", [None] * len(chosen))
