@@ -106,7 +106,8 @@ class SamplingParams:
         unknown = sorted(set(d) - names)
         if unknown:
             raise ValueError(f"unknown sampling fields {unknown}; known: {sorted(names)}")
-        params = cls(**{**d, "stop": tuple(d.get("stop") or ()), "stop_token_ids": tuple(d.get("stop_token_ids") or ())})
+        params = cls(**{**d, "stop": tuple(d.get("stop") or ()),
+                        "stop_token_ids": tuple(d.get("stop_token_ids") or ())})
         params.validate()
         return params
 

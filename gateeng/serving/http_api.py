@@ -12,8 +12,9 @@ determinism report in `determinism`, the record's fingerprint in
 `system_fingerprint`, and in `replay` what `gateeng replay` needs to decode it
 again: the prompt's token ids (after the chat template), the output's token ids
 and the sampling parameters as run (the drawn seed filled in). GET /v1/models
-shows the server's record, so a replay can refuse a server before it decodes. Defaults follow the OpenAI API (temperature 1, max_tokens
-16 for completions). Fail closed: an unknown field, an option we do not
+shows the server's record, so a replay can refuse a server before it decodes.
+Defaults follow the OpenAI API (temperature 1, max_tokens 16 for
+completions). Fail closed: an unknown field, an option we do not
 implement (n > 1, penalties, logit_bias, ...), a field of the wrong type or an
 unknown determinism mode is a 400, never ignored or coerced. Errors are
 OpenAI-style JSON: {"error": {"message", "type", "param", "code"}}, with

@@ -525,7 +525,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                                      "http://HOST:PORT[/v1]")
     where.add_argument("--server", default=None, metavar="HOST:PORT", help="a gateeng server over gRPC")
     pb_.add_argument("--prompts", default=None, metavar="FILE",
-                     help="text lines, or JSONL with a `prompt` field (default: built-in prompts of three questions each)")
+                     help="text lines, or JSONL with a `prompt` field (default: built-in prompts of three "
+                          "questions each)")
     pb_.add_argument("--num-prompts", type=int, default=16, help="prompts to probe")
     pb_.add_argument("--concurrency", default="1,2,4,8,16", help="batch sizes to send at once (1: alone)")
     pb_.add_argument("--max-tokens", type=int, default=32, help="tokens per completion")

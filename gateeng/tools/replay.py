@@ -196,11 +196,20 @@ class LocalTarget:
     def decode(self, items: list) -> Iterator:
         det = DeterminismParams(Mode.VERIFIED)
         for start in range(0, len(items), IN_FLIGHT):
-            chunk = items[start:start + IN_FLIGHT]
-            handles = self.engine.submit_many([it.prompt_ids for it in chunk], [replay_params(it) for it in chunk],
-                                              det)
+            handles = []
+            for it in items[start:start + IN_FLIGHT]:
+                try:
+                    handles.append(self.engine.submit(it.prompt_ids, replay_params(it), det))
+                except Exception as e:     # refused (too long for this engine, ...): that item only
+                    handles.append(e)
             for i, h in enumerate(handles):
-                c = h.result()
+                try:
+                    if isinstance(h, Exception):
+                        raise h
+                    c = h.result()
+                except Exception as e:
+                    yield start + i, e
+                    continue
                 yield start + i, Replayed(list(c.token_ids), _from_entries(c.logprobs))
 
     def close(self) -> None:
@@ -306,8 +315,15 @@ class OpenAITarget:
 # ---- comparing ----------------------------------------------------------------------
 
 def _bits(v: float) -> bytes:
-    # Logprobs are binary32; JSON holds them exactly, with -inf as the most negative float.
-    return struct.pack("<f", json_logprob(float(v)))
+    """A logprob's binary32 bits. JSON holds a binary32 exactly (-inf as the most
+    negative float); a stored value that is no binary32 keeps its binary64 bits,
+    so it equals nothing a server computed."""
+    x = json_logprob(float(v))
+    try:
+        single = struct.pack("<f", x)
+    except OverflowError:
+        return struct.pack("<d", x)
+    return single if struct.unpack("<f", single)[0] == x else struct.pack("<d", x)
 
 
 def _margin(lp: Optional[Logprob]) -> Optional[float]:
