@@ -6,13 +6,16 @@ torch's own ISA by ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA where a run limits i
 the embedded SmolLM2 in bf16, --prompts chat prompts x --tokens greedy tokens with
 logprobs, on an engine with plan=invariant; and once with the default build and
 route, the prompts VERIFIED among as many OFF requests, all in one batch. The table
-counts the prompts whose token ids or logprob bits differ from the first run's.
+counts the prompts whose token ids or logprob bits differ from the first run's, and
+gives a digest of each run's answers (token ids and logprob bits): equal digests on
+two machines mean equal answers there.
 
 Usage: python bench/agreement.py [--prompts 16] [--tokens 64]
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import struct
@@ -77,12 +80,14 @@ def main() -> None:
         first = first or got
         tokens = sum(a[0] != b[0] for a, b in zip(got["answers"], first["answers"]))
         bits = sum(a != b for a, b in zip(got["answers"], first["answers"]))
-        rows.append((name, got["kernel_plan"], tokens, bits))
+        digest = hashlib.sha256(json.dumps(got["answers"]).encode()).hexdigest()[:16]
+        rows.append((name, got["kernel_plan"], tokens, bits, digest))
     print(f"\n{args.prompts} chat prompts x {args.tokens} greedy tokens, SmolLM2-135M bf16\n")
-    print("| run | kernel_plan | prompts whose tokens differ from the first run | ... whose tokens or logprob bits differ |")
-    print("| --- | --- | --- | --- |")
-    for name, plan, tokens, bits in rows:
-        print(f"| {name} | `{plan}` | {tokens} of {args.prompts} | {bits} of {args.prompts} |")
+    print("| run | kernel_plan | prompts whose tokens differ from the first run | ... whose tokens or logprob bits "
+          "differ | answers digest |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, plan, tokens, bits, digest in rows:
+        print(f"| {name} | `{plan}` | {tokens} of {args.prompts} | {bits} of {args.prompts} | `{digest}` |")
 
 
 if __name__ == "__main__":
