@@ -131,6 +131,18 @@ def test_readme_trigger_rate_answers_under_the_default_route(tmp_path):
         assert set(routes) == {"speculative", "direct"} and (routes["direct"] > 0) == (direct > 0)
 
 
+def test_readme_trigger_rate_says_all_direct_when_no_step_reaches_the_gate(tmp_path):
+    """Every VERIFIED decode on the invariant plan (what the default route does where
+    both plans cost the same): the README's query answers the explicit "all direct",
+    on any CPU, rather than NaN or nothing."""
+    with prometheus_over(tmp_path, "--verified-route", "direct") as (target, base):
+        reports = run_verified(target, 2, SamplingParams(max_tokens=8, ignore_eos=True))
+        assert sum(r.decode_steps for r in reports) == 0 and sum(r.direct_steps for r in reports) > 0
+        wait_for(lambda: scalar(base, "sum(gateeng_request_success_total)") == 2, what="the requests to be scraped")
+        got = wait_for(lambda: query(base, readme_trigger_rate()), what="the trigger rate to answer")
+        assert [(r["metric"], float(r["value"][1])) for r in got] == [({"gate": "all_direct"}, 0.0)]
+
+
 def test_readme_trigger_rate_in_prometheus_equals_the_reports(stack):
     target, base = stack
     params = SamplingParams(max_tokens=24, ignore_eos=True)
