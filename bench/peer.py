@@ -66,7 +66,11 @@ async def stream_one(client, model: str, prompt: str, tokens: int) -> dict:
 async def load(url: str, texts: list, streams: int, tokens: int) -> dict:
     """`streams` clients in a closed loop over `texts`; the figures of the run."""
     import openai
-    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=3600) as client:
+    # A connection per request (Connection: close): a kept-alive connection that the
+    # server closes just as the next request goes out fails that request, and a
+    # retry would hide real errors.
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=3600,
+                                  default_headers={"Connection": "close"}) as client:
         model = (await client.models.list()).data[0].id
         queue = list(reversed(texts))
         results = []
@@ -115,6 +119,23 @@ def table(rounds: list, streams: list) -> str:
     return "\n".join(lines)
 
 
+def run_rounds(args, gguf: str) -> list:
+    """Per round, each server's figures: fresh servers, the order alternating."""
+    texts = prompts(args.prompts)
+    starts = {LLAMA: lambda: Server.llama(args.llama_server, gguf, 32, LLAMA, context=512),
+              GATEENG: lambda: Server.gateeng(name=GATEENG)}
+    rounds = []
+    for i in range(args.rounds):
+        order = [LLAMA, GATEENG] if i % 2 == 0 else [GATEENG, LLAMA]
+        this = {}
+        for name in order:
+            print(f"round {i + 1}/{args.rounds}: {name}", file=sys.stderr, flush=True)
+            with starts[name]() as server:
+                this[name] = measure(server, args, texts)
+        rounds.append(this)
+    return rounds
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--llama-server", required=True, help="the llama-server binary")
@@ -132,20 +153,9 @@ def main() -> int:
     version = llama_version(args.llama_server)
     header = f"{machine()}; llama.cpp {version}; gateeng {__version__}"
     print(header, flush=True)
-    tmp = Path(tempfile.mkdtemp(prefix="peer-"))
-    gguf = bf16_copy(args.llama_quantize, str(default_model_path()), tmp / "model-bf16.gguf")
-    texts = prompts(args.prompts)
-    starts = {LLAMA: lambda: Server.llama(args.llama_server, gguf, 32, LLAMA, context=512),
-              GATEENG: lambda: Server.gateeng(name=GATEENG)}
-    rounds = []
-    for i in range(args.rounds):
-        order = [LLAMA, GATEENG] if i % 2 == 0 else [GATEENG, LLAMA]
-        this = {}
-        for name in order:
-            print(f"round {i + 1}/{args.rounds}: {name}", file=sys.stderr, flush=True)
-            with starts[name]() as server:
-                this[name] = measure(server, args, texts)
-        rounds.append(this)
+    with tempfile.TemporaryDirectory(prefix="peer-") as tmp:
+        gguf = bf16_copy(args.llama_quantize, str(default_model_path()), Path(tmp) / "model-bf16.gguf")
+        rounds = run_rounds(args, gguf)
     text = table(rounds, args.streams)
     print(f"\n{args.prompts} chat prompts x {args.tokens} tokens, greedy; medians of {args.rounds} rounds "
           f"(gateeng's rounds in brackets)\n\n{text}")

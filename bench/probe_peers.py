@@ -66,13 +66,14 @@ def main() -> int:
 
     weights = [("Q4_1", gguf)]
     if args.llama_quantize:
-        weights.append(("BF16", bf16_copy(args.llama_quantize, gguf, tmp / "model-bf16.gguf")))
+        weights.append(("BF16", bf16_copy(args.llama_quantize, gguf, tmp / "model-bf16.gguf")))   # removed below
     for dtype, path in weights:
         label = f"llama.cpp llama-server -np 16, {dtype}"
         with Server.llama(args.llama_server, path, 16, label) as llama:
             results.append(run_probe(llama.url, label, {}, args, tmp / f"llama-{dtype}"))
             results.append(run_probe(llama.url, label + ", cache_prompt off", {"cache_prompt": False}, args,
                                      tmp / f"llama-{dtype}-nocache"))
+    (tmp / "model-bf16.gguf").unlink(missing_ok=True)
 
     verified = {"determinism": {"mode": "verified"}}
     for flags, suffix in (([], ""), (["--no-cpu-kernels"], " (fast plan on torch ops)")):
