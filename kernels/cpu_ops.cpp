@@ -231,21 +231,6 @@ void decode_attention_rows(const T* q, const T* k, const T* v, const int64_t* ta
   });
 }
 
-// The row-invariant matmuls' shared pieces. Weights are packed once into column
-// blocks, [ceil(N/C)][KK][C] of E: per block of C output columns and per input step
-// p, the C columns' elements side by side (E: one bf16, or a pair of them for
-// VDPBF16PS). Zero columns pad the last block.
-template <typename E, int64_t C>
-void interleave_columns(const E* src, E* dst, int64_t n, int64_t kk) {
-  at::parallel_for(0, (n + C - 1) / C, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      for (int64_t c = b * C; c < std::min(n, b * C + C); ++c) {
-        for (int64_t p = 0; p < kk; ++p) dst[(b * kk + p) * C + (c - b * C)] = src[c * kk + p];
-      }
-    }
-  });
-}
-
 // f(std::integral_constant<int, mr>) for a runtime 1 <= mr <= MAX: a tile's row count
 // is a compile-time constant, so its accumulators live in registers.
 template <int MAX, typename F>
@@ -367,11 +352,12 @@ void decode_attention_bf16(const at::BFloat16* q, const at::BFloat16* k, const a
   });
 }
 
-// x @ w.T for bf16, on weights packed once (pack_dpbf16) into VDPBF16PS's operand
-// layout: [ceil(N/16)][K/2][16][2], i.e. per block of 16 output columns and per pair
-// of inputs k, 2k+1, the 16 columns' two weights side by side. One instruction then
-// multiplies a row's input pair, broadcast, by 16 columns' pairs and adds both
-// products into 16 float32 lanes.
+// x @ w.T for bf16, on weights packed once into VDPBF16PS's operand layout:
+// [ceil(N/16)][K/2][16][2], i.e. per block of 16 output columns and per pair of inputs
+// k, 2k+1, the 16 columns' two weights side by side (zero columns pad the last block).
+// That is the reference's layout: its `pack` (kernels/ref_ops.cpp) makes the one
+// packed copy that both plans multiply. One instruction multiplies a row's input
+// pair, broadcast, by 16 columns' pairs and adds both products into 16 float32 lanes.
 //
 // Invariant: output (m, n) is one lane's chain of VDPBF16PS over k pairs 0, 1, ...,
 // K/2 - 1 in that order, from zero, then rounded to bf16 (nearest even). Nothing in it
@@ -380,17 +366,6 @@ void decode_attention_bf16(const at::BFloat16* q, const at::BFloat16* k, const a
 // Rows go 8 at a time (MR <= 8 accumulators per column block, 2 column blocks per
 // pass: 16 of the 32 vector registers), each pass over the whole K.
 using u16 = uint16_t;
-
-torch::Tensor pack_dpbf16(torch::Tensor w) {
-  TORCH_CHECK(w.scalar_type() == torch::kBFloat16 && w.dim() == 2 && w.size(1) % 2 == 0,
-              "w must be a bf16 [N, K] matrix with K even");
-  w = w.contiguous();
-  const int64_t n = w.size(0), kp = w.size(1) / 2;
-  auto out = torch::zeros({(n + 15) / 16, kp, 16, 2}, w.options());
-  interleave_columns<uint32_t, 16>(reinterpret_cast<const uint32_t*>(w.data_ptr<at::BFloat16>()),   // k pairs
-                                   reinterpret_cast<uint32_t*>(out.data_ptr<at::BFloat16>()), n, kp);
-  return out;
-}
 
 // `next`: the next column tile's weights (for_each_tile), prefetched into L2 a
 // cache line per block per step, or nullptr.
@@ -426,7 +401,7 @@ inline void dpbf16_tile(const u16* x, int64_t k, const u16* w, int64_t block_str
 torch::Tensor linear_dpbf16(torch::Tensor x, torch::Tensor packed, int64_t n) {
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.device().is_cpu(), "x must be bf16 [M, K]");
   TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.dim() == 4 && packed.size(2) == 16 &&
-                  packed.size(3) == 2 && packed.is_contiguous(), "packed must come from pack_dpbf16");
+                  packed.size(3) == 2 && packed.is_contiguous(), "packed must come from the reference's pack");
   const int64_t m = x.size(0), k = x.size(1), blocks = packed.size(0);
   TORCH_CHECK(packed.size(1) * 2 == k && (n + 15) / 16 == blocks, "packed weight does not match x or n");
   x = x.contiguous();
@@ -439,96 +414,6 @@ torch::Tensor linear_dpbf16(torch::Tensor x, torch::Tensor packed, int64_t n) {
                                                        const u16* next) {
     dpbf16_tile<decltype(rows)::value, decltype(cols)::value>(xp + r * k, k, wb, block_stride, op + r * n, n, b * 16,
                                                               next);
-  });
-  return out;
-}
-#endif
-
-#if defined(__AVX2__) && defined(__FMA__)
-#define GATEENG_AVX2_FMA 1
-
-// x @ w.T for bf16 on CPUs with AVX2 and FMA (the matmul for those without AVX-512
-// BF16), on weights packed once (pack_fma8) as [ceil(N/8)][K][8]: per block of 8
-// output columns, per input k, the 8 columns' weights side by side. The weights stay
-// bf16 (a load widens 8 of them to float32 exactly); x is widened once per call.
-//
-// Invariant: output (m, n) is one lane's chain of float32 fused multiply-adds over
-// k = 0, 1, ..., K - 1 in that order, from zero, then rounded to bf16 (nearest even).
-// Nothing in it depends on the row count M, on the row's place, or on the thread:
-// row-invariant at any M, like the VDPBF16PS kernel (whose bits differ).
-// Tiles of 4 rows x 3 column blocks: 12 accumulators, 3 weight vectors and one
-// broadcast fill the 16 vector registers.
-torch::Tensor pack_fma8(torch::Tensor w) {
-  TORCH_CHECK(w.scalar_type() == torch::kBFloat16 && w.dim() == 2, "w must be a bf16 [N, K] matrix");
-  w = w.contiguous();
-  const int64_t n = w.size(0), k = w.size(1);
-  auto out = torch::zeros({(n + 7) / 8, k, 8}, w.options());
-  interleave_columns<uint16_t, 8>(reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()),
-                                  reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), n, k);
-  return out;
-}
-
-// 8 floats rounded to bf16 (nearest even, as to<bf16>) and stored, the first `valid`
-// of them. In vector registers: an epilogue that read the accumulators from memory
-// made the compiler store every accumulator on every step of the K loop.
-inline void store_bf16x8(uint16_t* out, __m256 v, int64_t valid) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i hi = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
-  const __m128i packed = _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(hi, hi), 0x08));
-  if (valid == 8) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), packed);
-  } else {
-    alignas(16) uint16_t tmp[8];
-    _mm_store_si128(reinterpret_cast<__m128i*>(tmp), packed);
-    std::memcpy(out, tmp, valid * sizeof(uint16_t));
-  }
-}
-
-// `next` as for dpbf16_tile (a block's cache line holds 4 of its steps).
-template <int MR, int NR>
-inline void fma8_tile(const float* __restrict x, int64_t k, const uint16_t* __restrict w, int64_t block_stride,
-                      uint16_t* __restrict out, int64_t n, int64_t col, const uint16_t* next) {
-  __m256 acc[MR][NR];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
-  for (int64_t p = 0; p < k; ++p) {
-    if (next != nullptr && (p & 3) == 0) {
-      for (int j = 0; j < NR; ++j) _mm_prefetch(reinterpret_cast<const char*>(next + j * block_stride + p * 8),
-                                                _MM_HINT_T1);
-    }
-    __m256 wv[NR];
-    for (int j = 0; j < NR; ++j) {
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * block_stride + p * 8));
-      wv[j] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-    }
-    for (int i = 0; i < MR; ++i) {
-      const __m256 xv = _mm256_set1_ps(x[i * k + p]);
-      for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
-    }
-  }
-  for (int j = 0; j < NR; ++j) {
-    const int64_t c = col + j * 8, valid = std::min<int64_t>(8, n - c);
-    for (int i = 0; i < MR; ++i) store_bf16x8(out + i * n + c, acc[i][j], valid);
-  }
-}
-
-torch::Tensor linear_fma8(torch::Tensor x, torch::Tensor packed, int64_t n) {
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.device().is_cpu(), "x must be bf16 [M, K]");
-  TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.dim() == 3 && packed.size(2) == 8 &&
-                  packed.is_contiguous(), "packed must come from pack_fma8");
-  const int64_t m = x.size(0), k = x.size(1), blocks = packed.size(0);
-  TORCH_CHECK(packed.size(1) == k && (n + 7) / 8 == blocks, "packed weight does not match x or n");
-  const auto xf = x.to(torch::kFloat).contiguous();   // exact: every bf16 is a float32
-  auto out = torch::empty({m, n}, x.options());
-  const float* xp = xf.data_ptr<float>();
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  const int64_t block_stride = k * 8;
-  for_each_tile<4, 3>(m, blocks, wp, block_stride, [&](auto rows, auto cols, int64_t r, int64_t b,
-                                                       const uint16_t* wb, const uint16_t* next) {
-    fma8_tile<decltype(rows)::value, decltype(cols)::value>(xp + r * k, k, wb, block_stride, op + r * n, n, b * 8,
-                                                            next);
   });
   return out;
 }
@@ -793,17 +678,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("release_idle_threads", &release_idle_threads, "let this thread's OpenMP worker pool go");
   m.def("rope_store", &rope_store, "RoPE on q and k heads; k and v stored at their cache slots; returns q");
 #ifdef GATEENG_AVX512_BF16
-  m.def("pack_dpbf16", &pack_dpbf16, "a bf16 [N, K] weight in linear_dpbf16's layout");
-  m.def("linear_dpbf16", &linear_dpbf16, "x @ w.T on a pack_dpbf16 weight (row-invariant at any row count)");
+  m.def("linear_dpbf16", &linear_dpbf16, "x @ w.T on a weight packed by the reference's pack (row-invariant)");
   m.attr("dpbf16") = true;
 #else
   m.attr("dpbf16") = false;
-#endif
-#ifdef GATEENG_AVX2_FMA
-  m.def("pack_fma8", &pack_fma8, "a bf16 [N, K] weight in linear_fma8's layout");
-  m.def("linear_fma8", &linear_fma8, "x @ w.T on a pack_fma8 weight (row-invariant at any row count)");
-  m.attr("fma8") = true;
-#else
-  m.attr("fma8") = false;
 #endif
 }

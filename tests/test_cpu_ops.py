@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from gateeng.plans import cpu_ops
-from gateeng.plans.kernel_names import ROWWISE_MATMULS
 from gateeng.kernels import reference as ref
 
 
@@ -119,21 +118,19 @@ def test_rope_store_rotates_and_stores_like_the_torch_ops(ops, dtype):
         ops.rope_store(qkv, cos, sin, k_cache, v_cache, torch.full((rows,), nb * bs), hq)
 
 
-ROWWISE = {m.symbol: ("pack_" + m.symbol, "linear_" + m.symbol) for m in ROWWISE_MATMULS.values()}
+@pytest.fixture(scope="module")
+def dpbf16(ops):
+    """(pack, linear) of the VDPBF16PS matmul, which reads the reference's packed layout,
+    or skip where this CPU lacks it."""
+    if not ops.dpbf16:
+        pytest.skip("this CPU lacks AVX-512 BF16 (the VDPBF16PS matmul)")
+    from gateeng.plans import reference_ops
+    return reference_ops.load().pack, ops.linear_dpbf16
 
 
-def _rowwise(ops, kernel):
-    """(pack, linear) of a row-invariant matmul kernel, or skip where this CPU lacks it."""
-    if not getattr(ops, kernel):
-        pytest.skip(f"this CPU lacks the {kernel} matmul's instructions (AVX-512 BF16 / AVX2 FMA)")
-    pack, linear = ROWWISE[kernel]
-    return getattr(ops, pack), getattr(ops, linear)
-
-
-@pytest.mark.parametrize("kernel", ROWWISE)
 @pytest.mark.parametrize("n, k, m", [(960, 576, 1), (577, 576, 5), (3072, 576, 13), (33, 64, 40)])
-def test_rowwise_linear_is_x_times_w_transposed(ops, kernel, n, k, m):
-    pack, linear = _rowwise(ops, kernel)
+def test_rowwise_linear_is_x_times_w_transposed(dpbf16, n, k, m):
+    pack, linear = dpbf16
     gen = torch.Generator().manual_seed(5)
     w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
@@ -144,9 +141,8 @@ def test_rowwise_linear_is_x_times_w_transposed(ops, kernel, n, k, m):
     assert torch.allclose(got.float(), want, rtol=2 ** -7, atol=1e-3 * float(want.abs().max()))
 
 
-@pytest.mark.parametrize("kernel", ROWWISE)
-def test_rowwise_linear_gives_a_row_the_same_bits_at_any_row_count(ops, kernel):
-    pack, linear = _rowwise(ops, kernel)
+def test_rowwise_linear_gives_a_row_the_same_bits_at_any_row_count(dpbf16):
+    pack, linear = dpbf16
     gen = torch.Generator().manual_seed(6)
     w = pack(torch.randn(200, 96, generator=gen).to(torch.bfloat16))
     x = torch.randn(37, 96, generator=gen).to(torch.bfloat16)

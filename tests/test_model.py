@@ -47,33 +47,42 @@ def cpu_kernels():
     return kernels
 
 
-def rowwise_kernels(kernel: str):
-    """The CPU kernels as the engine sees them on a CPU whose row-invariant matmul is
-    `kernel` (an AVX-512 BF16 CPU also runs the AVX2 one, which is how a test here
-    reaches it)."""
+def rowwise_plan(matmul: str, loaded) -> InvariantPlan:
+    """The machine-specific invariant plan on the row-invariant matmul `matmul`
+    (kernel_names.ROWWISE_MATMULS) over the model's one packed copy, as the engine
+    builds it on a CPU whose matmul that is (an AVX-512 BF16 CPU also runs the
+    reference's AVX2 build, which is how a test here reaches it)."""
     from types import SimpleNamespace
+
+    from gateeng.plans import reference_ops
     k = cpu_kernels()
-    if not getattr(k, kernel):
-        pytest.skip(f"this CPU lacks the {kernel} matmul's instructions")
-    if kernel == "dpbf16":
-        return k
-    return SimpleNamespace(**{n: getattr(k, n) for n in dir(k) if not n.startswith("__")} | {"dpbf16": False})
+    if matmul == "cpu_dpbf16":
+        if not k.dpbf16:
+            pytest.skip("this CPU lacks AVX-512 BF16 (the VDPBF16PS matmul)")
+        ref = reference_ops.load()
+    else:
+        if "avx2" not in reference_ops.runnable():
+            pytest.skip("this CPU cannot run the reference's AVX2 build")
+        ref = reference_ops.load("avx2")
+        k = SimpleNamespace(**{n: getattr(k, n) for n in dir(k) if not n.startswith("__")} | {"dpbf16": False})
+    m = loaded.model
+    m.pack_shared(ref)
+    m.pack_fast(k, ref)
+    return InvariantPlan(rows=8, split=8, packed=m.invariant_packed, kernels=k, block_size=BS,
+                         matmul=m.invariant_matmul)
 
 
 def make_plan(name, loaded):
     """The plans as the engine builds them on CPU: torch ops only, or with the C++
-    kernels and (bf16) the packed weights: oneDNN's, or a row-invariant kernel's."""
+    kernels and (bf16) the packed weights: oneDNN's, or the one shared copy under a
+    row-invariant matmul."""
     if name == "fast":
         return FastPlan()
     if name == "invariant":
         return InvariantPlan(rows=8, split=8)
     if name.startswith("invariant-rowwise-"):
-        kernels = rowwise_kernels(name.rsplit("-", 1)[1])
-        loaded.model.pack_weights(kernels)
-        m = loaded.model
-        return InvariantPlan(rows=8, split=8, packed=m.invariant_packed, kernels=kernels, block_size=BS,
-                             matmul=m.invariant_matmul)
-    loaded.model.pack_weights()
+        return rowwise_plan(name.removeprefix("invariant-rowwise-"), loaded)
+    loaded.model.pack_fast()
     return InvariantPlan(rows=8, split=8, packed=loaded.model.packed, kernels=cpu_kernels(), block_size=BS)
 
 
@@ -101,16 +110,16 @@ def test_untied_lm_head():
     assert (ours - ref).abs().max().item() < 1e-4
 
 
-@pytest.mark.parametrize("plan_name", ["invariant", "invariant-kernels", "invariant-rowwise-dpbf16",
-                                       "invariant-rowwise-fma8"])
+@pytest.mark.parametrize("plan_name", ["invariant", "invariant-kernels", "invariant-rowwise-cpu_dpbf16",
+                                       "invariant-rowwise-ref_avx2"])
 def test_invariant_plan_is_batch_and_chunk_invariant_in_bf16(plan_name):
     loaded = tiny_loaded("bfloat16")
     plan = make_plan(plan_name, loaded)
     if plan_name == "invariant-kernels":
         assert "matmul=onednn_packed" in plan.describe() or not loaded.model.packed
     if plan_name.startswith("invariant-rowwise-"):   # unpadded: every op row-invariant at any row count
-        symbol = plan_name.rsplit("-", 1)[1]
-        want = next(name for name, m in kernel_names.ROWWISE_MATMULS.items() if m.symbol == symbol)
+        want = plan_name.removeprefix("invariant-rowwise-")
+        assert want in kernel_names.ROWWISE_MATMULS
         assert f"matmul={want}" in plan.describe() and plan.group_rows == 0
     target = list(range(30, 60))
     alone = prefill_logits(loaded, plan, [target])[0]

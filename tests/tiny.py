@@ -53,14 +53,14 @@ def tiny_loaded(dtype="float32", hf=None) -> LoadedModel:
 FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3")
 
 
-def hf_family(family: str, seed: int = 0):
+def hf_family(family: str, seed: int = 0, tie: bool = False):
     """A random-weight model of `family`, small enough for fast parity tests. Norm
     weights and biases are random too, so every family-specific term matters."""
     import transformers as tf
     torch.manual_seed(seed)
     common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                  rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=255)
+                  rms_norm_eps=1e-6, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=255)
     if family == "llama":
         cfg, cls = tf.LlamaConfig(**common), tf.LlamaForCausalLM
     elif family == "llama3":      # Llama 3.x: llama3 RoPE scaling, rope_theta 500000
@@ -88,12 +88,12 @@ def hf_family(family: str, seed: int = 0):
     return m
 
 
-def save_family(family: str, path) -> None:
+def save_family(family: str, path, tie: bool = False) -> None:
     """A tiny `family` model saved as a Hugging Face directory (safetensors, config,
     and a byte-level tokenizer with a ChatML template), as `--model` takes it."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-    hf = hf_family(family)
+    hf = hf_family(family, tie=tie)
     hf.save_pretrained(path, safe_serialization=True)
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab = {ch: i for i, ch in enumerate(alphabet[:254])}

@@ -35,7 +35,7 @@ from gateeng.engine.verification import VerificationStage
 from gateeng.logs import log
 from gateeng.model.chat import encode_prompt
 from gateeng.model.llama import KVCache
-from gateeng.model.loader import DTYPES, LoadedModel, load
+from gateeng.model.loader import DTYPES, LoadedModel, load, trim_heap
 from gateeng.outputs import Completion
 from gateeng.plans import factory
 from gateeng.plans.runner import ModelRunner
@@ -91,7 +91,7 @@ class EngineCore:
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.stop = StopChecker(eos, self.max_model_len)
-        plans = factory.build(cfg, self.model, mc, DTYPES[cfg.dtype])
+        plans = factory.build(cfg, self.model, mc, DTYPES[cfg.dtype], owned=loaded is None)
         self.invariant_plan, self.fast_matmul = plans.invariant, plans.fast_matmul
         self.route = RoutePolicy(cfg.verified_route, group_rows=self.invariant_plan.group_rows,
                                  replay_delay=cfg.max_verify_delay)
@@ -124,6 +124,7 @@ class EngineCore:
         # pool go now, and the driving thread its own when idle (`idle`).
         self.release_threads = plans.release_threads
         self.release_threads()
+        trim_heap()   # what loading and packing freed goes back to the OS
 
     def _price_plans(self, cfg: EngineConfig) -> None:
         """Seed the route policy's cost models with timed decode passes of both plans

@@ -7,12 +7,18 @@ share every weight and every elementwise step.
 from __future__ import annotations
 
 import math
+from functools import cached_property
 
 import torch
 
 from gateeng.config import ModelConfig
 from gateeng.model import rope
 from gateeng.plans import cpu_linear, kernel_names
+
+
+def _released(t: torch.Tensor) -> bool:
+    """Whether release_plain_weights emptied t's storage."""
+    return t.numel() > 0 and t.untyped_storage().nbytes() == 0
 
 
 class KVCache:
@@ -89,55 +95,121 @@ class LlamaModel(torch.nn.Module):
     def dtype(self):
         return self.embed.dtype
 
+    @property
+    def device(self) -> torch.device:
+        return self.norm.device
+
     def finalize(self) -> None:
         """Call after loading weights. Logits are computed in float32 (from the
         dtype-rounded hidden state and weights): bf16 logits are so coarse that
         top-1/top-2 ties are common and the margin would say little."""
-        self.lm_head_f32 = self.lm_head.detach().float()
-        self.lm_head_max_norm = float(self.lm_head_f32.norm(dim=-1).max())   # bounds the bf16 lm_head's error
-        self.packed = {}   # id(weight) -> x @ weight.T on a packed copy, for the fast plan (pack_weights)
-        self.invariant_packed = {}   # the same for the invariant plan, whose bits depend on the kernel:
-        self.invariant_matmul = kernel_names.TORCH_MM   # its name in kernel_plan
-        # pack_weights' probe: the fast plan takes the row-invariant kernel up to this many
+        self.packed = {}   # id(weight) -> x @ weight.T for the fast plan (pack_fast)
+        self.shared = {}   # id(weight) -> cpu_linear.Packed: the one packed copy (pack_shared)
+        self.invariant_packed = {}   # the same for the machine-specific invariant plan, whose bits
+        self.invariant_matmul = kernel_names.TORCH_MM   # depend on the kernel: its name in kernel_plan
+        # pack_fast's probe: the fast plan takes the row-invariant kernel up to this many
         # rows and the other one above (None: the row-invariant kernel at every row count).
         self.fast_rowwise_max_rows = None
+        self.dense_head = None   # hidden -> float32 logits on the packed lm_head (pack_fast)
+        self.plain_needed = True   # whether a plan multiplies the plain weights (pack_fast)
         lm_head = self.lm_head
         self.lm_head_bf16 = lambda x: torch.nn.functional.linear(x, lm_head)   # the greedy candidate search
+        for name in ("lm_head_f32", "lm_head_max_norm"):
+            self.__dict__.pop(name, None)
 
-    def pack_weights(self, kernels=None) -> None:
-        """Keep every projection and the bf16 lm_head also packed (cpu_linear), for
-        both plans and the greedy candidate search. With the C++ kernels (AVX-512
-        BF16 or AVX2 CPUs), the copy is in the row-invariant kernel's layout: the
-        invariant plan multiplies it at any row count, and the fast plan wherever a
-        start-up probe finds it faster than the other kernel (oneDNN's packed copy,
-        else the plain weight), which is kept too only if the probe finds it faster
-        at some row count. Elsewhere the copy is oneDNN's, which the invariant plan
-        multiplies in fixed row groups. One or two more copies of those weights in
-        memory, for steps several times faster than on the plain weights."""
+    @cached_property
+    def lm_head_f32(self) -> torch.Tensor:
+        """The lm_head in float32, made on first use: only the plans that take logits
+        from a float32 matmul read it (the machine-specific invariant plan, the exact
+        top-2 of plans.head). A float32 model's is its lm_head itself."""
+        return self.lm_head.detach().float()
+
+    @cached_property
+    def lm_head_max_norm(self) -> float:
+        """The largest row norm of the lm_head: bounds the bf16 lm_head's error (plans.head)."""
+        return max(float(rows.float().norm(dim=-1).max()) for rows in self.lm_head.detach().split(4096))
+
+    def pack_shared(self, ref) -> None:
+        """The one packed copy of every projection and the lm_head, in the reference
+        kernels' layout (`ref`: plans.reference_ops' module), as `shared`: the
+        reference multiplies it, and the fast plan too where it can (pack_fast).
+        Nothing where the reference does not take this model's weights."""
+        if self.shared or ref is None:
+            return
+        every = [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        every.append(self.lm_head)
+        shared = {id(w): p for w in every if (p := cpu_linear.shared_pack(w, ref)) is not None}
+        self.shared = shared if len(shared) == len(every) else {}
+
+    def pack_fast(self, kernels=None, ref=None) -> None:
+        """The fast plan's matmuls (`packed`, plans.cpu_linear says which): with the C++
+        kernels (`kernels`), a row-invariant matmul on the shared copy (pack_shared),
+        with float32 logits from the same packed lm_head (`dense_head`); a start-up
+        probe keeps oneDNN's packed copy too only where it is much faster at some row
+        count. Without a row-invariant matmul, oneDNN's copy (or the plain weights),
+        which the machine-specific invariant plan multiplies in fixed row groups."""
         if self.packed:
             return
         weights = [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         every = weights + [self.lm_head]
-        rowwise = {id(w): fn for w in every if (fn := cpu_linear.pack_rowwise(w, kernels)) is not None}
+        name = cpu_linear.rowwise_kernel(kernels, ref) if self.shared else None
+        rowwise = {}
+        if name is not None:
+            rowwise = {id(w): cpu_linear.checked(cpu_linear.rowwise(name, self.shared[id(w)], kernels, ref), w)
+                       for w in every}
+            if not all(rowwise.values()):   # a kernel that disagrees with F.linear is never used
+                rowwise, name = {}, None
+        onednn = cpu_linear.pack(self.layers[0].gate_up) is not None
 
         def other(w):   # the fast plan's alternative to the row-invariant kernel
-            return cpu_linear.pack(w) or (None if not rowwise else (lambda x: torch.nn.functional.linear(x, w)))
+            return cpu_linear.pack(w) if onednn else (lambda x: torch.nn.functional.linear(x, w))
         if rowwise:
             probe = self.layers[0].gate_up
             self.fast_rowwise_max_rows = cpu_linear.rowwise_max_rows(rowwise[id(probe)], other(probe),
                                                                      probe.shape[1])
         need_other = not rowwise or self.fast_rowwise_max_rows is not None   # it serves some row counts
-        others = {id(w): other(w) for w in every} if need_other else {}
+        others = {id(w): other(w) for w in every} if need_other and (rowwise or onednn) else {}
         fast = {id(w): cpu_linear.fast_linear(rowwise.get(id(w)), others.get(id(w)), self.fast_rowwise_max_rows)
                 for w in every}
         self.packed = {id(w): fast[id(w)] for w in weights if fast[id(w)] is not None}
         self.lm_head_bf16 = fast[id(self.lm_head)] or self.lm_head_bf16
         # Only weights really packed: the invariant plan's description says which kernel.
         if rowwise:
-            self.invariant_packed = {id(w): rowwise[id(w)] for w in weights if id(w) in rowwise}
-            self.invariant_matmul = cpu_linear.rowwise_kernel(kernels)
+            self.dense_head = cpu_linear.dense_head(self.shared[id(self.lm_head)], ref)
+            self.invariant_packed = {id(w): rowwise[id(w)] for w in weights}
+            self.invariant_matmul = name
         elif self.packed:
             self.invariant_packed, self.invariant_matmul = dict(self.packed), kernel_names.ONEDNN_PACKED
+        self.plain_needed = not rowwise or (need_other and not onednn)
+
+    def release_plain_weights(self) -> int:
+        """Free the plain projection and lm_head weights where no plan multiplies them
+        (pack_fast: the one packed copy serves both plans): each keeps its shape and
+        dtype, its storage emptied, so a stray use fails loudly ("setStorage ...
+        requiring a storage size") instead of reading anything. A tied embedding's
+        rows then come from the packed lm_head (embed_rows). Returns the bytes freed.
+        Only for a model no one else holds (the engine that loaded it): a released
+        model no longer runs on torch ops."""
+        if self.plain_needed or not self.shared or _released(self.lm_head):
+            return 0
+        # An untied embedding is not in this list: its plain rows stay (looked up, not multiplied).
+        every = [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        every.append(self.lm_head)
+        freed = 0
+        for w in every:
+            freed += w.untyped_storage().nbytes()
+            w.untyped_storage().resize_(0)
+        self.__dict__.pop("lm_head_f32", None)
+        return freed
+
+    def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings of token ids: rows of the embedding, or of the packed lm_head
+        when they are tied and the plain copy was released (the pairs of a row sit at
+        [id // 16, :, id % 16, :] of the packed layout)."""
+        if not _released(self.embed):
+            return self.embed[ids]
+        packed = self.shared[id(self.embed)].data
+        return packed[ids // 16, :, ids % 16, :].reshape(ids.shape[0], -1)
 
     def logits(self, hidden: torch.Tensor, plan) -> torch.Tensor:
         return plan.linear(hidden.float(), self.lm_head_f32)
@@ -148,7 +220,7 @@ class LlamaModel(torch.nn.Module):
         final one): the same bits as the add, then the norm."""
         cfg = self.cfg
         nq, d = cfg.num_heads * cfg.head_dim, cfg.head_dim
-        h = self.embed[input_ids]
+        h = self.embed_rows(input_ids)
         cos, sin = self.cos[positions], self.sin[positions]   # [rows, head_dim], gathered once per forward
         slots = KVSlots(slots)
         norms = [layer.input_norm for layer in self.layers[1:]] + [self.norm]
@@ -175,7 +247,7 @@ class LlamaModel(torch.nn.Module):
         """Weights named as in transformers' LlamaForCausalLM."""
         def take(name):
             t = sd[name]
-            return t.to(dtype=self.dtype, device=self.embed.device)
+            return t.to(dtype=self.dtype, device=self.device)
 
         with torch.no_grad():
             self.embed.copy_(take("model.embed_tokens.weight"))

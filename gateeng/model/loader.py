@@ -6,11 +6,13 @@ touches a model hub.
 """
 from __future__ import annotations
 
+import ctypes
 import glob
 import importlib.util
 import json
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -85,7 +87,6 @@ class LoadedModel:
 
 
 def load(path: Optional[str], dtype: str = "bfloat16", device: str = "cpu") -> LoadedModel:
-    from safetensors.torch import load_file
     from transformers import AutoConfig, AutoTokenizer
 
     src = Path(path) if path else default_model_path()
@@ -100,10 +101,43 @@ def load(path: Optional[str], dtype: str = "bfloat16", device: str = "cpu") -> L
     files = sorted(hf_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {hf_dir}")
-    sd = {}
-    for f in files:
-        sd.update(load_file(str(f)))
+    checkpoint = Checkpoint(files)
     model = LlamaModel(cfg, DTYPES[dtype], device)
-    model.load_hf_state_dict(sd)
+    model.load_hf_state_dict(checkpoint)
     tok = AutoTokenizer.from_pretrained(hf_dir)
-    return LoadedModel(model, tok, cfg, model_fingerprint(cfg, sd), str(src))
+    return LoadedModel(model, tok, cfg, model_fingerprint(cfg, checkpoint), str(src))
+
+
+class Checkpoint(Mapping):
+    """The tensors of *.safetensors files by name, each read from its file when asked
+    for: loading converts one tensor at a time to the model's dtype, so a float32
+    checkpoint is never in memory whole beside the model."""
+
+    def __init__(self, files: list):
+        from safetensors import safe_open
+        self._open = lambda f: safe_open(str(f), framework="pt")
+        self._where = {}
+        for f in files:
+            with self._open(f) as handle:
+                self._where.update(dict.fromkeys(handle.keys(), f))
+
+    def __getitem__(self, name: str):
+        with self._open(self._where[name]) as handle:
+            return handle.get_tensor(name)
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+def trim_heap() -> None:
+    """Hand the memory freed at start-up (a float32 tensor read while loading, plain
+    weights that were packed and released) back to the OS. glibc keeps freed blocks
+    of up to 32 MiB in its heap for reuse, so without this the process holds on to
+    them; elsewhere there is nothing to do."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

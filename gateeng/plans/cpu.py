@@ -95,11 +95,14 @@ class FastAttnMeta:
 class FastPlan(CpuKernelOps):
     name = "fast"
 
-    def __init__(self, logit_noise: float = 0.0, packed: dict | None = None, kernels=None):
+    def __init__(self, logit_noise: float = 0.0, packed: dict | None = None, kernels=None, dense_head=None):
         self.logit_noise = logit_noise   # test-only perturbation (provokes rollbacks)
         self._noise_gen = torch.Generator().manual_seed(1234)
         self.packed = packed if packed is not None else {}   # LlamaModel.packed
         self.kernels = kernels   # plans.cpu_ops' module, or None for torch ops
+        # hidden -> float32 logits on the packed lm_head (LlamaModel.dense_head), or None:
+        # as cheap as bf16 logits, so every row takes dense logits (no candidate search).
+        self.dense_head = dense_head
 
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         fn = self.packed.get(id(w))
@@ -107,8 +110,9 @@ class FastPlan(CpuKernelOps):
 
     @property
     def sparse_greedy(self) -> bool:
-        """Greedy rows may skip dense logits (choose); not when noise perturbs them."""
-        return not self.logit_noise
+        """Greedy rows may skip dense logits (choose): not when noise perturbs them, nor
+        where dense float32 logits cost what bf16 ones do (dense_head)."""
+        return not self.logit_noise and self.dense_head is None
 
     @staticmethod
     def candidate_head(model):
@@ -186,6 +190,8 @@ class FastPlan(CpuKernelOps):
     def lm_head(self, model, hidden: torch.Tensor, greedy: list) -> torch.Tensor:
         """float32 logits whose top-2 are exact for greedy rows, at a bf16 matmul's
         cost (greedy_logits); sampled rows get the full float32 lm_head."""
+        if self.dense_head is not None:
+            return self.dense_head(hidden)
         if model.dtype == torch.float32 or not any(greedy):
             return model.logits(hidden, self)
         return mixed_lm_head(model, hidden, greedy, lambda h: model.logits(h, self), self.candidate_head(model))
@@ -193,7 +199,7 @@ class FastPlan(CpuKernelOps):
     @torch.inference_mode()
     def hidden(self, model, kv, rows: Rows) -> torch.Tensor:
         """Run the rows; the final hidden states of the sample rows, then the extra rows."""
-        dev = model.embed.device
+        dev = model.device
         meta = self._meta(rows, kv.block_size, dev)
         hidden = model(torch.tensor(rows.input_ids, device=dev), torch.tensor(rows.positions, device=dev),
                        torch.tensor(rows.slots, device=dev), meta, kv, self)
@@ -210,7 +216,7 @@ class FastPlan(CpuKernelOps):
     @torch.inference_mode()
     def full_logits(self, model, hidden: torch.Tensor) -> torch.Tensor:
         """Full float32 logits (logprobs need the whole distribution)."""
-        return model.logits(hidden, self)
+        return self.dense_head(hidden) if self.dense_head is not None else model.logits(hidden, self)
 
     def logits(self, model, kv, rows: Rows) -> torch.Tensor:
         return self.choice_logits(model, self.hidden(model, kv, rows), rows.greedy)
@@ -379,7 +385,7 @@ class InvariantPlan(CpuKernelOps):
         reads it, and attention masks by position, so a sequence's chunk sees its own
         earlier rows as a prefill does. Returns the final hidden states of the sample
         rows, then the extra rows."""
-        n, dev = len(rows), model.embed.device
+        n, dev = len(rows), model.device
         if not n:
             return torch.zeros(0, model.cfg.hidden_size, dtype=model.dtype, device=dev)
         pad = self._pad(n) - n if self.grouped else 0

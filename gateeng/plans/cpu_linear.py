@@ -1,36 +1,80 @@
 """x @ w.T on CPU bf16 weights packed once at load.
 
-- The row-invariant C++ kernels (kernels/cpu_ops.cpp; `pack_rowwise`): VDPBF16PS
-  where the CPU has AVX-512 BF16 (`cpu_dpbf16`), else AVX2 fused multiply-adds
-  (`cpu_fma`). Every output is one fixed chain of multiply-adds over K, so a
-  row's bits do not depend on the row count: the invariant plan multiplies its
-  real rows, unpadded. On a 2-core AVX-512 BF16 EPYC the VDPBF16PS kernel is also
-  faster than oneDNN at every row count from 1 to 512 (bench/RESULTS.md).
-- oneDNN's layout (`pack`): a plain bf16 weight is re-laid out for the matrix
-  unit on every call, so packing it at load makes the SmolLM2 lm_head at 32 rows
-  2-3x faster on AVX-512 BF16 and AMX CPUs. Its kernel and blocking depend on the
-  row count, so a row's bits do too: the invariant plan calls it only on groups
-  of exactly its row count, where the row-invariant kernels are missing.
+One copy: every projection and the lm_head are packed once, in the reference's
+layout ([ceil(N/16)][K/2][16][2] pairs: kernels/ref_ops.cpp `pack`, which cpu_ops'
+VDPBF16PS kernel reads too), and every CPU plan multiplies that copy:
+- the reference (ReferencePlan), with its own matmul (SPEC.md's order);
+- the fast plan, with the fastest row-invariant matmul this CPU has on that
+  layout (`rowwise_kernel`): VDPBF16PS in fast math (`cpu_dpbf16`, kernels/
+  cpu_ops.cpp) where the CPU has AVX-512 BF16, else the reference's own AVX2
+  matmul (`ref_avx2`), as fast as a dedicated AVX2 kernel on SmolLM2's shapes
+  (bench/RESULTS.md). Every output is one fixed chain over K, so a row's bits do
+  not depend on the row count;
+- a float32 logits head (`dense_head`): the reference's matmul with binary32
+  output on the packed lm_head, as cheap as the bf16 one.
 
-`fast_linear` gives the fast plan, per weight, whichever of a row-invariant kernel
-and the other (oneDNN, or F.linear on the plain weight) a start-up probe found
-faster at the step's row count. Anything else (CUDA, float32, no kernels) gets
-F.linear on the plain weight.
+oneDNN's layout (`pack`) is a second copy, kept only where a start-up probe
+finds it much faster than the row-invariant kernel at some row count (the
+matrix units of AMX CPUs on prefill chunks), or where there is no row-invariant
+kernel; the machine-specific invariant plan (float32 models, or no reference
+build) multiplies it in row groups of a fixed size.
 """
 from __future__ import annotations
 
 import time
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
-from gateeng.plans.kernel_names import ROWWISE_MATMULS
-
 # Row counts the probe compares the two kernels at (decode batches, then prefill chunks).
 PROBE_ROWS = (1, 8, 32, 128, 512)
+# A second copy of every weight must buy at least this much speed at some probed
+# row count to be kept.
+SECOND_COPY_SPEEDUP = 1.25
 
 
+@dataclass(frozen=True)
+class Packed:
+    """One weight in the reference's packed layout: the copy the CPU plans share."""
+    data: torch.Tensor
+    n: int   # output columns (the weight's rows)
+    k: int
+
+
+def shared_pack(w: torch.Tensor, ref) -> Optional[Packed]:
+    """w in the reference's layout (ref: the reference kernels, plans.reference_ops),
+    or None where the reference does not take it (not a CPU bf16 [N, K] matrix with K
+    even)."""
+    if ref is None or w.device.type != "cpu" or w.dtype != torch.bfloat16 or w.dim() != 2 or w.shape[1] % 2:
+        return None
+    return Packed(ref.pack(w.detach()), w.shape[0], w.shape[1])
+
+
+def rowwise_kernel(kernels, ref) -> Optional[str]:
+    """The fast plan's row-invariant matmul on the shared layout, by its kernel_plan
+    name, or None (no C++ kernels, or no such matmul on this CPU)."""
+    if kernels is None or ref is None:
+        return None
+    if getattr(kernels, "dpbf16", False):
+        return "cpu_dpbf16"
+    if getattr(ref, "isa", None) == "avx2":
+        return "ref_avx2"
+    return None
+
+
+def rowwise(name: str, p: Packed, kernels, ref) -> Callable:
+    """x -> x @ w.T (bf16) by the row-invariant matmul `name` on the packed w."""
+    if name == "cpu_dpbf16":
+        return lambda x: kernels.linear_dpbf16(x, p.data, p.n)
+    return lambda x: ref.linear(x, p.data, p.n, False)
+
+
+def dense_head(p: Packed, ref) -> Callable:
+    """hidden -> float32 logits [rows, vocab]: the reference's matmul with binary32
+    output (bf16 x bf16 products, exact in binary32) on the packed lm_head."""
+    return lambda h: ref.linear(h.contiguous(), p.data, p.n, True)
 
 
 def _onednn_bf16() -> bool:
@@ -63,28 +107,9 @@ def pack(w: torch.Tensor, rows_hint: int = 32):
         return None
 
 
-def rowwise_kernel(kernels) -> Optional[str]:
-    """The row-invariant matmul these kernels have on this CPU, by its kernel_plan
-    name, or None."""
-    if kernels is None:
-        return None
-    return next((name for name, m in ROWWISE_MATMULS.items() if getattr(kernels, m.symbol, False)), None)
-
-
-def pack_rowwise(w: torch.Tensor, kernels):
-    """A function x -> x @ w.T on w packed for the row-invariant kernel
-    (rowwise_kernel), or None where there is none or it does not apply."""
-    name = rowwise_kernel(kernels)
-    if name is None or w.device.type != "cpu" or w.dtype != torch.bfloat16 or w.dim() != 2:
-        return None
-    if name == "cpu_dpbf16" and w.shape[1] % 2:
-        return None   # VDPBF16PS takes K in pairs
-    symbol, n = ROWWISE_MATMULS[name].symbol, w.shape[0]
-    packed, linear = getattr(kernels, "pack_" + symbol)(w.detach()), getattr(kernels, "linear_" + symbol)
-
-    def rowwise(x):
-        return linear(x, packed, n)
-    return rowwise if _agrees(rowwise, w) else None
+def checked(fn, w: torch.Tensor):
+    """fn where it agrees with F.linear on w to bf16 accuracy, else None."""
+    return fn if _agrees(fn, w) else None
 
 
 def _best_seconds(fn, x, repeats: int = 5) -> float:
@@ -97,24 +122,24 @@ def _best_seconds(fn, x, repeats: int = 5) -> float:
     return best
 
 
-def rowwise_max_rows(rowwise, other, k: int) -> Optional[int]:
-    """The largest probed row count up to which the row-invariant kernel is not
-    slower than `other` (within 5%) at every probed count; None when that holds at
-    all of them (`other` is then never needed). Timed on one weight, alternating."""
+def rowwise_max_rows(rowwise_fn, other, k: int) -> Optional[int]:
+    """The largest probed row count up to which `other` does not beat the
+    row-invariant kernel by SECOND_COPY_SPEEDUP; None when it never does (`other`,
+    a second copy of the weights, is then not kept). Timed on one weight, alternating."""
     for rows in PROBE_ROWS:
         x = torch.randn(rows, k).to(torch.bfloat16)
-        if _best_seconds(rowwise, x) > 1.05 * _best_seconds(other, x):
+        if _best_seconds(rowwise_fn, x) > SECOND_COPY_SPEEDUP * _best_seconds(other, x):
             smaller = [r for r in PROBE_ROWS if r < rows]
             return smaller[-1] if smaller else 0
     return None
 
 
-def fast_linear(rowwise, other, max_rows: Optional[int]):
+def fast_linear(rowwise_fn, other, max_rows: Optional[int]):
     """x -> x @ w.T by whichever kernel the probe found faster at x's row count."""
-    if rowwise is None or other is None:
-        return rowwise or other
+    if rowwise_fn is None or other is None:
+        return rowwise_fn or other
     if max_rows is None:
-        return rowwise
+        return rowwise_fn
     if max_rows == 0:
         return other
-    return lambda x: rowwise(x) if x.shape[0] <= max_rows else other(x)
+    return lambda x: rowwise_fn(x) if x.shape[0] <= max_rows else other(x)

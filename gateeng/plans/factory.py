@@ -36,37 +36,38 @@ class Plans:
     unavailable: str = ""        # why VERIFIED cannot be served here ('' when it can)
 
 
-def build(cfg: EngineConfig, model, model_config, dtype) -> Plans:
+def build(cfg: EngineConfig, model, model_config, dtype, owned: bool = False) -> Plans:
     """Both plans for `model` on cfg.device. On CPU this packs the model's weights
-    (LlamaModel.pack_weights) where cfg.pack_fast_weights says so."""
+    (LlamaModel.pack_shared for the reference, pack_fast where cfg.pack_fast_weights
+    says so). `owned`: the caller loaded the model for this engine alone, so plain
+    weights that no plan multiplies are freed (LlamaModel.release_plain_weights)."""
     if cfg.device != "cpu":
         return _cuda_plans(cfg, model, model_config, dtype)
     kernels = cpu_ops.load() if cfg.cpu_kernels else None
+    ops, unavailable = _reference_ops(model)
+    model.pack_shared(ops)
     if cfg.pack_fast_weights:
-        model.pack_weights(kernels)
+        model.pack_fast(kernels, ops)
     rows = cfg.invariant_rows or default_invariant_rows(",".join(cpp_build.cpu_flags().split()))
     inv_packed, matmul = model.invariant_packed, model.invariant_matmul
     if not cfg.pack_fast_weights or (matmul in kernel_names.ROWWISE_MATMULS and kernels is None):
         inv_packed, matmul = {}, kernel_names.TORCH_MM   # the row-invariant matmul is one of the kernels
-    fast = FastPlan(cfg.fast_logit_noise, model.packed if cfg.pack_fast_weights else {}, kernels)
+    packed = cfg.pack_fast_weights
+    fast = FastPlan(cfg.fast_logit_noise, model.packed if packed else {}, kernels, model.dense_head if packed else None)
     fast_matmul = _fast_matmul(model, cfg)
-    reference, unavailable = _reference(model, cfg)
+    reference = ReferencePlan(model, ops, cfg.block_size) if ops is not None else None
     invariant = reference or InvariantPlan(rows, cfg.attention_split, inv_packed, kernels, cfg.block_size, matmul)
+    freed = model.release_plain_weights() if owned and packed and reference is not None else 0
     log(f"fast plan: {fast_matmul}, {'C++ kernels' if kernels is not None else 'torch ops'} "
         f"for norms, RoPE, SiLU and attention; invariant plan {invariant.describe(cfg.dtype)}"
-        + (f" ({reference.ops.isa} build)" if reference is not None else ""))
+        + (f" ({reference.ops.isa} build)" if reference is not None else "")
+        + (f"; one packed copy of the weights serves both ({freed / 2 ** 20:.0f} MiB of plain weights freed)"
+           if freed else ""))
     release = kernels.release_idle_threads if kernels is not None else (lambda: None)
     if reference is not None:
         chosen = sampler.Sampler(reference.ops)
         return Plans(fast, invariant, chosen.sample, chosen.logprobs, fast_matmul, release)
     return Plans(fast, invariant, sampler.sample, sampler.logprobs, fast_matmul, release, unavailable)
-
-
-def _reference(model, cfg: EngineConfig) -> tuple:
-    """(ReferencePlan, '') where the reference serves this model here, else (None, why
-    VERIFIED is refused: '' for a float32 model, whose VERIFIED is this machine's)."""
-    ops, why = _reference_ops(model)
-    return (ReferencePlan(model, ops, cfg.block_size), "") if ops is not None else (None, why)
 
 
 def _reference_ops(model) -> tuple:
@@ -91,8 +92,8 @@ def _fast_matmul(model, cfg: EngineConfig) -> str:
     if kernel is None:
         return "oneDNN packed weights"
     if model.fast_rowwise_max_rows is None:
-        return f"{kernel.instructions} packed weights (the faster kernel at every probed row count)"
-    return f"{kernel.instructions} packed weights up to {model.fast_rowwise_max_rows} rows, another kernel above"
+        return f"{kernel} on the shared packed weights (no other kernel is much faster at any probed row count)"
+    return f"{kernel} on the shared packed weights up to {model.fast_rowwise_max_rows} rows, another kernel above"
 
 
 def _cuda_plans(cfg: EngineConfig, model, mc, dtype) -> Plans:

@@ -49,7 +49,7 @@ class TritonInvariantPlan(InvariantPlan):
 
     @torch.inference_mode()
     def hidden(self, model, kv, rows: Rows) -> torch.Tensor:
-        dev = model.embed.device
+        dev = model.device
         n = len(rows)
         tables = seq_block_tables(rows.seqs, n, max(p // kv.block_size + 1 for p in rows.positions))
         pos = torch.tensor(rows.positions, device=dev)

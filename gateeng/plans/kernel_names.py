@@ -1,24 +1,12 @@
-"""The matmuls' names: in kernel_plan (the Reproducibility record), in the C++
-module (kernels/cpu_ops.cpp) and in words. Torch-free, so the CLI can name them
-in its help without loading torch."""
+"""The matmuls' names: in kernel_plan (the Reproducibility record) and in words.
+Torch-free, so the CLI can name them in its help without loading torch."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-
-@dataclass(frozen=True)
-class RowwiseMatmul:
-    """A row-invariant matmul of kernels/cpu_ops.cpp. `symbol` names it in the C++
-    module: the flag `<symbol>` (built for this CPU) and the functions
-    `pack_<symbol>` and `linear_<symbol>`."""
-    symbol: str
-    instructions: str
-
-
-# The row-invariant matmuls by their kernel_plan names, preferred first: the one
-# table that names them in kernel_plan, in the C++ module and in words.
-ROWWISE_MATMULS = {"cpu_dpbf16": RowwiseMatmul("dpbf16", "VDPBF16PS"),
-                   "cpu_fma": RowwiseMatmul("fma8", "AVX2 FMA")}
+# The row-invariant matmuls on the one packed copy of the weights (plans.cpu_linear),
+# by their kernel_plan names, preferred first, in words: VDPBF16PS in fast math
+# (kernels/cpu_ops.cpp `linear_dpbf16`), else the reference's own AVX2 matmul
+# (kernels/ref_ops.cpp `linear`, its avx2 build).
+ROWWISE_MATMULS = {"cpu_dpbf16": "VDPBF16PS", "ref_avx2": "AVX2 FMA (the reference's matmul)"}
 # The other matmuls' kernel_plan names: oneDNN's packed copy, torch.mm on the plain weight.
 ONEDNN_PACKED, TORCH_MM = "onednn_packed", "torch_mm"
 

@@ -8,8 +8,8 @@ count, the KV block size or the batch. Each op computes a row start to finish
 from that row's data (attention: from its own keys), so forwards run on their real
 rows, unpadded, at any count.
 
-The weights are packed once into the reference matmul's layout (one more copy of
-every projection and of the lm_head). Logits are the reference matmul's binary32
+The weights are the model's one packed copy, in the reference matmul's layout,
+which the fast plan multiplies too (plans.cpu_linear). Logits are the reference matmul's binary32
 sums over the bf16 lm_head, dense: a greedy token is their argmax (lowest id among
 ties), a sampled one is chosen by the reference sampler (plans.sampler with these
 ops).
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from gateeng.plans import cpu_linear
 from gateeng.plans.cpu import InvariantAttnMeta, InvariantPlan
 from gateeng.plans.kernel_names import REFERENCE
 
@@ -73,18 +74,20 @@ class ReferenceBase(InvariantPlan):
 
 
 class ReferencePlan(ReferenceBase):
-    """The reference on the CPU build `ops` (plans.reference_ops), on weights packed
-    once into its matmul's layout."""
+    """The reference on the CPU build `ops` (plans.reference_ops), on the model's one
+    packed copy of its weights (LlamaModel.pack_weights: every build's layout is the
+    same), packed here where the model has none."""
 
     def __init__(self, model, ops, block_size: int = 16):
         super().__init__(ops, block_size)
         weights = [w for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        self._packed = {id(w): (ops.pack(w.detach()), w.shape[0]) for w in weights + [model.lm_head]}
+        self._packed = {id(w): model.shared.get(id(w)) or cpu_linear.shared_pack(w, ops)
+                        for w in weights + [model.lm_head]}
         self._lm_head = id(model.lm_head)
 
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        packed, n = self._packed[id(w)]
-        return self.ops.linear(x, packed, n, False)
+        p = self._packed[id(w)]
+        return self.ops.linear(x, p.data, p.n, False)
 
     def add_rms_norm(self, h, add, w, eps):
         return tuple(self.ops.add_rms_norm(h, add, w, eps))
@@ -94,5 +97,5 @@ class ReferencePlan(ReferenceBase):
 
     @torch.inference_mode()
     def full_logits(self, model, hidden: torch.Tensor) -> torch.Tensor:
-        packed, n = self._packed[self._lm_head]
-        return self.ops.linear(hidden.contiguous(), packed, n, True)
+        p = self._packed[self._lm_head]
+        return self.ops.linear(hidden.contiguous(), p.data, p.n, True)

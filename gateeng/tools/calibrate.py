@@ -200,7 +200,7 @@ def calibrate(loaded, prompts: list, n_tokens: int = 64, batch_sizes=(1, 8, 32),
         model, fast = loaded.model, fast or served
         most = max(sum(-(-(len(prompts[i]) + n_tokens) // block_size) for i in g)
                    for gs in groups.values() for g in gs)
-        kv = KVCache(loaded.config, most, block_size, model.dtype, model.embed.device)
+        kv = KVCache(loaded.config, most, block_size, model.dtype, model.device)
         margins, flipped, flips_by, steps_by = [], [], {}, {}
         for b, gs in groups.items():
             bar.set_postfix_str(f"fast decode, batch {b}")
