@@ -112,13 +112,14 @@ class EngineConfig:
     # inter-token latency. 16: bench/serve.py's prefill phase (bench/RESULTS.md).
     prefill_chunk: int = 16
     enable_prefix_caching: bool = True
-    # CPU: the fast plan multiplies a packed copy of the weights (LlamaModel.pack_weights):
-    # with the C++ kernels on, in the layout of a row-invariant matmul (VDPBF16PS where
-    # the CPU has AVX-512 BF16, else AVX2 FMA), else in oneDNN's; steps are several
-    # times faster, for one or two more copies of the projection and lm_head weights
-    # in memory. A float32 model's invariant plan's bits depend on it (kernel_plan:
-    # matmul=cpu_dpbf16, cpu_fma, onednn_packed or torch_mm); a bf16 model's invariant
-    # plan is the reference (gateeng-ref-1) either way, on its own packed copy.
+    # CPU: the fast plan multiplies packed weights (LlamaModel.pack_fast). With the C++
+    # kernels and the reference, that is the one packed copy the reference multiplies
+    # too (plans/cpu_linear.py: VDPBF16PS on AVX-512 BF16, else the reference's AVX2
+    # matmul), and an engine that loaded its own model frees the plain weights;
+    # elsewhere oneDNN's packed copy. Off: the fast plan multiplies the plain weights
+    # (slower steps, and the plain weights stay beside the reference's packed copy).
+    # A float32 model's invariant plan's bits depend on it (kernel_plan: matmul=...); a
+    # bf16 model's invariant plan is the reference (gateeng-ref-1) either way.
     pack_fast_weights: bool = True
     # CPU: the C++ kernels (gateeng/cpu_ops.py: RMSNorm with the residual add, RoPE with
     # the KV store, the SiLU gate, attention over the paged cache in place, the

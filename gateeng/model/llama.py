@@ -7,7 +7,9 @@ share every weight and every elementwise step.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, fields
 from functools import cached_property
+from typing import Optional
 
 import torch
 
@@ -60,6 +62,21 @@ class KVSlots:
         return self._writers
 
 
+@dataclass(frozen=True)
+class LayerWeights:
+    """One decoder layer's weights, as the forward reads them (LlamaModel.step_layers)."""
+    qkv: torch.Tensor
+    qkv_bias: Optional[torch.Tensor]
+    q_norm: Optional[torch.Tensor]
+    k_norm: Optional[torch.Tensor]
+    o: torch.Tensor
+    o_bias: Optional[torch.Tensor]
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    next_norm: torch.Tensor   # the norm after this layer's MLP
+
+
 class LlamaModel(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, dtype=torch.bfloat16, device="cpu"):
         super().__init__()
@@ -103,6 +120,12 @@ class LlamaModel(torch.nn.Module):
         """Call after loading weights. Logits are computed in float32 (from the
         dtype-rounded hidden state and weights): bf16 logits are so coarse that
         top-1/top-2 ties are common and the margin would say little."""
+        # Each layer's weights as plain attributes, with the norm after its MLP (the next
+        # layer's input norm, or the final one): a one-row decode step spent a tenth of a
+        # millisecond on nn.Module attribute lookups and on slicing self.layers.
+        norms = [layer.input_norm for layer in self.layers[1:]] + [self.norm]
+        self.step_layers = [LayerWeights(*(getattr(layer, f.name) for f in fields(LayerWeights)[:-1]), norm)
+                            for layer, norm in zip(self.layers, norms)]
         self.packed = {}   # id(weight) -> x @ weight.T for the fast plan (pack_fast)
         self.shared = {}   # id(weight) -> cpu_linear.Packed: the one packed copy (pack_shared)
         self.invariant_packed = {}   # the same for the machine-specific invariant plan, whose bits
@@ -223,9 +246,8 @@ class LlamaModel(torch.nn.Module):
         h = self.embed_rows(input_ids)
         cos, sin = self.cos[positions], self.sin[positions]   # [rows, head_dim], gathered once per forward
         slots = KVSlots(slots)
-        norms = [layer.input_norm for layer in self.layers[1:]] + [self.norm]
         x = plan.rms_norm(h, self.layers[0].input_norm, cfg.rms_norm_eps)
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.step_layers):
             qkv = plan.linear(x, layer.qkv)
             if layer.qkv_bias is not None:     # elementwise: the same bits in any batch
                 qkv = plan.add(qkv, layer.qkv_bias)
@@ -240,7 +262,7 @@ class LlamaModel(torch.nn.Module):
             h, x = plan.add_rms_norm(h, plan.add(o, layer.o_bias) if layer.o_bias is not None else o, layer.post_norm,
                                      cfg.rms_norm_eps)
             mlp = plan.linear(plan.silu_mul(plan.linear(x, layer.gate_up)), layer.down)
-            h, x = plan.add_rms_norm(h, mlp, norms[i], cfg.rms_norm_eps)
+            h, x = plan.add_rms_norm(h, mlp, layer.next_norm, cfg.rms_norm_eps)
         return x
 
     def load_hf_state_dict(self, sd: dict) -> None:

@@ -59,10 +59,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse the KV of shared prompt prefixes")
     p.add_argument("--no-packed-weights", action="store_true",
                    help="CPU: the fast plan (and a float32 model's invariant plan) multiplies the plain weights "
-                        "instead of a packed copy (a C++ row-invariant kernel's layout: VDPBF16PS on AVX-512 BF16, "
-                        "else AVX2 FMA; else oneDNN's); saves that copy's memory; steps get slower. A bf16 model's "
-                        f"invariant plan is the reference ({REFERENCE}) either way; a float32 model's bits change: "
-                        f"kernel_plan says matmul={TORCH_MM}")
+                        "instead of packed ones (by default the one packed copy the reference multiplies too, under "
+                        "VDPBF16PS on AVX-512 BF16, else the reference's AVX2 matmul; else oneDNN's copy): steps get "
+                        "slower, and a bf16 model keeps its plain weights beside the reference's packed copy. A bf16 "
+                        f"model's invariant plan is the reference ({REFERENCE}) either way; a float32 model's bits "
+                        f"change: kernel_plan says matmul={TORCH_MM}")
     p.add_argument("--no-cpu-kernels", action="store_true",
                    help="CPU: the fast plan (and a float32 model's invariant plan) uses torch ops instead of the "
                         "C++ kernels (norms, RoPE, SiLU, attention over the paged cache, the row-invariant matmul), "
