@@ -92,6 +92,11 @@ def _sliding_window(hf) -> Optional[int]:
     return int(window)
 
 
+# Positions of KV cache per running request that the default cache size provides
+# (EngineConfig.num_kv_blocks = 0): at the default max_num_seqs, 16384 positions.
+KV_POSITIONS_PER_SEQ = 256
+
+
 @dataclass
 class EngineConfig:
     model: Optional[str] = None          # HF directory or .gguf file; None = embedded SmolLM2
@@ -99,7 +104,10 @@ class EngineConfig:
     device: str = "cpu"                  # cpu | cuda
     plan: str = "fast"                   # fast | invariant (server-wide batch-invariant mode)
     block_size: int = 16
-    num_kv_blocks: int = 1024
+    # KV cache blocks; 0: sized for max_num_seqs requests of KV_POSITIONS_PER_SEQ positions
+    # each, and for one request of max_model_len when that is more (kv_blocks). The
+    # memory a block takes is the model's: layers x KV heads x head dim x block_size.
+    num_kv_blocks: int = 0
     # Positions one request may use (prompt + output); 0 = the model's limit (its
     # max_position_embeddings, or its sliding window if smaller), within what the
     # KV cache holds. An explicit value above either is refused.
@@ -174,10 +182,20 @@ class EngineConfig:
                              f"positions in one step")
         if self.max_model_len < 0:
             raise ValueError(f"max_model_len must be >= 0 (0 = the model's limit), got {self.max_model_len}")
-        for name in ("block_size", "num_kv_blocks", "max_num_seqs",
-                     "max_num_batched_tokens", "max_queue"):
+        if self.num_kv_blocks < 0:
+            raise ValueError(f"num_kv_blocks must be >= 0 (0 = sized for max_num_seqs), got {self.num_kv_blocks}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_queue"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+def kv_blocks(cfg: "EngineConfig") -> int:
+    """The KV cache's blocks: cfg.num_kv_blocks, or (0) enough for max_num_seqs
+    requests of KV_POSITIONS_PER_SEQ positions each and for one of max_model_len."""
+    if cfg.num_kv_blocks:
+        return cfg.num_kv_blocks
+    positions = max(cfg.max_num_seqs * KV_POSITIONS_PER_SEQ, cfg.max_model_len)
+    return -(-positions // cfg.block_size)
 
 
 def validate_threshold(tau: float) -> float:

@@ -245,6 +245,19 @@ def test_max_model_len_is_checked_against_the_model_and_the_kv_cache(max_model_l
             resolve_max_model_len(cfg, mc)
 
 
+def test_the_default_kv_cache_is_sized_for_max_num_seqs_and_max_model_len():
+    from gateeng.config import KV_POSITIONS_PER_SEQ, kv_blocks
+    from gateeng.engine.core import resolve_max_model_len
+    mc = tiny_loaded("float32").config                 # its limit: 512 positions
+    assert kv_blocks(EngineConfig(num_kv_blocks=24, block_size=4)) == 24   # given: taken as it is
+    for seqs in (1, 2, 64):
+        cfg = EngineConfig(max_num_seqs=seqs, block_size=4)
+        assert kv_blocks(cfg) == seqs * KV_POSITIONS_PER_SEQ // 4
+        assert resolve_max_model_len(cfg, mc) == min(512, seqs * KV_POSITIONS_PER_SEQ)
+    cfg = EngineConfig(max_num_seqs=1, max_model_len=500, block_size=4)   # one whole request must fit
+    assert kv_blocks(cfg) == 125 and resolve_max_model_len(cfg, mc) == 500
+
+
 def test_a_sliding_window_caps_the_context_so_full_attention_stays_exact():
     import dataclasses
     from gateeng.engine.core import resolve_max_model_len

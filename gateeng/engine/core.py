@@ -21,7 +21,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from gateeng import __version__, reproducibility
-from gateeng.config import ADAPTIVE, EngineConfig, validate_threshold, validate_window
+from gateeng.config import ADAPTIVE, EngineConfig, kv_blocks, validate_threshold, validate_window
 from gateeng.engine import pricing
 from gateeng.engine.block_manager import BlockManager
 from gateeng.engine.detokenizer import IncrementalText
@@ -50,13 +50,14 @@ def resolve_max_model_len(cfg: EngineConfig, mc) -> int:
     full attention exact for such models (every key stays inside the window)."""
     limit = mc.max_position if mc.sliding_window is None else min(mc.max_position, mc.sliding_window)
     why = "max_position_embeddings" if limit == mc.max_position else "its sliding window"
-    kv_tokens = cfg.num_kv_blocks * cfg.block_size
+    blocks = kv_blocks(cfg)
+    kv_tokens = blocks * cfg.block_size
     if not cfg.max_model_len:
         return min(limit, kv_tokens)
     if cfg.max_model_len > limit:
         raise ValueError(f"--max-model-len {cfg.max_model_len} is above the model's limit {limit} ({why})")
     if cfg.max_model_len > kv_tokens:
-        raise ValueError(f"--max-model-len {cfg.max_model_len} does not fit the KV cache ({cfg.num_kv_blocks} "
+        raise ValueError(f"--max-model-len {cfg.max_model_len} does not fit the KV cache ({blocks} "
                          f"blocks of {cfg.block_size} = {kv_tokens} positions): raise --kv-blocks or lower it")
     return cfg.max_model_len
 
@@ -85,8 +86,9 @@ class EngineCore:
         self.model, self.tokenizer = self.loaded.model, self.loaded.tokenizer
         mc = self.model_config = self.loaded.config
         self.max_model_len = resolve_max_model_len(cfg, mc)
-        self.kv = KVCache(mc, cfg.num_kv_blocks, cfg.block_size, DTYPES[cfg.dtype], cfg.device)
-        self.blocks = BlockManager(cfg.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        blocks = kv_blocks(cfg)
+        self.kv = KVCache(mc, blocks, cfg.block_size, DTYPES[cfg.dtype], cfg.device)
+        self.blocks = BlockManager(blocks, cfg.block_size, cfg.enable_prefix_caching)
         eos = set(mc.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(self.tokenizer.eos_token_id)

@@ -7,7 +7,8 @@ import os
 import sys
 
 from gateeng import __version__
-from gateeng.config import DIRECT, HTTP_BODY_SLACK_BYTES, ROUTE_POLICIES, EngineConfig, GateBounds, ServerConfig
+from gateeng.config import (DIRECT, HTTP_BODY_SLACK_BYTES, KV_POSITIONS_PER_SEQ, ROUTE_POLICIES, EngineConfig,
+                            GateBounds, ServerConfig)
 from gateeng.plans.kernel_names import ISA_ENV, REFERENCE, REFERENCE_ISAS, TORCH_MM
 from gateeng.request import DEFAULT_MAX_TOKENS
 
@@ -40,7 +41,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="steps a margin-triggered verify replay may wait to share an invariant pass with "
                         "others (speculating meanwhile); window and finish triggers never wait")
     p.add_argument("--kv-blocks", type=int, default=DEFAULTS.num_kv_blocks,
-                   help=f"KV cache size in blocks of {DEFAULTS.block_size} tokens")
+                   help=f"KV cache size in blocks of {DEFAULTS.block_size} positions (0: {KV_POSITIONS_PER_SEQ} "
+                        f"positions for each of --max-num-seqs requests, or one --max-model-len request if that "
+                        f"is more; the default is {DEFAULTS.max_num_seqs * KV_POSITIONS_PER_SEQ} positions)")
     p.add_argument("--invariant-rows", type=int, default=DEFAULTS.invariant_rows,
                    help="CPU invariant plan: rows per fixed-shape matmul group (oneDNN or torch.mm matmuls, "
                         "and the sampled rows' float32 lm_head), part of the canonical reference; 0 = 32 where "
