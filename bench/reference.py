@@ -29,6 +29,7 @@ from bench.common import machine  # noqa: E402
 from gateeng.config import EngineConfig  # noqa: E402
 from gateeng.engine import pricing  # noqa: E402
 from gateeng.engine.client import Engine  # noqa: E402
+from gateeng.model.loader import load  # noqa: E402
 from gateeng.plans import cpu_ops, reference_ops  # noqa: E402
 from gateeng.plans.cpu import InvariantPlan, default_invariant_rows  # noqa: E402
 from gateeng.plans.reference import ReferencePlan  # noqa: E402
@@ -43,7 +44,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
     args = ap.parse_args()
     print(machine())
-    engine = Engine(EngineConfig(plan="invariant", num_kv_blocks=64 + max(args.rows) * 2))
+    # A model handed in keeps its plain weights, which machine-v4's float32 lm_head needs.
+    engine = Engine(EngineConfig(plan="invariant", num_kv_blocks=64 + max(args.rows) * 2), loaded=load(None))
     core = engine.core
     model, runner = core.model, core.runner
     kernels = cpu_ops.load()

@@ -77,9 +77,13 @@ def matmul_peak_gflops() -> float:
     """bf16 matmul throughput at a large shape (compute bound), best of 5, of the
     faster of torch's and the row-invariant C++ kernel: with the weight read, the
     other floor a decode step cannot beat."""
-    from gateeng.plans import cpu_linear
+    from gateeng.plans import cpu_linear, reference_ops
     x, w = torch.randn(1024, 4096).to(torch.bfloat16), torch.randn(4096, 4096).to(torch.bfloat16)
-    fns = [lambda a: torch.nn.functional.linear(a, w), cpu_linear.pack_rowwise(w, cpu_ops.load())]
+    kernels, ref = cpu_ops.load(), reference_ops.load()
+    name = cpu_linear.rowwise_kernel(kernels, ref)
+    fns = [lambda a: torch.nn.functional.linear(a, w)]
+    if name is not None:
+        fns.append(cpu_linear.rowwise(name, cpu_linear.shared_pack(w, ref), kernels, ref))
     best = float("inf")
     with torch.inference_mode():
         for fn in filter(None, fns):
@@ -94,8 +98,7 @@ def matmul_peak_gflops() -> float:
 def step_gflop(model, rows: int) -> float:
     """Multiply-adds of a greedy decode step at `rows` rows: every projection and the
     bf16 lm_head (attention's are a few percent at these contexts)."""
-    weights = [w for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-    return 2 * rows * (sum(w.numel() for w in weights) + model.lm_head.numel()) / 1e9
+    return 2 * rows * (sum(w.numel() for w in model.projections()) + model.lm_head.numel()) / 1e9
 
 
 def main():

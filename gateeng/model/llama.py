@@ -152,6 +152,11 @@ class LlamaModel(torch.nn.Module):
         """The largest row norm of the lm_head: bounds the bf16 lm_head's error (plans.head)."""
         return max(float(rows.float().norm(dim=-1).max()) for rows in self.lm_head.detach().split(4096))
 
+    def projections(self) -> list:
+        """Every layer's projection weights (qkv, o, gate_up, down), layer by layer:
+        with the lm_head, what the plans multiply."""
+        return [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+
     def pack_shared(self, ref) -> None:
         """The one packed copy of every projection and the lm_head, in the reference
         kernels' layout (`ref`: plans.reference_ops' module), as `shared`: the
@@ -159,8 +164,7 @@ class LlamaModel(torch.nn.Module):
         Nothing where the reference does not take this model's weights."""
         if self.shared or ref is None:
             return
-        every = [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        every.append(self.lm_head)
+        every = self.projections() + [self.lm_head]
         shared = {id(w): p for w in every if (p := cpu_linear.shared_pack(w, ref)) is not None}
         self.shared = shared if len(shared) == len(every) else {}
 
@@ -173,7 +177,7 @@ class LlamaModel(torch.nn.Module):
         which the machine-specific invariant plan multiplies in fixed row groups."""
         if self.packed:
             return
-        weights = [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        weights = self.projections()
         every = weights + [self.lm_head]
         name = cpu_linear.rowwise_kernel(kernels, ref) if self.shared else None
         rowwise = {}
@@ -182,7 +186,7 @@ class LlamaModel(torch.nn.Module):
                        for w in every}
             if not all(rowwise.values()):   # a kernel that disagrees with F.linear is never used
                 rowwise, name = {}, None
-        onednn = cpu_linear.pack(self.layers[0].gate_up) is not None
+        onednn = cpu_linear.onednn_available()
 
         def other(w):   # the fast plan's alternative to the row-invariant kernel
             return cpu_linear.pack(w) if onednn else (lambda x: torch.nn.functional.linear(x, w))
@@ -216,10 +220,8 @@ class LlamaModel(torch.nn.Module):
         if self.plain_needed or not self.shared or _released(self.lm_head):
             return 0
         # An untied embedding is not in this list: its plain rows stay (looked up, not multiplied).
-        every = [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        every.append(self.lm_head)
         freed = 0
-        for w in every:
+        for w in self.projections() + [self.lm_head]:
             freed += w.untyped_storage().nbytes()
             w.untyped_storage().resize_(0)
         self.__dict__.pop("lm_head_f32", None)

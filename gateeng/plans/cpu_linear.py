@@ -77,7 +77,8 @@ def dense_head(p: Packed, ref) -> Callable:
     return lambda h: ref.linear(h.contiguous(), p.data, p.n, True)
 
 
-def _onednn_bf16() -> bool:
+def onednn_available() -> bool:
+    """Whether oneDNN multiplies bf16 here (its packed copy can be made)."""
     try:
         return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     except (AttributeError, RuntimeError):
@@ -95,7 +96,7 @@ def pack(w: torch.Tensor, rows_hint: int = 32):
     """A function x -> x @ w.T (x: [rows, in]) on oneDNN's packed copy of w, or None
     where w cannot be packed here (not a CPU bf16 weight, no oneDNN bf16, or the
     packed product disagrees with F.linear on a probe)."""
-    if w.device.type != "cpu" or w.dtype != torch.bfloat16 or not _onednn_bf16():
+    if w.device.type != "cpu" or w.dtype != torch.bfloat16 or not onednn_available():
         return None
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), rows_hint)

@@ -44,7 +44,7 @@ class ReferenceBase(InvariantPlan):
     def applies(model) -> bool:
         """Whether the reference is defined for this model: bf16 weights whose every
         matmul has an even K (the kernels take K in pairs)."""
-        ks = [w.shape[1] for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        ks = [w.shape[1] for w in model.projections()]
         return model.dtype == torch.bfloat16 and all(k % 2 == 0 for k in ks)
 
     @staticmethod
@@ -75,14 +75,13 @@ class ReferenceBase(InvariantPlan):
 
 class ReferencePlan(ReferenceBase):
     """The reference on the CPU build `ops` (plans.reference_ops), on the model's one
-    packed copy of its weights (LlamaModel.pack_weights: every build's layout is the
+    packed copy of its weights (LlamaModel.pack_shared: every build's layout is the
     same), packed here where the model has none."""
 
     def __init__(self, model, ops, block_size: int = 16):
         super().__init__(ops, block_size)
-        weights = [w for layer in model.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         self._packed = {id(w): model.shared.get(id(w)) or cpu_linear.shared_pack(w, ops)
-                        for w in weights + [model.lm_head]}
+                        for w in model.projections() + [model.lm_head]}
         self._lm_head = id(model.lm_head)
 
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
