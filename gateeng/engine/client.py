@@ -144,11 +144,13 @@ class Engine:
 
     def _loop(self) -> None:
         core = self.core
+        stepped = False   # since the last idle call
         while not self._stopping:
             self._drain_inbox()
             if core.has_work():
                 try:
                     core.step()
+                    stepped = True
                 except Exception as exc:   # a bug must not hang every caller
                     self.failure = exc
                     self.accepting = False
@@ -157,7 +159,8 @@ class Engine:
                         callback(exc)
                     raise
             else:
-                core.idle()
+                core.idle(after_work=stepped)
+                stepped = False
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
 

@@ -127,7 +127,6 @@ class EngineCore:
         self.release_threads = plans.release_threads
         self.release_threads()
         trim_heap()   # what loading and packing freed goes back to the OS
-        self._stepped = False   # a step ran since the last idle()
 
     def _price_plans(self, cfg: EngineConfig) -> None:
         """Seed the route policy's cost models with timed decode passes of both plans
@@ -246,18 +245,17 @@ class EngineCore:
         sch = self.scheduler
         return not sch.waiting and all(r.num_computed >= r.num_prompt for r in sch.running)
 
-    def idle(self) -> None:
+    def idle(self, after_work: bool = False) -> None:
         """Between steps with nothing to do: check the KV accounting, let threads go,
-        and, once per idle spell, hand what the busy spell freed back to the OS."""
+        and, on the first idle call `after_work`, hand what the busy spell freed back
+        to the OS."""
         self.blocks.check_integrity()
         self.release_threads()
-        if self._stepped:
+        if after_work:
             trim_heap()
-            self._stepped = False
 
     def step(self) -> None:
         """One engine step: the data flow of the README's "How it works", in order."""
-        self._stepped = True
         plan = self.scheduler.schedule()                  # fast rows + invariant rows (prefill, replays, direct)
         outputs = self.runner.run(plan)                   # run both plans, sample, margins
         outcomes = self.verification.apply(plan, outputs)     # gate, verify compare, commit / rollback

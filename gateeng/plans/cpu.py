@@ -253,9 +253,10 @@ class InvariantPlan(CpuKernelOps):
     its token, its position and its sequence's KV.
 
     Matmuls, by `matmul` (the weights `packed` were packed for it):
-      cpu_dpbf16 / cpu_fma: the VDPBF16PS or AVX2 FMA kernel (kernels/cpu_ops.cpp),
-        whose every output is one fixed chain of multiply-adds over K:
-        row-invariant at any row count, so it runs on the real rows, unpadded;
+      cpu_dpbf16 / ref_avx2: VDPBF16PS (kernels/cpu_ops.cpp) or the reference's
+        AVX2 matmul on the shared packed weights (plans.cpu_linear), whose every
+        output is one fixed chain over K: row-invariant at any row count, so it
+        runs on the real rows, unpadded;
       onednn_packed / torch_mm: oneDNN's packed copy, or torch.mm on the plain
         weight, on row groups of exactly `rows` rows (the forward is padded to a
         multiple of them), so every call has the same M and the library picks the
