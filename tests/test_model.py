@@ -131,6 +131,26 @@ def test_invariant_plan_is_batch_and_chunk_invariant_in_bf16(plan_name):
 
 
 
+def test_one_call_decode_layers_give_the_op_by_op_bits():
+    """The fast plan's C++ decode layers (a decode step in one call) run the same kernels
+    in the same order as the op-by-op forward: the same logits, bit for bit."""
+    from gateeng.plans import reference_ops
+    k = cpu_kernels()
+    if not k.dpbf16:
+        pytest.skip("this CPU lacks AVX-512 BF16 (the VDPBF16PS matmul the one-call path takes)")
+    loaded = tiny_loaded("bfloat16")
+    m, ref = loaded.model, reference_ops.load()
+    m.pack_shared(ref)
+    m.pack_fast(k, ref)
+    plan = FastPlan(0.0, m.packed, k, m.dense_head)
+    seqs = [list(range(5, 40)), [7, 3, 9, 11, 200, 13], list(range(100, 117))]
+    assert m.fused_layers is not None
+    fused = prefill_logits(loaded, plan, seqs, chunk=1)   # one row per sequence a step: decode steps
+    m.fused_layers = None
+    op_by_op = prefill_logits(loaded, plan, seqs, chunk=1)
+    assert all(torch.equal(a, b) for a, b in zip(fused, op_by_op))
+
+
 def test_fast_lm_head_gives_float32_top2_for_greedy_rows_and_float32_rows_for_sampled():
     from gateeng.kernels.reference import argmax_margin
     model = tiny_loaded("bfloat16").model

@@ -135,6 +135,7 @@ class LlamaModel(torch.nn.Module):
         self.fast_rowwise_max_rows = None
         self.dense_head = None   # hidden -> float32 logits on the packed lm_head (pack_fast)
         self.plain_needed = True   # whether a plan multiplies the plain weights (pack_fast)
+        self.fused_layers = None   # (packed, output sizes, norms) for the one-call decode layers (pack_fast)
         lm_head = self.lm_head
         self.lm_head_bf16 = lambda x: torch.nn.functional.linear(x, lm_head)   # the greedy candidate search
         for name in ("lm_head_f32", "lm_head_max_norm"):
@@ -208,6 +209,15 @@ class LlamaModel(torch.nn.Module):
         elif self.packed:
             self.invariant_packed, self.invariant_matmul = dict(self.packed), kernel_names.ONEDNN_PACKED
         self.plain_needed = not rowwise or (need_other and not onednn)
+        # The C++ one-call decode layers (FastPlan.decode_layers) take VDPBF16PS at every
+        # row count, and layers without biases or q/k norms.
+        plain_layers = all(w is None for layer in self.step_layers
+                           for w in (layer.qkv_bias, layer.o_bias, layer.q_norm, layer.k_norm))
+        if name == "cpu_dpbf16" and self.fast_rowwise_max_rows is None and plain_layers:
+            layers = self.step_layers
+            self.fused_layers = ([self.shared[id(w)].data for lw in layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down)],
+                                 [self.shared[id(w)].n for lw in layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down)],
+                                 [w for lw in layers for w in (lw.post_norm, lw.next_norm)])
 
     def release_plain_weights(self) -> int:
         """Free the plain projection and lm_head weights where no plan multiplies them
@@ -249,6 +259,9 @@ class LlamaModel(torch.nn.Module):
         cos, sin = self.cos[positions], self.sin[positions]   # [rows, head_dim], gathered once per forward
         slots = KVSlots(slots)
         x = plan.rms_norm(h, self.layers[0].input_norm, cfg.rms_norm_eps)
+        fused = plan.decode_layers(self, h, x, cos, sin, kv, slots, attn_meta)   # every layer in one call
+        if fused is not None:
+            return fused
         for i, layer in enumerate(self.step_layers):
             qkv = plan.linear(x, layer.qkv)
             if layer.qkv_bias is not None:     # elementwise: the same bits in any batch

@@ -15,6 +15,7 @@ canonical reference well defined.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Optional
@@ -64,6 +65,11 @@ class CpuKernelOps:
         return k.silu_mul(gate_up) if k is not None else self._torch_silu_mul(gate_up)
 
     _torch_silu_mul = staticmethod(ref.silu_mul)
+
+    def decode_layers(self, model, h, x, cos, sin, kv, slots, meta):
+        """Every decoder layer in one call, where the plan has such a path for this
+        step (the final normed hidden states), else None: the forward runs op by op."""
+        return None
 
     def rope_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv, layer: int, slots,
                    num_heads: int) -> torch.Tensor:
@@ -118,6 +124,18 @@ class FastPlan(CpuKernelOps):
     def candidate_head(model):
         """The bf16 lm_head for the greedy candidate search: the packed copy."""
         return model.lm_head_bf16
+
+    def decode_layers(self, model, h, x, cos, sin, kv, slots, meta):
+        """A decode step (no prefill chunk) on the VDPBF16PS kernels: every layer in one
+        C++ call (cpu_ops.cpp decode_layers), the same kernels in the same order as the
+        op-by-op forward, so the same bits, without a Python call per op: a one-row
+        step spent more time in those calls than in everything but the matmuls."""
+        if model.fused_layers is None or self.kernels is None or meta.prefill or h.device.type != "cpu":
+            return None
+        packed, ns, norms = model.fused_layers
+        cfg = model.cfg
+        return self.kernels.decode_layers(h, x, packed, ns, norms, cos, sin, kv.k, kv.v, slots.all, meta.decode_tables,
+                                          meta.decode_lens, cfg.num_heads, cfg.rms_norm_eps, 1.0 / math.sqrt(cfg.head_dim))
 
     def _meta(self, rows: Rows, block_size: int, dev) -> FastAttnMeta:
         # With the C++ kernels, a prefill chunk whose queries x keys stay within
