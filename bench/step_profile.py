@@ -2,7 +2,8 @@
 
 Each of the plan's parts is wrapped in a wall-clock timer (projections,
 attention, norms with the residual adds, RoPE with the KV store, the SiLU gate,
-the lm_head with the token choice), a steady decode step (every prompt
+the lm_head with the token choice, and the one-call decoder layers the fast
+plan uses on AVX-512), a steady decode step (every prompt
 prefilled) is run several times, and the rest of the step (embedding, step
 metadata, scheduling, Python) is reported as "other". Timers add about a
 microsecond per call. Prints the CPU and its ISA.
@@ -29,7 +30,10 @@ from gateeng.request import SamplingParams  # noqa: E402
 
 PARTS = {"linear": "projections (q/k/v, o, gate/up, down)", "attention": "attention",
          "rms_norm": "RMSNorm", "add_rms_norm": "residual add + RMSNorm", "rope_store": "RoPE + KV store",
-         "silu_mul": "SiLU gate"}
+         "silu_mul": "SiLU gate",
+         # On AVX-512 a decode step without prefill runs every decoder layer in one C++
+         # call; the op timers above then stay at zero for the fast plan.
+         "decode_layers": "decoder layers in one C++ call"}
 
 
 def timed(fn, totals, key):
