@@ -88,8 +88,9 @@ def test_a_saved_model_directory_loads_through_model_flag_path(family, tmp_path)
         res = engine.generate("hi there", SamplingParams(max_tokens=8, ignore_eos=True), chat=True)
     finally:
         engine.shutdown()
+    from transformers import AutoTokenizer
     with torch.no_grad():
-        ids = loaded.tokenizer.apply_chat_template([{"role": "user", "content": "hi there"}],
+        ids = AutoTokenizer.from_pretrained(tmp_path).apply_chat_template([{"role": "user", "content": "hi there"}],
                                                    add_generation_prompt=True, tokenize=True, return_dict=False)
         want = hf.generate(torch.tensor([ids]), max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
     assert res.token_ids == want[0, len(ids):].tolist()

@@ -1,8 +1,9 @@
 """Model loading: a Hugging Face directory (config + safetensors) or a GGUF file.
 
 A GGUF file is converted once through transformers (dequantized to float32) and
-cached (gateeng.model.cache), so later starts read safetensors directly. Nothing
-touches a model hub.
+cached (gateeng.model.cache), so later starts read safetensors directly. Serving
+reads the directory without transformers (gateeng.model.hf_config, .tokenizer).
+Nothing touches a model hub.
 """
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ from gateeng.logs import log
 from gateeng.model.llama import LlamaModel
 from gateeng.model.cache import converted
 from gateeng.model.fingerprint import model_fingerprint
+from gateeng.model.hf_config import read_config
+from gateeng.model.tokenizer import Tokenizer
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "smollm")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -87,11 +90,9 @@ class LoadedModel:
 
 
 def load(path: Optional[str], dtype: str = "bfloat16", device: str = "cpu") -> LoadedModel:
-    from transformers import AutoConfig, AutoTokenizer
-
     src = Path(path) if path else default_model_path()
     hf_dir = ensure_hf_dir(src)
-    hf_cfg = AutoConfig.from_pretrained(hf_dir)
+    hf_cfg = read_config(hf_dir)
     if hf_cfg.model_type not in SUPPORTED:
         raise ValueError(f"model type {hf_cfg.model_type!r} is not a supported Llama-family decoder "
                          f"({', '.join(SUPPORTED)})")
@@ -104,7 +105,7 @@ def load(path: Optional[str], dtype: str = "bfloat16", device: str = "cpu") -> L
     checkpoint = Checkpoint(files)
     model = LlamaModel(cfg, DTYPES[dtype], device)
     model.load_hf_state_dict(checkpoint)
-    tok = AutoTokenizer.from_pretrained(hf_dir)
+    tok = Tokenizer.from_dir(hf_dir)
     return LoadedModel(model, tok, cfg, model_fingerprint(cfg, checkpoint), str(src))
 
 
