@@ -19,11 +19,13 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
+#include <pybind11/functional.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -669,7 +671,6 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
   return out;
 }
 
-#ifdef GATEENG_AVX512_BF16
 // Every decoder layer of a fast-plan decode step (each row attends its own sequence's
 // keys; no prefill chunk) in one call: the same kernels in the same order as the
 // per-op path (LlamaModel.forward over the fast plan), so the same bits, without a
@@ -677,10 +678,13 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
 // Per layer l: packed[4l .. 4l+3] are qkv, o, gate_up and down in the reference's
 // layout with output sizes ns[4l .. 4l+3], norms[2l] the post-attention norm and
 // norms[2l+1] the norm after the MLP (the next layer's input norm, or the final one).
-torch::Tensor decode_layers(torch::Tensor h, torch::Tensor x, std::vector<torch::Tensor> packed,
-                            std::vector<int64_t> ns, std::vector<torch::Tensor> norms, torch::Tensor cos,
-                            torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
-                            torch::Tensor tables, torch::Tensor lens, int64_t hq, double eps, double scale) {
+// linear(x, packed, n): the matmul on that layout.
+template <typename Linear>
+torch::Tensor decode_layers_on(Linear linear, torch::Tensor h, torch::Tensor x, const std::vector<torch::Tensor>& packed,
+                               const std::vector<int64_t>& ns, const std::vector<torch::Tensor>& norms,
+                               torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
+                               torch::Tensor slots, torch::Tensor tables, torch::Tensor lens, int64_t hq, double eps,
+                               double scale) {
   const int64_t layers = k_cache.size(0), rows = x.size(0);
   TORCH_CHECK(k_cache.dim() == 5 && v_cache.sizes() == k_cache.sizes() && k_cache.is_contiguous() &&
                   v_cache.is_contiguous(), "the KV cache must be contiguous [layers, blocks, block_size, Hkv, D]");
@@ -688,15 +692,39 @@ torch::Tensor decode_layers(torch::Tensor h, torch::Tensor x, std::vector<torch:
                   static_cast<int64_t>(norms.size()) == 2 * layers, "4 packed weights and 2 norms per layer");
   for (int64_t l = 0; l < layers; ++l) {
     const auto kc = k_cache[l], vc = v_cache[l];
-    const auto q = rope_store(linear_dpbf16(x, packed[4 * l], ns[4 * l]), cos, sin, kc, vc, slots, hq);
+    const auto q = rope_store(linear(x, packed[4 * l], ns[4 * l]), cos, sin, kc, vc, slots, hq);
     const auto attn = decode_attention(q, kc, vc, tables, lens, scale).reshape({rows, -1});
-    auto hx = add_rms_norm(h, linear_dpbf16(attn, packed[4 * l + 1], ns[4 * l + 1]), norms[2 * l], eps);
-    const auto gate = silu_mul(linear_dpbf16(hx[1], packed[4 * l + 2], ns[4 * l + 2]));
-    hx = add_rms_norm(hx[0], linear_dpbf16(gate, packed[4 * l + 3], ns[4 * l + 3]), norms[2 * l + 1], eps);
+    auto hx = add_rms_norm(h, linear(attn, packed[4 * l + 1], ns[4 * l + 1]), norms[2 * l], eps);
+    const auto gate = silu_mul(linear(hx[1], packed[4 * l + 2], ns[4 * l + 2]));
+    hx = add_rms_norm(hx[0], linear(gate, packed[4 * l + 3], ns[4 * l + 3]), norms[2 * l + 1], eps);
     h = hx[0];
     x = hx[1];
   }
   return x;
+}
+
+// The matmul from another extension: the reference's linear(x, packed, n, f32) (its
+// AVX2 build where this CPU has no VDPBF16PS). pybind11 calls a bound C++ function of
+// this exact signature directly, without Python.
+using RefLinear = std::function<torch::Tensor(torch::Tensor, torch::Tensor, int64_t, bool)>;
+
+torch::Tensor decode_layers_with(RefLinear ref_linear, torch::Tensor h, torch::Tensor x,
+                                 std::vector<torch::Tensor> packed, std::vector<int64_t> ns,
+                                 std::vector<torch::Tensor> norms, torch::Tensor cos, torch::Tensor sin,
+                                 torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
+                                 torch::Tensor tables, torch::Tensor lens, int64_t hq, double eps, double scale) {
+  auto linear = [&](const torch::Tensor& a, const torch::Tensor& w, int64_t n) { return ref_linear(a, w, n, false); };
+  return decode_layers_on(linear, h, x, packed, ns, norms, cos, sin, k_cache, v_cache, slots, tables, lens, hq, eps,
+                          scale);
+}
+
+#ifdef GATEENG_AVX512_BF16
+torch::Tensor decode_layers(torch::Tensor h, torch::Tensor x, std::vector<torch::Tensor> packed,
+                            std::vector<int64_t> ns, std::vector<torch::Tensor> norms, torch::Tensor cos,
+                            torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
+                            torch::Tensor tables, torch::Tensor lens, int64_t hq, double eps, double scale) {
+  return decode_layers_on(linear_dpbf16, h, x, packed, ns, norms, cos, sin, k_cache, v_cache, slots, tables, lens, hq,
+                          eps, scale);
 }
 #endif
 
@@ -708,6 +736,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("greedy_candidates", &greedy_candidates, "(rows, ids, ok) of the greedy top-2 candidates");
   m.def("release_idle_threads", &release_idle_threads, "let this thread's OpenMP worker pool go");
   m.def("rope_store", &rope_store, "RoPE on q and k heads; k and v stored at their cache slots; returns q");
+  m.def("decode_layers_with", &decode_layers_with, "decode_layers on another extension's matmul (the reference's)");
 #ifdef GATEENG_AVX512_BF16
   m.def("linear_dpbf16", &linear_dpbf16, "x @ w.T on a weight packed by the reference's pack (row-invariant)");
   m.def("decode_layers", &decode_layers, "every decoder layer of a decode step in one call (the fast plan)");

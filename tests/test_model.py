@@ -131,21 +131,30 @@ def test_invariant_plan_is_batch_and_chunk_invariant_in_bf16(plan_name):
 
 
 
-def test_one_call_decode_layers_give_the_op_by_op_bits():
+@pytest.mark.parametrize("matmul", ["this CPU's", "the reference's"])
+def test_one_call_decode_layers_give_the_op_by_op_bits(matmul):
     """The fast plan's C++ decode layers (a decode step in one call) run the same kernels
-    in the same order as the op-by-op forward: the same logits, bit for bit."""
+    in the same order as the op-by-op forward: the same logits, bit for bit. "the
+    reference's": the call takes the reference build's matmul from the other extension
+    (decode_layers_with, the AVX2 machines' path), which gives the same bits."""
     from gateeng.plans import reference_ops
     k = cpu_kernels()
-    if not k.dpbf16:
-        pytest.skip("this CPU lacks AVX-512 BF16 (the VDPBF16PS matmul the one-call path takes)")
     loaded = tiny_loaded("bfloat16")
     m, ref = loaded.model, reference_ops.load()
     m.pack_shared(ref)
     m.pack_fast(k, ref)
+    if m.fused_layers is None:
+        pytest.skip("no row-invariant matmul here (neither AVX-512 BF16 nor an AVX2 reference build)")
+    m.fast_rowwise_max_rows = None   # every row count on the row-invariant matmul, both ways
+    if matmul == "the reference's":
+        m.fused_layers = m.fused_layers[:3] + (ref.linear,)
     plan = FastPlan(0.0, m.packed, k, m.dense_head)
+    one_call = plan.decode_layers
+    calls = []
+    plan.decode_layers = lambda *a: calls.append(one_call(*a)) or calls[-1]
     seqs = [list(range(5, 40)), [7, 3, 9, 11, 200, 13], list(range(100, 117))]
-    assert m.fused_layers is not None
     fused = prefill_logits(loaded, plan, seqs, chunk=1)   # one row per sequence a step: decode steps
+    assert calls and all(c is not None for c in calls[1:])   # the first step is a prefill
     m.fused_layers = None
     op_by_op = prefill_logits(loaded, plan, seqs, chunk=1)
     assert all(torch.equal(a, b) for a, b in zip(fused, op_by_op))

@@ -135,7 +135,9 @@ class LlamaModel(torch.nn.Module):
         self.fast_rowwise_max_rows = None
         self.dense_head = None   # hidden -> float32 logits on the packed lm_head (pack_fast)
         self.plain_needed = True   # whether a plan multiplies the plain weights (pack_fast)
-        self.fused_layers = None   # (packed, output sizes, norms) for the one-call decode layers (pack_fast)
+        # (packed, output sizes, norms, matmul) for the one-call decode layers (pack_fast);
+        # matmul None: cpu_ops' own VDPBF16PS, else the reference's linear.
+        self.fused_layers = None
         lm_head = self.lm_head
         self.lm_head_bf16 = lambda x: torch.nn.functional.linear(x, lm_head)   # the greedy candidate search
         for name in ("lm_head_f32", "lm_head_max_norm"):
@@ -209,15 +211,17 @@ class LlamaModel(torch.nn.Module):
         elif self.packed:
             self.invariant_packed, self.invariant_matmul = dict(self.packed), kernel_names.ONEDNN_PACKED
         self.plain_needed = not rowwise or (need_other and not onednn)
-        # The C++ one-call decode layers (FastPlan.decode_layers) take VDPBF16PS at every
-        # row count, and layers without biases or q/k norms.
+        # The C++ one-call decode layers (FastPlan.decode_layers) take the row-invariant
+        # matmul (VDPBF16PS, or the reference's AVX2 build) at the row counts it serves,
+        # and layers without biases or q/k norms.
         plain_layers = all(w is None for layer in self.step_layers
                            for w in (layer.qkv_bias, layer.o_bias, layer.q_norm, layer.k_norm))
-        if name == "cpu_dpbf16" and self.fast_rowwise_max_rows is None and plain_layers:
+        if rowwise and plain_layers:
             layers = self.step_layers
             self.fused_layers = ([self.shared[id(w)].data for lw in layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down)],
                                  [self.shared[id(w)].n for lw in layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down)],
-                                 [w for lw in layers for w in (lw.post_norm, lw.next_norm)])
+                                 [w for lw in layers for w in (lw.post_norm, lw.next_norm)],
+                                 None if name == "cpu_dpbf16" else ref.linear)
 
     def release_plain_weights(self) -> int:
         """Free the plain projection and lm_head weights where no plan multiplies them

@@ -126,16 +126,22 @@ class FastPlan(CpuKernelOps):
         return model.lm_head_bf16
 
     def decode_layers(self, model, h, x, cos, sin, kv, slots, meta):
-        """A decode step (no prefill chunk) on the VDPBF16PS kernels: every layer in one
-        C++ call (cpu_ops.cpp decode_layers), the same kernels in the same order as the
-        op-by-op forward, so the same bits, without a Python call per op: a one-row
-        step spent more time in those calls than in everything but the matmuls."""
+        """A decode step (no prefill chunk) on the row-invariant matmul: every layer in
+        one C++ call (cpu_ops.cpp decode_layers), the same kernels in the same order as
+        the op-by-op forward, so the same bits, without a Python call per op: a one-row
+        step spent more time in those calls than in everything but the matmuls. Only
+        at the row counts where the op-by-op forward takes that matmul too."""
         if model.fused_layers is None or self.kernels is None or meta.prefill or h.device.type != "cpu":
             return None
-        packed, ns, norms = model.fused_layers
+        if model.fast_rowwise_max_rows is not None and x.shape[0] > model.fast_rowwise_max_rows:
+            return None
+        packed, ns, norms, matmul = model.fused_layers
         cfg = model.cfg
-        return self.kernels.decode_layers(h, x, packed, ns, norms, cos, sin, kv.k, kv.v, slots.all, meta.decode_tables,
-                                          meta.decode_lens, cfg.num_heads, cfg.rms_norm_eps, 1.0 / math.sqrt(cfg.head_dim))
+        args = (h, x, packed, ns, norms, cos, sin, kv.k, kv.v, slots.all, meta.decode_tables, meta.decode_lens,
+                cfg.num_heads, cfg.rms_norm_eps, 1.0 / math.sqrt(cfg.head_dim))
+        if matmul is None:
+            return self.kernels.decode_layers(*args)
+        return self.kernels.decode_layers_with(matmul, *args)
 
     def _meta(self, rows: Rows, block_size: int, dev) -> FastAttnMeta:
         # With the C++ kernels, a prefill chunk whose queries x keys stay within
