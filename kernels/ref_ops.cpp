@@ -248,12 +248,22 @@ struct Out {
   }
 };
 
+// Which blocks of K a tile sums (SPEC.md, "dot"): 2^levels blocks of `per` pairs from
+// x's first pair, folded by the tree's lowest `levels` levels. A whole dot is 16
+// blocks of ceil(pairs / 16); a tensor-parallel rank's slice of K is 16 / size of the
+// whole K's blocks, whose subtree it returns (linear_partial).
+struct Blocks {
+  int64_t per;
+  int levels;
+};
+
 // The portable tile: any CPU. rows x 16 columns, chains in arrays.
 template <int MR>
-void tile_portable(const u16* x, int64_t k, const u32* w, const Out& out, int64_t row, int64_t col) {
-  const int64_t pairs = k / 2, per = (pairs + 15) / 16;
+void tile_portable(const u16* x, int64_t k, const Blocks& bl, const u32* w, const Out& out, int64_t row,
+                   int64_t col) {
+  const int64_t pairs = k / 2, per = bl.per;
   float lvl[5][MR][16];
-  for (int l = 0; l < 16; ++l) {
+  for (int l = 0; l < (1 << bl.levels); ++l) {
     float acc[MR][16];
     for (int i = 0; i < MR; ++i)
       for (int c = 0; c < 16; ++c) acc[i][c] = 0.f;
@@ -275,7 +285,7 @@ void tile_portable(const u16* x, int64_t k, const u32* w, const Out& out, int64_
     std::memcpy(lvl[j], acc, sizeof(acc));
   }
   for (int i = 0; i < MR; ++i)
-    for (int c = 0; c < 16 && col + c < out.n; ++c) out.put(row + i, col + c, lvl[4][i][c]);
+    for (int c = 0; c < 16 && col + c < out.n; ++c) out.put(row + i, col + c, lvl[bl.levels][i][c]);
 }
 
 #if defined(GATEENG_REF_AVX2) || defined(GATEENG_REF_AVX512BF16)
@@ -309,12 +319,12 @@ inline void store8(const Out& out, int64_t row, int64_t col, __m256 v) {
 // one FMA each, odd first: VDPBF16PS's two steps, under Flush's DAZ/FTZ. xo, xe: the
 // rows' odd and even elements as binary32, [rows][pairs].
 template <int MR>
-void tile_avx2(const float* xo, const float* xe, int64_t pairs, const u32* w, const u32* next, const Out& out,
-               int64_t row, int64_t col) {
-  const int64_t per = (pairs + 15) / 16;
+void tile_avx2(const float* xo, const float* xe, int64_t pairs, const Blocks& bl, const u32* w, const u32* next,
+               const Out& out, int64_t row, int64_t col) {
+  const int64_t per = bl.per;
   const __m256i hi_mask = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   __m256 lvl[5][MR][2];
-  for (int l = 0; l < 16; ++l) {
+  for (int l = 0; l < (1 << bl.levels); ++l) {
     __m256 acc[MR][2];
     for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     for (int64_t p = l * per, end = std::min(pairs, (l + 1) * per); p < end; ++p) {
@@ -342,8 +352,8 @@ void tile_avx2(const float* xo, const float* xe, int64_t pairs, const u32* w, co
     for (int i = 0; i < MR; ++i) lvl[j][i][0] = acc[i][0], lvl[j][i][1] = acc[i][1];
   }
   for (int i = 0; i < MR; ++i) {
-    store8(out, row + i, col, lvl[4][i][0]);
-    store8(out, row + i, col + 8, lvl[4][i][1]);
+    store8(out, row + i, col, lvl[bl.levels][i][0]);
+    store8(out, row + i, col + 8, lvl[bl.levels][i][1]);
   }
 }
 #endif
@@ -352,11 +362,11 @@ void tile_avx2(const float* xo, const float* xe, int64_t pairs, const u32* w, co
 // The AVX-512 BF16 tile: rows x 16 columns, one VDPBF16PS per row and pair, which is
 // the spec's two FMAs (odd element first, DAZ in, FTZ out, round to nearest even).
 template <int MR>
-void tile_dpbf16(const u16* x, int64_t k, const u32* w, const u32* next, const Out& out, int64_t row,
-                 int64_t col) {
-  const int64_t pairs = k / 2, per = (pairs + 15) / 16;
+void tile_dpbf16(const u16* x, int64_t k, const Blocks& bl, const u32* w, const u32* next, const Out& out,
+                 int64_t row, int64_t col) {
+  const int64_t pairs = k / 2, per = bl.per;
   __m512 lvl[5][MR];
-  for (int l = 0; l < 16; ++l) {
+  for (int l = 0; l < (1 << bl.levels); ++l) {
     __m512 acc[MR];
     for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
     for (int64_t p = l * per, end = std::min(pairs, (l + 1) * per); p < end; ++p) {
@@ -375,8 +385,9 @@ void tile_dpbf16(const u16* x, int64_t k, const u32* w, const u32* next, const O
     for (int i = 0; i < MR; ++i) lvl[j][i] = acc[i];
   }
   for (int i = 0; i < MR; ++i) {
-    store8(out, row + i, col, _mm512_castps512_ps256(lvl[4][i]));
-    store8(out, row + i, col + 8, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(lvl[4][i]), 1)));
+    store8(out, row + i, col, _mm512_castps512_ps256(lvl[bl.levels][i]));
+    store8(out, row + i, col + 8,
+           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(lvl[bl.levels][i]), 1)));
   }
 }
 #endif
@@ -399,29 +410,24 @@ torch::Tensor pack(torch::Tensor w) {
   return out;
 }
 
-// x @ w.T on a packed weight: bf16 out (rounded), or binary32 out (f32 = true).
-torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n, bool f32) {
+void check_packed(const torch::Tensor& x, const torch::Tensor& packed, int64_t n) {
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.device().is_cpu(), "x must be bf16 [M, K]");
   TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.dim() == 4 && packed.size(2) == 16 &&
                   packed.size(3) == 2 && packed.is_contiguous(), "packed must come from pack");
+  TORCH_CHECK(packed.size(1) * 2 == x.size(1) && (n + 15) / 16 == packed.size(0),
+              "packed weight does not match x or n");
+}
+
+// The tiles over x @ w.T, each output the tree over the blocks `bl` names.
+void matmul(torch::Tensor x, const torch::Tensor& packed, const Blocks& bl, const Out& out) {
   const int64_t m = x.size(0), k = x.size(1), blocks = packed.size(0);
-  TORCH_CHECK(packed.size(1) * 2 == k && (n + 15) / 16 == blocks, "packed weight does not match x or n");
-  x = x.contiguous();
-  auto result = torch::empty({m, n}, x.options().dtype(f32 ? torch::kFloat : torch::kBFloat16));
-  Out out;
-  out.n = n;
-  if (f32) {
-    out.f32 = result.data_ptr<float>();
-  } else {
-    out.bf = reinterpret_cast<u16*>(result.data_ptr<at::BFloat16>());
-  }
+  if (m == 0 || out.n == 0) return;
   const u16* xp = reinterpret_cast<const u16*>(x.data_ptr<at::BFloat16>());
   const u32* wp = reinterpret_cast<const u32*>(packed.data_ptr<at::BFloat16>());
   const int64_t block_stride = k / 2 * 16;   // u32 per column block
-  if (m == 0 || n == 0) return result;
 #if defined(GATEENG_REF_AVX512BF16)
   for_each_tile<8>(m, blocks, [&](auto rows, int64_t r, int64_t b, int64_t nb) {
-    tile_dpbf16<decltype(rows)::value>(xp + r * k, k, wp + b * block_stride,
+    tile_dpbf16<decltype(rows)::value>(xp + r * k, k, bl, wp + b * block_stride,
                                        nb >= 0 ? wp + nb * block_stride : nullptr, out, r, b * 16);
   });
 #elif defined(GATEENG_REF_AVX2)
@@ -429,14 +435,49 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n, bool f32)
   std::vector<float> xo(m * pairs), xe(m * pairs);   // exact: a bf16 is a binary32
   for (int64_t i = 0; i < m * pairs; ++i) xo[i] = bf(xp[2 * i + 1]), xe[i] = bf(xp[2 * i]);
   for_each_tile<4>(m, blocks, [&](auto rows, int64_t r, int64_t b, int64_t nb) {
-    tile_avx2<decltype(rows)::value>(xo.data() + r * pairs, xe.data() + r * pairs, pairs, wp + b * block_stride,
+    tile_avx2<decltype(rows)::value>(xo.data() + r * pairs, xe.data() + r * pairs, pairs, bl, wp + b * block_stride,
                                      nb >= 0 ? wp + nb * block_stride : nullptr, out, r, b * 16);
   });
 #else
   for_each_tile<4>(m, blocks, [&](auto rows, int64_t r, int64_t b, int64_t) {
-    tile_portable<decltype(rows)::value>(xp + r * k, k, wp + b * block_stride, out, r, b * 16);
+    tile_portable<decltype(rows)::value>(xp + r * k, k, bl, wp + b * block_stride, out, r, b * 16);
   });
 #endif
+}
+
+Out out_to(torch::Tensor& result, int64_t n) {
+  Out out;
+  out.n = n;
+  if (result.scalar_type() == torch::kFloat) {
+    out.f32 = result.data_ptr<float>();
+  } else {
+    out.bf = reinterpret_cast<u16*>(result.data_ptr<at::BFloat16>());
+  }
+  return out;
+}
+
+// x @ w.T on a packed weight: bf16 out (rounded), or binary32 out (f32 = true).
+torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n, bool f32) {
+  check_packed(x, packed, n);
+  x = x.contiguous();
+  auto result = torch::empty({x.size(0), n}, x.options().dtype(f32 ? torch::kFloat : torch::kBFloat16));
+  matmul(x, packed, Blocks{(x.size(1) / 2 + 15) / 16, 4}, out_to(result, n));
+  return result;
+}
+
+// One tensor-parallel rank's share of x @ w.T (SPEC.md, "tensor parallelism"): x and
+// the packed w hold the rank's slice of K, `blocks` (a power of two, at most 16) of
+// the whole K's blocks of `per` pairs; binary32 out, each the subtree over those blocks.
+torch::Tensor linear_partial(torch::Tensor x, torch::Tensor packed, int64_t n, int64_t per, int64_t blocks) {
+  check_packed(x, packed, n);
+  int levels = 0;
+  while ((int64_t{1} << levels) < blocks) ++levels;
+  TORCH_CHECK(blocks >= 1 && blocks <= 16 && (int64_t{1} << levels) == blocks,
+              "blocks must be a power of two from 1 to 16");
+  TORCH_CHECK(per >= 1 && x.size(1) / 2 <= per * blocks, "x holds more pairs than its blocks");
+  x = x.contiguous();
+  auto result = torch::empty({x.size(0), n}, x.options().dtype(torch::kFloat));
+  matmul(x, packed, Blocks{per, levels}, out_to(result, n));
   return result;
 }
 
@@ -931,6 +972,32 @@ torch::Tensor gumbel(int64_t key, int64_t vocab) {
   return out;
 }
 
+// The ranks' partials [size, M, N] combined by the tree's top levels, in rank order
+// (flushed): the whole dot's bits; rounded to bf16 unless f32.
+torch::Tensor combine_partials(torch::Tensor partials, bool f32) {
+  check_f32(partials, "partials");
+  const int64_t size = partials.size(0);
+  TORCH_CHECK(partials.dim() == 3 && size >= 1 && size <= 16 && (size & (size - 1)) == 0,
+              "partials must be [size, M, N] with size a power of two from 1 to 16");
+  partials = partials.contiguous();
+  const int64_t count = partials.size(1) * partials.size(2);
+  Flush flush;
+  std::vector<float> level(partials.data_ptr<float>(), partials.data_ptr<float>() + size * count);
+  for (int64_t width = size; width > 1; width /= 2) {
+    for (int64_t j = 0; j < width / 2; ++j)
+      for (int64_t i = 0; i < count; ++i) level[j * count + i] = level[2 * j * count + i] + level[(2 * j + 1) * count + i];
+  }
+  auto result = torch::empty({partials.size(1), partials.size(2)},
+                             partials.options().dtype(f32 ? torch::kFloat : torch::kBFloat16));
+  if (f32) {
+    std::memcpy(result.data_ptr<float>(), level.data(), count * sizeof(float));
+  } else {
+    u16* out = reinterpret_cast<u16*>(result.data_ptr<at::BFloat16>());
+    for (int64_t i = 0; i < count; ++i) out[i] = to_bf(level[i]);
+  }
+  return result;
+}
+
 // Elementwise a + b in binary32 (flushed), e.g. scores plus their Gumbel noise.
 torch::Tensor add_f32(torch::Tensor a, torch::Tensor b) {
   check_f32(a, "a");
@@ -998,6 +1065,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("isa") = GATEENG_REF_ISA;
   m.def("pack", &pack, "a bf16 [N, K] weight in linear's layout");
   m.def("linear", &linear, "x @ w.T on a packed weight, bf16 or float32 out");
+  m.def("linear_partial", &linear_partial, "a tensor-parallel rank's subtree sums of x @ w.T on its slice of K");
+  m.def("combine_partials", &combine_partials, "the ranks' subtree sums combined by the tree, bf16 or float32 out");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim");
   m.def("add_rms_norm", &add_rms_norm, "(h + add, RMSNorm(h + add))");
   m.def("add", &add, "bf16(a + b), b broadcast over rows when 1-D");

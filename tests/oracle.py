@@ -64,7 +64,8 @@ def fma(a, b, c) -> np.ndarray:
 
 
 def tree(values: list) -> np.ndarray:
-    """The pairwise tree over 16 values: ((0+1)+(2+3))+..., each add flushed."""
+    """The pairwise tree over 16 values (or any power of two of them):
+    ((0+1)+(2+3))+..., each add flushed."""
     while len(values) > 1:
         values = [flush(values[i] + values[i + 1]) for i in range(0, len(values), 2)]
     return values[0]
@@ -73,13 +74,18 @@ def tree(values: list) -> np.ndarray:
 def dot(a, b) -> np.ndarray:
     """The spec's dot over the last axis of bf16 bits a [..., K] and b [..., K]
     (broadcast): 16 blocks of ceil(pairs / 16) pairs, odd element first, the tree."""
+    return dot_blocks(a, b, ((a.shape[-1] + 1) // 2 + 15) // 16, 16)
+
+
+def dot_blocks(a, b, per: int, count: int) -> np.ndarray:
+    """The tree over `count` blocks of `per` pairs from the start of a and b: the whole
+    dot (dot), or a tensor-parallel rank's subtree over its slice of K."""
     af, bf_ = bf(a), bf(b)
     k = af.shape[-1]
     pairs = (k + 1) // 2
-    per = (pairs + 15) // 16
     shape = np.broadcast_shapes(af.shape[:-1], bf_.shape[:-1])
     blocks = []
-    for lane in range(16):
+    for lane in range(count):
         acc = np.zeros(shape, F32)
         for p in range(lane * per, min(pairs, (lane + 1) * per)):
             if 2 * p + 1 < k:

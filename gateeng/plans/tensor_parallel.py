@@ -1,0 +1,64 @@
+"""Tensor parallelism's shapes: which sizes a model admits, and each rank's slice of K.
+
+The split is Megatron's. q/k/v and gate/up are split by output columns, and so is
+the lm_head (by vocabulary rows). o and down are split by K: their input is the
+rank's own heads and MLP columns. A row-parallel projection's slice of K must be
+whole blocks of the reference's dot (kernels/SPEC.md, "Tensor parallelism"). Then
+the ranks' subtree sums (linear_partial), combined by the tree's top levels
+(combine_partials), give the bits of one device. Pure arithmetic on shapes: no
+process group, no model.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+from gateeng.config import ModelConfig
+
+DOT_BLOCKS = 16   # the reference dot's blocks of K (SPEC.md, "dot"): the most ranks that can split it
+
+
+class KSlice(NamedTuple):
+    """One rank's part of a dot over K values: elements [start, stop), the whole K's
+    pairs per block (`per`), and how many of the whole K's blocks it holds."""
+    start: int
+    stop: int
+    per: int
+    blocks: int
+
+
+def k_slice(k: int, size: int, rank: int) -> KSlice:
+    """Rank `rank` of `size`'s blocks of a dot over k values (k even; size a power of
+    two up to 16). Where k is a multiple of 32 this is the even split
+    [rank*k/size, (rank+1)*k/size); otherwise the last ranks may hold fewer pairs,
+    or none."""
+    if not _power_of_two(size) or size > DOT_BLOCKS or not 0 <= rank < size:
+        raise ValueError(f"rank {rank} of size {size}: size must be a power of two up to {DOT_BLOCKS}")
+    pairs = (k + 1) // 2
+    per = (pairs + DOT_BLOCKS - 1) // DOT_BLOCKS
+    blocks = DOT_BLOCKS // size
+    first, last = min(pairs, rank * blocks * per), min(pairs, (rank + 1) * blocks * per)
+    return KSlice(2 * first, min(k, 2 * last), per, blocks)
+
+
+def refusal(cfg: ModelConfig, size: int) -> Optional[str]:
+    """Why this model cannot run at this tensor-parallel size, or None if it can."""
+    if not _power_of_two(size) or size > DOT_BLOCKS:
+        return (f"tensor-parallel size {size} is not a power of two from 1 to {DOT_BLOCKS}: the reference's "
+                f"dot splits K into {DOT_BLOCKS} blocks, and each rank must hold a whole subtree of them")
+    if size == 1:
+        return None
+    counts = (("attention heads", cfg.num_heads), ("key/value heads", cfg.num_kv_heads),
+              ("MLP columns (intermediate_size)", cfg.intermediate_size))
+    for what, count in counts:
+        if count % size:
+            return f"the model's {count} {what} do not split evenly over {size} ranks"
+    for name, k in (("attention output projection", cfg.num_heads * cfg.head_dim),
+                    ("MLP down projection", cfg.intermediate_size)):
+        if k % (2 * DOT_BLOCKS):
+            return (f"the {name}'s K = {k} is not a multiple of {2 * DOT_BLOCKS}: an even split of it "
+                    f"would not fall on the reference dot's block boundaries")
+    return None
+
+
+def _power_of_two(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0

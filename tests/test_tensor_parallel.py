@@ -1,0 +1,100 @@
+"""Tensor parallelism's arithmetic: a row-parallel projection's ranks, each summing its
+slice of K (linear_partial) and combined by the tree (combine_partials), give the
+bits of one device, in every reference build this CPU runs; and the sizes a model
+admits."""
+import pytest
+import torch
+
+from gateeng.config import ModelConfig
+from gateeng.plans import reference_ops
+from gateeng.plans.tensor_parallel import k_slice, refusal
+from tests import oracle
+from tests.test_reference import BUILDS, bits, randn, same
+
+SIZES = [1, 2, 4, 8, 16]
+
+
+@pytest.fixture(scope="module", params=BUILDS)
+def ops(request):
+    return reference_ops.load(request.param)
+
+
+def sharded(ops, x, w, size, f32):
+    """x @ w.T as `size` ranks compute it: each its slice of K, then the combination."""
+    partials = []
+    for rank in range(size):
+        s = k_slice(x.shape[1], size, rank)
+        partials.append(ops.linear_partial(x[:, s.start:s.stop], ops.pack(w[:, s.start:s.stop]), w.shape[0],
+                                           s.per, s.blocks))
+    return ops.combine_partials(torch.stack(partials), f32)
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("m,n,k", [(3, 40, 1536), (5, 37, 576), (1, 16, 64), (9, 21, 40)])
+def test_ranks_combined_equal_one_device(ops, size, m, n, k):
+    # 1536 and 576: SmolLM2's MLP down and attention output K; 40: 20 pairs in blocks of
+    # 2, so the last ranks hold fewer pairs than their blocks, or none.
+    x, w = randn(m, k, seed=1), randn(n, k, seed=2)
+    packed = ops.pack(w)
+    for f32 in (True, False):
+        assert same(sharded(ops, x, w, size, f32), bits(ops.linear(x, packed, n, f32)))
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_each_rank_returns_its_subtree_as_the_oracle_computes_it(ops, size):
+    x, w = randn(4, 96, seed=3, scale=3.0), randn(19, 96, seed=4)
+    for rank in range(size):
+        s = k_slice(96, size, rank)
+        xs, ws = x[:, s.start:s.stop], w[:, s.start:s.stop]
+        got = ops.linear_partial(xs, ops.pack(ws), 19, s.per, s.blocks)
+        assert same(got, oracle.dot_blocks(bits(xs)[:, None, :], bits(ws)[None, :, :], s.per, s.blocks))
+
+
+@pytest.mark.parametrize("size", [2, 4, 16])
+def test_denormal_probes_combine_to_one_device(ops, size):
+    x, w = reference_ops.probe_inputs()
+    want = ops.linear(x, ops.pack(w), w.shape[0], True)
+    assert same(sharded(ops, x, w, size, True), bits(want))
+
+
+def test_partial_refuses_shapes_that_are_not_a_subtree(ops):
+    x, w = randn(2, 64, seed=5), randn(16, 64, seed=6)
+    packed = ops.pack(w)
+    with pytest.raises(RuntimeError, match="power of two"):
+        ops.linear_partial(x, packed, 16, 2, 3)
+    with pytest.raises(RuntimeError, match="more pairs than its blocks"):
+        ops.linear_partial(x, packed, 16, 1, 4)   # 32 pairs in 4 blocks of 1
+    with pytest.raises(RuntimeError, match="power of two"):
+        ops.combine_partials(torch.zeros(3, 2, 16), True)
+
+
+def test_k_slices_tile_k_and_split_evenly_on_whole_blocks():
+    for k in (40, 64, 576, 1536, 2):
+        for size in SIZES:
+            slices = [k_slice(k, size, r) for r in range(size)]
+            assert slices[0].start == 0 and slices[-1].stop == k
+            assert all(a.stop == b.start for a, b in zip(slices, slices[1:]))
+            if k % 32 == 0:
+                assert [s.stop - s.start for s in slices] == [k // size] * size
+    with pytest.raises(ValueError):
+        k_slice(64, 3, 0)
+
+
+def smollm2(**changes) -> ModelConfig:
+    fields = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+                  num_kv_heads=3, head_dim=64)
+    return ModelConfig(**{**fields, **changes})
+
+
+def test_sizes_a_model_admits():
+    llama3_8b = smollm2(hidden_size=4096, intermediate_size=14336, num_heads=32, num_kv_heads=8, head_dim=128)
+    assert all(refusal(llama3_8b, size) is None for size in (1, 2, 4, 8))
+    assert "8 key/value heads" in refusal(llama3_8b, 16)
+    # SmolLM2-135M: 9 heads (3 KV heads) split over no size but 1.
+    assert refusal(smollm2(), 1) is None
+    assert "9 attention heads" in refusal(smollm2(), 2)
+    assert "power of two" in refusal(smollm2(), 3)
+    assert "power of two" in refusal(smollm2(), 32)
+    odd_k = smollm2(num_heads=8, num_kv_heads=4, head_dim=50)
+    assert "K = 400 is not a multiple of 32" in refusal(odd_k, 2)
+
