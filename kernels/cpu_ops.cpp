@@ -730,16 +730,20 @@ torch::Tensor decode_layers(torch::Tensor h, torch::Tensor x, std::vector<torch:
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (float32 arithmetic)");
-  m.def("decode_attention", &decode_attention, "one-query-per-sequence attention over a paged KV cache");
+  m.def("decode_attention", &decode_attention, "one-query-per-sequence attention over a paged KV cache",
+        py::call_guard<py::gil_scoped_release>());
   m.def("add_rms_norm", &add_rms_norm, "(h + add, RMSNorm(h + add)) in one pass");
   m.def("silu_mul", &silu_mul, "silu(gate) * up for gate_up = [gate | up]");
   m.def("greedy_candidates", &greedy_candidates, "(rows, ids, ok) of the greedy top-2 candidates");
   m.def("release_idle_threads", &release_idle_threads, "let this thread's OpenMP worker pool go");
   m.def("rope_store", &rope_store, "RoPE on q and k heads; k and v stored at their cache slots; returns q");
-  m.def("decode_layers_with", &decode_layers_with, "decode_layers on another extension's matmul (the reference's)");
+  m.def("decode_layers_with", &decode_layers_with, "decode_layers on another extension's matmul (the reference's)",
+        py::call_guard<py::gil_scoped_release>());
 #ifdef GATEENG_AVX512_BF16
-  m.def("linear_dpbf16", &linear_dpbf16, "x @ w.T on a weight packed by the reference's pack (row-invariant)");
-  m.def("decode_layers", &decode_layers, "every decoder layer of a decode step in one call (the fast plan)");
+  m.def("linear_dpbf16", &linear_dpbf16, "x @ w.T on a weight packed by the reference's pack (row-invariant)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("decode_layers", &decode_layers, "every decoder layer of a decode step in one call (the fast plan)",
+        py::call_guard<py::gil_scoped_release>());
   m.attr("dpbf16") = true;
 #else
   m.attr("dpbf16") = false;

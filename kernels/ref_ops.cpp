@@ -1064,15 +1064,18 @@ torch::Tensor sum_f32(torch::Tensor x) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("isa") = GATEENG_REF_ISA;
   m.def("pack", &pack, "a bf16 [N, K] weight in linear's layout");
-  m.def("linear", &linear, "x @ w.T on a packed weight, bf16 or float32 out");
-  m.def("linear_partial", &linear_partial, "a tensor-parallel rank's subtree sums of x @ w.T on its slice of K");
+  m.def("linear", &linear, "x @ w.T on a packed weight, bf16 or float32 out",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("linear_partial", &linear_partial, "a tensor-parallel rank's subtree sums of x @ w.T on its slice of K",
+        py::call_guard<py::gil_scoped_release>());
   m.def("combine_partials", &combine_partials, "the ranks' subtree sums combined by the tree, bf16 or float32 out");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim");
   m.def("add_rms_norm", &add_rms_norm, "(h + add, RMSNorm(h + add))");
   m.def("add", &add, "bf16(a + b), b broadcast over rows when 1-D");
   m.def("silu_mul", &silu_mul, "silu(gate) * up for gate_up = [gate | up]");
   m.def("rope_store", &rope_store, "RoPE on q and k heads; k and v stored at their cache slots; returns q");
-  m.def("decode_attention", &decode_attention, "one-query-per-row attention over a paged KV cache", py::arg("q"),
+  m.def("decode_attention", &decode_attention, "one-query-per-row attention over a paged KV cache",
+        py::call_guard<py::gil_scoped_release>(), py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("tables"), py::arg("lens"), py::arg("scale"),
         py::arg("portable") = false);
   m.def("argmax_margin", &argmax_margin, "(lowest argmax id, top-1 minus top-2) per row");
