@@ -410,6 +410,7 @@ torch::Tensor pack(torch::Tensor w) {
   return out;
 }
 
+// x is bf16 [M, K], packed is pack() of an [n, K] weight.
 void check_packed(const torch::Tensor& x, const torch::Tensor& packed, int64_t n) {
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.device().is_cpu(), "x must be bf16 [M, K]");
   TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.dim() == 4 && packed.size(2) == 16 &&
