@@ -466,15 +466,21 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n, bool f32)
   return result;
 }
 
+// log2(n) for n a power of two from 1 to 16: how many of the tree's levels n of its
+// inputs fill.
+int tree_levels(int64_t n, const char* what) {
+  int levels = 0;
+  while ((int64_t{1} << levels) < n) ++levels;
+  TORCH_CHECK(n >= 1 && n <= 16 && (int64_t{1} << levels) == n, what, " must be a power of two from 1 to 16");
+  return levels;
+}
+
 // One tensor-parallel rank's share of x @ w.T (SPEC.md, "tensor parallelism"): x and
 // the packed w hold the rank's slice of K, `blocks` (a power of two, at most 16) of
 // the whole K's blocks of `per` pairs; binary32 out, each the subtree over those blocks.
 torch::Tensor linear_partial(torch::Tensor x, torch::Tensor packed, int64_t n, int64_t per, int64_t blocks) {
   check_packed(x, packed, n);
-  int levels = 0;
-  while ((int64_t{1} << levels) < blocks) ++levels;
-  TORCH_CHECK(blocks >= 1 && blocks <= 16 && (int64_t{1} << levels) == blocks,
-              "blocks must be a power of two from 1 to 16");
+  const int levels = tree_levels(blocks, "blocks");
   TORCH_CHECK(per >= 1 && x.size(1) / 2 <= per * blocks, "x holds more pairs than its blocks");
   x = x.contiguous();
   auto result = torch::empty({x.size(0), n}, x.options().dtype(torch::kFloat));
@@ -977,24 +983,24 @@ torch::Tensor gumbel(int64_t key, int64_t vocab) {
 // (flushed): the whole dot's bits; rounded to bf16 unless f32.
 torch::Tensor combine_partials(torch::Tensor partials, bool f32) {
   check_f32(partials, "partials");
-  const int64_t size = partials.size(0);
-  TORCH_CHECK(partials.dim() == 3 && size >= 1 && size <= 16 && (size & (size - 1)) == 0,
-              "partials must be [size, M, N] with size a power of two from 1 to 16");
+  TORCH_CHECK(partials.dim() == 3, "partials must be [size, M, N]");
+  const int64_t size = partials.size(0), count = partials.size(1) * partials.size(2);
+  const int levels = tree_levels(size, "size");
   partials = partials.contiguous();
-  const int64_t count = partials.size(1) * partials.size(2);
-  Flush flush;
-  std::vector<float> level(partials.data_ptr<float>(), partials.data_ptr<float>() + size * count);
-  for (int64_t width = size; width > 1; width /= 2) {
-    for (int64_t j = 0; j < width / 2; ++j)
-      for (int64_t i = 0; i < count; ++i) level[j * count + i] = level[2 * j * count + i] + level[(2 * j + 1) * count + i];
-  }
   auto result = torch::empty({partials.size(1), partials.size(2)},
                              partials.options().dtype(f32 ? torch::kFloat : torch::kBFloat16));
-  if (f32) {
-    std::memcpy(result.data_ptr<float>(), level.data(), count * sizeof(float));
-  } else {
-    u16* out = reinterpret_cast<u16*>(result.data_ptr<at::BFloat16>());
-    for (int64_t i = 0; i < count; ++i) out[i] = to_bf(level[i]);
+  const float* p = partials.data_ptr<float>();
+  float* out32 = f32 ? result.data_ptr<float>() : nullptr;
+  u16* out16 = f32 ? nullptr : reinterpret_cast<u16*>(result.data_ptr<at::BFloat16>());
+  Flush flush;
+  for (int64_t i = 0; i < count; ++i) {
+    float lvl[5];
+    for (int r = 0; r < size; ++r) fold(r, p[r * count + i], lvl, add_f);
+    if (f32) {
+      out32[i] = lvl[levels];
+    } else {
+      out16[i] = to_bf(lvl[levels]);
+    }
   }
   return result;
 }
