@@ -155,7 +155,13 @@ class EngineConfig:
     max_queue: int = 256
     # Test-only: Gaussian noise of this std added to fast-path logits, to provoke rollbacks.
     fast_logit_noise: float = 0.0
-    num_threads: Optional[int] = None
+    num_threads: Optional[int] = None   # per rank where tensor_parallel_size > 1
+    # Ranks (processes) the model is split over, one torch.distributed group on gloo
+    # (engine/tensor_parallel.py); 1: this process alone.
+    tensor_parallel_size: int = 1
+    # Seconds any collective of that group may wait before the engine fails closed:
+    # a long prefill step on a loaded 2-core machine takes a few seconds.
+    tensor_parallel_timeout: float = 15.0
 
     def validate(self) -> None:
         if self.dtype not in ("bfloat16", "float32"):
@@ -174,6 +180,10 @@ class EngineConfig:
             raise ValueError(f"prefill_chunk must be >= 0 (0 = no limit), got {self.prefill_chunk}")
         if self.invariant_rows < 0:
             raise ValueError(f"invariant_rows must be >= 0 (0 = chosen for the CPU), got {self.invariant_rows}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_timeout <= 0:
+            raise ValueError(f"tensor_parallel_timeout must be > 0 seconds, got {self.tensor_parallel_timeout}")
         validate_threshold(self.margin_threshold)
         validate_window(self.max_window)
         if self.max_window + 1 > self.max_num_batched_tokens:

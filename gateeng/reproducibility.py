@@ -44,10 +44,16 @@ class Reproducibility:
     num_threads: int
     self_check_passed: bool
     self_check: str
+    # Information only: tensor parallelism runs only on the reference, whose bits are
+    # the same at every size; so the fingerprint leaves it out.
+    tensor_parallel_size: int = 1
 
     def fingerprint(self) -> str:
-        """A short stable id of the record (equal records, equal ids)."""
-        blob = json.dumps(asdict(self), sort_keys=True).encode()
+        """A short stable id of the record (equal records, equal ids; the
+        tensor-parallel size aside)."""
+        fields = asdict(self)
+        del fields["tensor_parallel_size"]
+        blob = json.dumps(fields, sort_keys=True).encode()
         return "gateeng-" + hashlib.sha256(blob).hexdigest()[:16]
 
 
@@ -87,7 +93,8 @@ def _triton_version() -> str:
 
 
 def build(*, engine_version: str, model_fingerprint: str, dtype: str, device: str, plan: str, reference: str,
-          self_check_passed: bool, self_check: str, num_threads: Optional[int] = None) -> Reproducibility:
+          self_check_passed: bool, self_check: str, num_threads: Optional[int] = None,
+          tensor_parallel_size: int = 1) -> Reproducibility:
     name, isa = device_identity(device)
     kind = "cuda" if device == "cuda" else f"cpu:{platform.machine()}"
     return Reproducibility(
@@ -97,11 +104,11 @@ def build(*, engine_version: str, model_fingerprint: str, dtype: str, device: st
         torch_version=torch.__version__, triton_version=_triton_version(),
         cuda_version=torch.version.cuda or "none",
         num_threads=num_threads or torch.get_num_threads(),
-        self_check_passed=self_check_passed, self_check=self_check)
+        self_check_passed=self_check_passed, self_check=self_check, tensor_parallel_size=tensor_parallel_size)
 
 
 # Fields that describe a record rather than decide its bits.
-INFORMATION = ("self_check", "self_check_passed")
+INFORMATION = ("self_check", "self_check_passed", "tensor_parallel_size")
 # Where the reference is a written spec, only these decide the bits.
 SPEC_FIELDS = ("reference", "model_fingerprint", "dtype")
 

@@ -88,11 +88,11 @@ def smollm2(**changes) -> ModelConfig:
 
 def test_sizes_a_model_admits():
     llama3_8b = smollm2(hidden_size=4096, intermediate_size=14336, num_heads=32, num_kv_heads=8, head_dim=128)
-    assert all(refusal(llama3_8b, size) is None for size in (1, 2, 4, 8))
-    assert "8 key/value heads" in refusal(llama3_8b, 16)
-    # SmolLM2-135M: 9 heads (3 KV heads) split over no size but 1.
-    assert refusal(smollm2(), 1) is None
-    assert "9 attention heads" in refusal(smollm2(), 2)
+    # 8 KV heads over 16 ranks: attention whole on every rank (model.shard), not refused.
+    assert all(refusal(llama3_8b, size) is None for size in (1, 2, 4, 8, 16))
+    # SmolLM2-135M: 9 heads (3 KV heads) split over no size but 1, its MLP and o over all.
+    assert all(refusal(smollm2(), size) is None for size in (1, 2, 4, 8, 16))
+    assert "1000 MLP columns" in refusal(smollm2(intermediate_size=1000), 16)
     assert "power of two" in refusal(smollm2(), 3)
     assert "power of two" in refusal(smollm2(), 32)
     odd_k = smollm2(num_heads=8, num_kv_heads=4, head_dim=50)

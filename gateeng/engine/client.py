@@ -34,6 +34,8 @@ class Engine:
         self._lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
+        if self.core.tp_group is not None:   # a worker's death ends the engine, even while it idles
+            self.core.tp_group.on_death.append(self._fail_from_outside)
 
     # What the fronts and tools read of the engine: fixed at start-up, or replaced
     # (never mutated) by the engine thread.
@@ -132,6 +134,7 @@ class Engine:
         self._wake.set()
         if self._thread:
             self._thread.join(timeout=5)
+        self.core.close()
 
     # ---- the engine thread ---------------------------------------------------------
     def _ensure_thread(self) -> None:
@@ -142,27 +145,33 @@ class Engine:
                     self._thread.start()
         self._wake.set()
 
+    def _fail_from_outside(self, exc: BaseException) -> None:
+        """Something the engine depends on failed outside its thread (a tensor-parallel
+        worker died): the engine thread ends as if its step had raised `exc`."""
+        self._inbox.put(("fail", exc))
+        self._ensure_thread()
+
     def _loop(self) -> None:
         core = self.core
         stepped = False   # since the last idle call
         while not self._stopping:
-            self._drain_inbox()
-            if core.has_work():
-                try:
+            try:
+                self._drain_inbox()
+                if core.has_work():
                     core.step()
                     stepped = True
-                except Exception as exc:   # a bug must not hang every caller
-                    self.failure = exc
-                    self.accepting = False
-                    core.fail_all(exc)
-                    for callback in list(self.on_death):
-                        callback(exc)
-                    raise
-            else:
-                core.idle(after_work=stepped)
-                stepped = False
-                self._wake.wait(timeout=0.5)
-                self._wake.clear()
+                    continue
+            except Exception as exc:   # a bug must not hang every caller
+                self.failure = exc
+                self.accepting = False
+                core.fail_all(exc)
+                for callback in list(self.on_death):
+                    callback(exc)
+                raise
+            core.idle(after_work=stepped)
+            stepped = False
+            self._wake.wait(timeout=0.5)
+            self._wake.clear()
 
     def _drain_inbox(self) -> None:
         drained = False
@@ -176,6 +185,8 @@ class Engine:
                     self.core.schedule(r)
             elif op == "abort":
                 self.core.abort(arg)
+            elif op == "fail":
+                raise arg
             drained = True
         if drained:
             self.core.publish_counts()

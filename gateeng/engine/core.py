@@ -22,7 +22,7 @@ import torch
 
 from gateeng import __version__, reproducibility
 from gateeng.config import ADAPTIVE, EngineConfig, kv_blocks, validate_threshold, validate_window
-from gateeng.engine import pricing
+from gateeng.engine import pricing, tensor_parallel
 from gateeng.engine.block_manager import BlockManager
 from gateeng.engine.detokenizer import IncrementalText
 from gateeng.engine.errors import DeterminismUnavailable, QueueFull
@@ -87,13 +87,18 @@ class EngineCore:
         mc = self.model_config = self.loaded.config
         self.max_model_len = resolve_max_model_len(cfg, mc)
         blocks = kv_blocks(cfg)
-        self.kv = KVCache(mc, blocks, cfg.block_size, DTYPES[cfg.dtype], cfg.device)
-        self.blocks = BlockManager(blocks, cfg.block_size, cfg.enable_prefix_caching)
         eos = set(mc.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.stop = StopChecker(eos, self.max_model_len)
-        plans = factory.build(cfg, self.model, mc, DTYPES[cfg.dtype], owned=loaded is None)
+        self.tp_group = None   # the tensor-parallel group (engine.tensor_parallel), at sizes > 1
+        if cfg.tensor_parallel_size > 1:   # the model becomes this process's shard (rank 0)
+            self.model, plans, self.tp_group = tensor_parallel.start(cfg, self.model, cfg.tensor_parallel_timeout)
+        else:
+            plans = factory.build(cfg, self.model, mc, DTYPES[cfg.dtype], owned=loaded is None)
+        shape = self.model.cfg   # the shard's heads and columns at sizes > 1
+        self.kv = KVCache(shape, blocks, cfg.block_size, DTYPES[cfg.dtype], cfg.device)
+        self.blocks = BlockManager(blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.invariant_plan, self.fast_matmul = plans.invariant, plans.fast_matmul
         self.route = RoutePolicy(cfg.verified_route, group_rows=self.invariant_plan.group_rows,
                                  replay_delay=cfg.max_verify_delay)
@@ -102,8 +107,8 @@ class EngineCore:
         self.verification = VerificationStage(self.stop)
         self.runner = ModelRunner(self.model, self.kv, plans.fast, self.invariant_plan, plans.sample, plans.logprobs)
         self.verified_unavailable = plans.unavailable
-        self.selfcheck = run_selfcheck(self.invariant_plan, mc.hidden_size, mc.num_heads, mc.num_kv_heads,
-                                       mc.head_dim, DTYPES[cfg.dtype], cfg.block_size, device=cfg.device,
+        self.selfcheck = run_selfcheck(self.invariant_plan, shape.hidden_size, shape.num_heads, shape.num_kv_heads,
+                                       shape.head_dim, DTYPES[cfg.dtype], cfg.block_size, device=cfg.device,
                                        weights=self.invariant_plan.selfcheck_weights(self.model))
         if cfg.plan == "fast" and cfg.verified_route == ADAPTIVE and self.selfcheck.passed:
             self._price_plans(cfg)
@@ -113,7 +118,8 @@ class EngineCore:
         self.reproducibility = reproducibility.build(
             engine_version=self.version, model_fingerprint=self.loaded.fingerprint, dtype=cfg.dtype,
             device=cfg.device, plan=cfg.plan, reference=self.invariant_plan.describe(cfg.dtype),
-            self_check_passed=self.selfcheck.passed, self_check=self.selfcheck.describe())
+            self_check_passed=self.selfcheck.passed, self_check=self.selfcheck.describe(),
+            tensor_parallel_size=cfg.tensor_parallel_size)
         self.observer = observer or Observer()
         self.outputs = OutputProcessor(self.observer, self.reproducibility)
         self.counts = Counts()   # replaced (never mutated) by the driving thread
@@ -271,8 +277,14 @@ class EngineCore:
             handles = list(self._handles.values())
             self._handles.clear()
         for h in handles:
+            h.failure = exc
             h.put(exc)
             h.done.set()
+
+    def close(self) -> None:
+        """Release what outlives a step: the tensor-parallel workers (a no-op at size 1)."""
+        if self.tp_group is not None:
+            self.tp_group.close()
 
     # ---- settings -----------------------------------------------------------------
     def set_margin_threshold(self, tau: float) -> None:

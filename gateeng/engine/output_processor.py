@@ -37,6 +37,7 @@ class RequestHandle:
     last_emit: float = 0.0
     completion: Optional[Completion] = None
     done: threading.Event = field(default_factory=threading.Event)
+    failure: Optional[BaseException] = None   # why the engine ended the request unfinished
 
     def put(self, ev) -> None:
         (self.sink or self.events.put)(ev)
@@ -54,7 +55,8 @@ class RequestHandle:
         if not self.done.wait(timeout):
             raise TimeoutError(f"request {self.request_id} did not finish in {timeout}s")
         if self.completion is None:
-            raise RuntimeError(f"request {self.request_id} failed: the engine stopped")
+            raise RuntimeError(f"request {self.request_id} failed: the engine stopped"
+                               + (f": {self.failure}" if self.failure is not None else ""))
         return self.completion
 
 

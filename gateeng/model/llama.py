@@ -81,6 +81,7 @@ class LlamaModel(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, dtype=torch.bfloat16, device="cpu"):
         super().__init__()
         self.cfg = cfg
+        self.tp = None   # a tensor-parallel shard's row-parallel sums (model.shard.RowParallel)
         h, d = cfg.hidden_size, cfg.head_dim
         qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * d
 
@@ -216,7 +217,7 @@ class LlamaModel(torch.nn.Module):
         # and layers without biases or q/k norms.
         plain_layers = all(w is None for layer in self.step_layers
                            for w in (layer.qkv_bias, layer.o_bias, layer.q_norm, layer.k_norm))
-        if rowwise and plain_layers:
+        if rowwise and plain_layers and self.tp is None:   # a shard's o and down sum over the ranks
             layers = self.step_layers
             self.fused_layers = ([self.shared[id(w)].data for lw in layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down)],
                                  [self.shared[id(w)].n for lw in layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down)],
@@ -277,12 +278,16 @@ class LlamaModel(torch.nn.Module):
                                  v], -1)
             q = plan.rope_store(qkv, cos, sin, kv, i, slots, cfg.num_heads)
             attn = plan.attention(q, kv.k[i], kv.v[i], attn_meta, 1.0 / math.sqrt(d))
-            o = plan.linear(attn.reshape(-1, nq), layer.o)
+            o = self._row_parallel(plan, attn.reshape(-1, nq), layer.o, "o")
             h, x = plan.add_rms_norm(h, plan.add(o, layer.o_bias) if layer.o_bias is not None else o, layer.post_norm,
                                      cfg.rms_norm_eps)
-            mlp = plan.linear(plan.silu_mul(plan.linear(x, layer.gate_up)), layer.down)
+            mlp = self._row_parallel(plan, plan.silu_mul(plan.linear(x, layer.gate_up)), layer.down, "down")
             h, x = plan.add_rms_norm(h, mlp, layer.next_norm, cfg.rms_norm_eps)
         return x
+
+    def _row_parallel(self, plan, x: torch.Tensor, w: torch.Tensor, which: str) -> torch.Tensor:
+        """x @ w.T for o and down: on a tensor-parallel shard, the sum over the ranks."""
+        return plan.linear(x, w) if self.tp is None else self.tp.linear(plan, x, w, which)
 
     def load_hf_state_dict(self, sd: dict) -> None:
         """Weights named as in transformers' LlamaForCausalLM."""

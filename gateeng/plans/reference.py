@@ -88,6 +88,18 @@ class ReferencePlan(ReferenceBase):
         p = self._packed[id(w)]
         return self.ops.linear(x, p.data, p.n, False)
 
+    def linear_partial(self, x: torch.Tensor, w: torch.Tensor, per: int, blocks: int) -> torch.Tensor:
+        """A tensor-parallel rank's binary32 subtree sums of x @ w.T, where w is the
+        rank's slice of K holding `blocks` of the whole K's blocks of `per` pairs
+        (kernels/SPEC.md, "Tensor parallelism")."""
+        p = self._packed[id(w)]
+        return self.ops.linear_partial(x.contiguous(), p.data, p.n, per, blocks)
+
+    def combine_partials(self, partials: torch.Tensor) -> torch.Tensor:
+        """The ranks' subtree sums [size, M, N], in rank order, combined by the tree's
+        top levels and rounded to bf16: the bits of linear on one device."""
+        return self.ops.combine_partials(partials, False)
+
     def add_rms_norm(self, h, add, w, eps):
         return tuple(self.ops.add_rms_norm(h, add, w, eps))
 

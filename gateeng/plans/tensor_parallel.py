@@ -1,7 +1,7 @@
 """Tensor parallelism's shapes: which sizes a model admits, and each rank's slice of K.
 
-The split is Megatron's. q/k/v and gate/up are split by output columns, and so is
-the lm_head (by vocabulary rows). o and down are split by K: their input is the
+The split is Megatron's (model.shard). q/k/v and gate/up are split by output
+columns, and so is the lm_head (by vocabulary rows). o and down are split by K: their input is the
 rank's own heads and MLP columns. A row-parallel projection's slice of K must be
 whole blocks of the reference's dot (kernels/SPEC.md, "Tensor parallelism"). Then
 the ranks' subtree sums (linear_partial), combined by the tree's top levels
@@ -47,11 +47,10 @@ def refusal(cfg: ModelConfig, size: int) -> Optional[str]:
                 f"dot splits K into {DOT_BLOCKS} blocks, and each rank must hold a whole subtree of them")
     if size == 1:
         return None
-    counts = (("attention heads", cfg.num_heads), ("key/value heads", cfg.num_kv_heads),
-              ("MLP columns (intermediate_size)", cfg.intermediate_size))
-    for what, count in counts:
-        if count % size:
-            return f"the model's {count} {what} do not split evenly over {size} ranks"
+    # Heads that do not split evenly are not refused: attention is then whole on every
+    # rank (model.shard), and o still splits on its K blocks.
+    if cfg.intermediate_size % size:
+        return f"the model's {cfg.intermediate_size} MLP columns (intermediate_size) do not split evenly over {size} ranks"
     for name, k in (("attention output projection", cfg.num_heads * cfg.head_dim),
                     ("MLP down projection", cfg.intermediate_size)):
         if k % (2 * DOT_BLOCKS):

@@ -75,7 +75,21 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         f"kernels/SPEC.md) either way, on its own kernels: the best build this CPU runs, or the "
                         f"one ${ISA_ENV}={'|'.join(REFERENCE_ISAS)} names; without a compiler VERIFIED is refused")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: torch's choice, usually the core count)")
+                   help="torch CPU threads, per rank with --tensor-parallel-size (default: torch's choice, "
+                        "usually the core count, shared out over the ranks)")
+    _tensor_parallel_args(p)
+
+
+def _tensor_parallel_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tensor-parallel-size", type=int, default=DEFAULTS.tensor_parallel_size, metavar="N",
+                   help="split the model over N processes on this machine (a power of two up to 16), started by "
+                        "the engine, in one torch.distributed group on gloo; VERIFIED bits are the same at every "
+                        "N (bf16 models on CPU only). A model whose MLP or attention output does not split on the "
+                        "reference's blocks is refused at start-up, with the reason")
+    p.add_argument("--tensor-parallel-timeout", type=float, default=DEFAULTS.tensor_parallel_timeout,
+                   metavar="SECONDS",
+                   help="how long any collective may wait on a rank before the engine fails every request and "
+                        "stops (a dead rank is seen at once)")
 
 
 def _admin_token_arg(p: argparse.ArgumentParser, help: str) -> None:
@@ -104,7 +118,9 @@ def _engine_config(args):
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         prefill_chunk=args.prefill_chunk, enable_prefix_caching=not args.no_prefix_caching,
                         pack_fast_weights=not args.no_packed_weights, cpu_kernels=not args.no_cpu_kernels,
-                        num_threads=args.threads, max_queue=getattr(args, "max_queue", DEFAULTS.max_queue))
+                        num_threads=args.threads, max_queue=getattr(args, "max_queue", DEFAULTS.max_queue),
+                        tensor_parallel_size=args.tensor_parallel_size,
+                        tensor_parallel_timeout=args.tensor_parallel_timeout)
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -195,13 +211,20 @@ def cmd_generate(args) -> int:
                   file=sys.stderr)
             return 0
     from gateeng.engine.client import Engine
-    from gateeng.engine.errors import DeterminismUnavailable
+    from gateeng.engine.errors import DeterminismUnavailable, EngineDead
+    engine = None
     try:
         engine = Engine(_engine_config(args))
         res = engine.generate(args.prompt, params, det, chat=not args.no_chat)
     except (ValueError, FileNotFoundError, DeterminismUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except EngineDead as e:   # the engine failed while it ran (a tensor-parallel rank died)
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if engine is not None and engine.failure is not None:
+            engine.shutdown()
     if args.json:
         from gateeng.serving.grpc_api import complete_proto
         print(_json_line(complete_proto(res, res.request_id)))
@@ -493,6 +516,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="recommend the smallest tau whose 95%% upper bound on missed flips per step is below this")
     c.add_argument("--out", default="calibration", help="folder for calibration.json and calibration.png")
     c.add_argument("--quick", action="store_true", help="8 prompts x 16 tokens, batch sizes 1 and 4 (a smoke run)")
+    _tensor_parallel_args(c)
     c.add_argument("--apply", default=None, metavar="HOST:PORT",
                    help="set the recommended tau on a running server (UpdateGateConfig)")
     _admin_token_arg(c, "for --apply")

@@ -191,7 +191,7 @@ class DeterminismReport(_message.Message):
     def __init__(self, mode: _Optional[str] = ..., decode_steps: _Optional[int] = ..., triggers_margin: _Optional[int] = ..., triggers_window: _Optional[int] = ..., triggers_finish: _Optional[int] = ..., verify_passes: _Optional[int] = ..., replayed_tokens: _Optional[int] = ..., rollbacks: _Optional[int] = ..., rolled_back_tokens: _Optional[int] = ..., retractions: _Optional[int] = ..., margin_threshold: _Optional[float] = ..., rollbacks_margin: _Optional[int] = ..., rollbacks_window: _Optional[int] = ..., rollbacks_finish: _Optional[int] = ..., direct_steps: _Optional[int] = ..., rollbacks_direct: _Optional[int] = ...) -> None: ...
 
 class Reproducibility(_message.Message):
-    __slots__ = ("engine_version", "model_fingerprint", "dtype", "device_kind", "kernel_plan", "self_check_passed", "self_check", "seed", "seeded", "device_name", "isa", "torch_version", "triton_version", "cuda_version", "num_threads", "fingerprint", "reference")
+    __slots__ = ("engine_version", "model_fingerprint", "dtype", "device_kind", "kernel_plan", "self_check_passed", "self_check", "seed", "seeded", "device_name", "isa", "torch_version", "triton_version", "cuda_version", "num_threads", "fingerprint", "reference", "tensor_parallel_size")
     ENGINE_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -209,6 +209,7 @@ class Reproducibility(_message.Message):
     NUM_THREADS_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     REFERENCE_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     engine_version: str
     model_fingerprint: str
     dtype: str
@@ -226,7 +227,8 @@ class Reproducibility(_message.Message):
     num_threads: int
     fingerprint: str
     reference: str
-    def __init__(self, engine_version: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., device_kind: _Optional[str] = ..., kernel_plan: _Optional[str] = ..., self_check_passed: _Optional[bool] = ..., self_check: _Optional[str] = ..., seed: _Optional[int] = ..., seeded: _Optional[bool] = ..., device_name: _Optional[str] = ..., isa: _Optional[str] = ..., torch_version: _Optional[str] = ..., triton_version: _Optional[str] = ..., cuda_version: _Optional[str] = ..., num_threads: _Optional[int] = ..., fingerprint: _Optional[str] = ..., reference: _Optional[str] = ...) -> None: ...
+    tensor_parallel_size: int
+    def __init__(self, engine_version: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., device_kind: _Optional[str] = ..., kernel_plan: _Optional[str] = ..., self_check_passed: _Optional[bool] = ..., self_check: _Optional[str] = ..., seed: _Optional[int] = ..., seeded: _Optional[bool] = ..., device_name: _Optional[str] = ..., isa: _Optional[str] = ..., torch_version: _Optional[str] = ..., triton_version: _Optional[str] = ..., cuda_version: _Optional[str] = ..., num_threads: _Optional[int] = ..., fingerprint: _Optional[str] = ..., reference: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class CompleteResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "determinism", "reproducibility", "logprobs", "prompt_logprobs", "prompt_token_ids", "sampling")

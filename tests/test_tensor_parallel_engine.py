@@ -1,0 +1,171 @@
+"""Tensor parallelism end to end on the tiny random-weight Llama: an Engine whose
+model is split over 2 processes (gloo, one thread each) gives VERIFIED tokens and
+logprob bits equal to one process, alone and in a mixed batch; OFF works; a killed
+worker makes the engine fail closed; sizes it cannot run are refused at start-up."""
+import os
+import signal
+import time
+
+import pytest
+
+from gateeng.config import EngineConfig, ModelConfig
+from gateeng.engine.client import Engine
+from gateeng.engine.errors import EngineDead
+from gateeng.model import shard
+from gateeng.request import DeterminismParams, Mode, SamplingParams
+from tests.tiny import tiny_loaded
+
+VERIFIED = DeterminismParams(Mode.VERIFIED)
+PROMPTS = ["hello world", "abc", "the quick brown fox jumps over", "x" * 40]
+GREEDY = SamplingParams(max_tokens=24, logprobs=3, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, seed=7, logprobs=3, ignore_eos=True)
+
+
+def engine(size: int, **changes) -> Engine:
+    cfg = dict(tensor_parallel_size=size, num_kv_blocks=96, max_num_seqs=16, num_threads=1, **changes)
+    return Engine(EngineConfig(**cfg), loaded=tiny_loaded("bfloat16"))
+
+
+@pytest.fixture(scope="module")
+def one():
+    e = engine(1)
+    yield e
+    e.shutdown()
+
+
+@pytest.fixture
+def two():   # one tensor-parallel engine per process at a time (torch.distributed's default group)
+    e = engine(2)
+    yield e
+    e.shutdown()
+
+
+def bits(c) -> tuple:
+    """A completion's tokens and every logprob, as exact bits."""
+    lps = [(lp.token, lp.logprob.hex(), tuple((t, v.hex()) for t, v in lp.top)) for lp in c.logprobs]
+    return tuple(c.token_ids), tuple(lps)
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_verified_alone_has_the_bits_of_one_process(one, two, params):
+    for prompt in PROMPTS:
+        want, got = one.generate(prompt, params, VERIFIED), two.generate(prompt, params, VERIFIED)
+        assert len(got.token_ids) == params.max_tokens
+        assert bits(got) == bits(want), prompt
+    assert got.reproducibility.tensor_parallel_size == 2 and want.reproducibility.tensor_parallel_size == 1
+    assert got.reproducibility.reference == want.reproducibility.reference == "gateeng-ref-1"
+
+
+def test_verified_in_a_mixed_batch_has_the_bits_of_one_process_alone_and_off_works(one, two):
+    alone = {(p, i): bits(one.generate(p, params, VERIFIED)) for p in PROMPTS for i, params in enumerate((GREEDY,
+                                                                                                         SEEDED))}
+    noise = [f"noise {i} " * (1 + i % 5) for i in range(8)]
+    off_params = SamplingParams(max_tokens=20, temperature=0.8, seed=3, ignore_eos=True)
+    prompts = [p for p in PROMPTS for _ in (GREEDY, SEEDED)] + noise
+    params = [GREEDY, SEEDED] * len(PROMPTS) + [off_params] * len(noise)
+    det = [VERIFIED] * (2 * len(PROMPTS)) + [DeterminismParams(Mode.OFF)] * len(noise)
+    results = [h.result() for h in two.submit_many(prompts, params, det)]
+    for (p, i), got in zip(alone, results):
+        assert bits(got) == alone[(p, i)], p
+    for c in results[2 * len(PROMPTS):]:   # OFF: served in full, from the vocabulary; its bits promise nothing
+        assert c.mode == Mode.OFF and len(c.token_ids) == 20 and all(0 <= t < 256 for t in c.token_ids)
+
+
+def test_one_tensor_parallel_engine_per_process(two):
+    with pytest.raises(ValueError, match="already runs a tensor-parallel engine"):
+        engine(2)
+
+
+def test_attention_whole_on_every_rank_at_four_ranks_keeps_the_bits(one):
+    # 2 KV heads over 4 ranks: attention is whole on every rank and o splits on its K
+    # blocks, as for the embedded model (9 heads, 3 KV heads) at 2 and 4.
+    four = engine(4)
+    try:
+        assert not four.core.model.tp.layout.attention_split
+        for params in (GREEDY, SEEDED):
+            for prompt in PROMPTS[:2]:
+                assert bits(four.generate(prompt, params, VERIFIED)) == bits(one.generate(prompt, params, VERIFIED))
+    finally:
+        four.shutdown()
+
+
+def kill_a_worker(e: Engine) -> None:
+    os.kill(e.core.tp_group.workers[0].pid, signal.SIGKILL)
+
+
+def test_a_worker_killed_mid_request_fails_every_request_within_10s():
+    e = engine(2)
+    deaths = []
+    e.on_death.append(deaths.append)
+    try:
+        handles = e.submit_many(["a long one", "another"], SamplingParams(max_tokens=400, ignore_eos=True),
+                                [VERIFIED, DeterminismParams(Mode.OFF)])
+        next(iter(handles[1]))   # the OFF request's first chunk: decoding has started
+        kill_a_worker(e)
+        t0 = time.monotonic()
+        for h in handles:
+            with pytest.raises(Exception, match="tensor-parallel"):
+                h.result(timeout=10)
+        assert time.monotonic() - t0 < 10
+        assert deaths and "tensor-parallel" in str(deaths[0])
+        with pytest.raises(EngineDead):
+            e.submit("after", SamplingParams(max_tokens=2))
+    finally:
+        e.shutdown()
+
+
+def test_a_worker_killed_while_idle_ends_the_engine_within_10s():
+    e = engine(2)
+    deaths = []
+    e.on_death.append(deaths.append)
+    try:
+        kill_a_worker(e)
+        deadline = time.monotonic() + 10
+        while not deaths and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert deaths and "exited with code -9" in str(deaths[0])
+        with pytest.raises(EngineDead):
+            e.submit("after", SamplingParams(max_tokens=2))
+    finally:
+        e.shutdown()
+
+
+@pytest.mark.parametrize("changes,why", [
+    (dict(tensor_parallel_size=3), "not a power of two"),
+    (dict(tensor_parallel_size=32), "not a power of two"),
+    (dict(tensor_parallel_size=2, dtype="float32"), "needs a bf16 model"),
+    (dict(tensor_parallel_size=2, fast_logit_noise=0.1), "not supported with tensor parallelism"),
+])
+def test_sizes_and_settings_it_cannot_run_are_refused_at_start_up(changes, why):
+    cfg = dict(dict(num_kv_blocks=16, num_threads=1), **changes)
+    with pytest.raises(ValueError, match=why):
+        Engine(EngineConfig(**cfg), loaded=tiny_loaded(cfg.get("dtype", "bfloat16")))
+
+
+def test_a_model_whose_mlp_does_not_split_is_refused_with_the_reason():
+    cfg = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=100, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=16)
+    with pytest.raises(ValueError, match="100 MLP columns"):
+        shard.layout(cfg, 8, 0)
+
+
+def test_layouts_tile_the_model():
+    smollm2 = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+                          num_kv_heads=3, head_dim=64)
+    for size in (2, 4, 8, 16):
+        lays = [shard.layout(smollm2, size, r) for r in range(size)]
+        assert not any(lay.attention_split for lay in lays)
+        assert all(lay.heads == range(9) and lay.kv_heads == range(3) for lay in lays)
+        for field, total in (("mlp", 1536), ("vocab", 49152)):
+            parts = [getattr(lay, field) for lay in lays]
+            assert parts[0].start == 0 and parts[-1].stop == total
+            assert all(a.stop == b.start for a, b in zip(parts, parts[1:]))
+        assert [(lay.o.start, lay.o.stop) for lay in lays] == [(r * 576 // size, (r + 1) * 576 // size)
+                                                               for r in range(size)]
+    tiny = ModelConfig(vocab_size=250, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                       num_kv_heads=2, head_dim=16)
+    lays = [shard.layout(tiny, 2, r) for r in range(2)]
+    assert all(lay.attention_split for lay in lays)
+    assert [lay.heads for lay in lays] == [range(0, 2), range(2, 4)]
+    assert [lay.kv_heads for lay in lays] == [range(0, 1), range(1, 2)]
+    assert [lay.vocab for lay in lays] == [range(0, 125), range(125, 250)]
