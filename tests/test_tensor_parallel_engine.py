@@ -5,6 +5,7 @@ worker makes the engine fail closed; sizes it cannot run are refused at start-up
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -169,3 +170,35 @@ def test_layouts_tile_the_model():
     assert [lay.heads for lay in lays] == [range(0, 2), range(2, 4)]
     assert [lay.kv_heads for lay in lays] == [range(0, 1), range(1, 2)]
     assert [lay.vocab for lay in lays] == [range(0, 125), range(125, 250)]
+
+
+def test_calibrate_runs_both_plans_at_two_ranks():
+    from gateeng.tools import calibrate as cal
+    loaded = tiny_loaded("bfloat16")
+    prompts = [loaded.tokenizer.encode(p) for p in PROMPTS]
+    report = cal.calibrate(loaded, prompts, n_tokens=6, batch_sizes=(1, 2), show_progress=False,
+                           tensor_parallel_size=2)
+    assert report.steps == 2 * len(PROMPTS) * 5 and report.machine["tensor_parallel_size"] == 2
+
+
+def test_a_server_whose_worker_dies_turns_not_serving_and_exits_non_zero(tmp_path):
+    from grpc_health.v1 import health_pb2
+    from tests.test_server import start_server, wait_health
+    from tests.tiny import save_family
+    save_family("llama", tmp_path)
+    proc, target, _ = start_server("--model", str(tmp_path), "--tensor-parallel-size", "2", "--threads", "1",
+                                   "--kv-blocks", "64")
+    try:
+        wait_health(target, health_pb2.HealthCheckResponse.SERVING, timeout=120)
+        workers = [pid for task in Path(f"/proc/{proc.pid}/task").iterdir()
+                   for pid in (task / "children").read_text().split()
+                   if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(workers) == 1
+        os.kill(int(workers[0]), signal.SIGKILL)
+        t0 = time.monotonic()
+        code = proc.wait(timeout=10)
+        assert code != 0 and time.monotonic() - t0 < 10
+        assert "exited with code -9" in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()

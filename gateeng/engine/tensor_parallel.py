@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing.connection
+import os
 import threading
 import time
 from dataclasses import replace
@@ -69,8 +70,9 @@ def refusal(cfg: EngineConfig) -> Optional[str]:
 
 
 def threads_per_rank(cfg: EngineConfig) -> int:
-    """--threads where given, else this machine's threads shared out over the ranks."""
-    return cfg.num_threads or max(1, torch.get_num_threads() // cfg.tensor_parallel_size)
+    """--threads where given, else the cores this process may run on shared out over
+    the ranks (not torch's current setting, which an earlier engine may have changed)."""
+    return cfg.num_threads or max(1, len(os.sched_getaffinity(0)) // cfg.tensor_parallel_size)
 
 
 class Group:

@@ -44,6 +44,9 @@ class ShardedPlan:
     def choice_logits(self, model, hidden: torch.Tensor, greedy: list) -> torch.Tensor:
         return self.full_logits(model, hidden)
 
+    def logits(self, model, kv, rows: Rows) -> torch.Tensor:
+        return self.choice_logits(model, self.hidden(model, kv, rows), rows.greedy)
+
 
 def run(message, plans: dict, model, kv) -> None:
     """A non-driver rank's share of one announced call: the same forward or logits

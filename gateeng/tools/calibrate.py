@@ -132,22 +132,25 @@ def recommend(rows: list, target_miss: float) -> Optional[float]:
 
 
 # ---- measurement ---------------------------------------------------------------
-def _reference(loaded, prompts: list, n_tokens: int, dtype: str, progress):
-    """(reference token ids per prompt, the invariant plan that made them, the fast
-    plan as the engine serves it (packed weights, C++ kernels), the Reproducibility
-    record, the fast plan's matmul and the row count above which it changes)."""
-    from gateeng.config import EngineConfig
+def _reference(loaded, prompts: list, n_tokens: int, dtype: str, progress, tensor_parallel_size: int,
+               kv_blocks: int):
+    """(reference token ids per prompt, and the engine that made them: its invariant
+    plan, the fast plan as it serves it (packed weights, C++ kernels), its model
+    (a shard at tensor-parallel sizes > 1) and its KV cache of at least `kv_blocks`
+    blocks, free again once the reference decode is done)."""
+    from gateeng.config import EngineConfig, kv_blocks as default_blocks
     from gateeng.engine.core import EngineCore
     from gateeng.request import SamplingParams
-    engine = EngineCore(EngineConfig(plan="invariant", dtype=dtype), loaded=loaded)
+    cfg = EngineConfig(plan="invariant", dtype=dtype, tensor_parallel_size=tensor_parallel_size)
+    cfg.num_kv_blocks = max(kv_blocks, default_blocks(cfg))
+    engine = EngineCore(cfg, loaded=loaded)
     params = SamplingParams(max_tokens=n_tokens, ignore_eos=True)
     handles = [engine.add_request(engine.new_request(p, params)) for p in prompts]
     while engine.has_work():
         done = sum(h.done.is_set() for h in handles)
         engine.step()
         progress.update(sum(h.done.is_set() for h in handles) - done)
-    return ([h.result().token_ids for h in handles], engine.invariant_plan, engine.fast_plan,
-            asdict(engine.reproducibility), engine.fast_matmul, engine.model.fast_rowwise_max_rows)
+    return [h.result().token_ids for h in handles], engine
 
 
 def _tables(lengths: list, block_size: int) -> list:
@@ -184,23 +187,23 @@ def _teacher_forced(model, kv, fast, invariant, prompts: list, refs: list, block
 
 def calibrate(loaded, prompts: list, n_tokens: int = 64, batch_sizes=(1, 8, 32), dtype: str = "bfloat16",
               target_miss: float = 1e-3, confidence: float = 0.95, block_size: int = 16,
-              show_progress: bool = True, fast=None) -> Report:
+              show_progress: bool = True, fast=None, tensor_parallel_size: int = 1) -> Report:
     """Measure flips of the fast plan against the reference; `prompts` are token-id lists.
-    `fast` replaces the fast plan (tests use a noisy one to make flips)."""
+    `fast` replaces the fast plan (tests use a noisy one to make flips). Both plans
+    run as the engine runs them, at `tensor_parallel_size` ranks."""
     from tqdm import tqdm
-
-    from gateeng.model.llama import KVCache
 
     groups = {b: [list(range(i, min(i + b, len(prompts)))) for i in range(0, len(prompts), b)]
               for b in batch_sizes}
     total = len(prompts) + sum(len(g) for g in groups.values())
     with tqdm(total=total, desc="calibrate", unit="batch", file=sys.stderr, disable=not show_progress) as bar:
         bar.set_postfix_str("reference decode")
-        refs, invariant, served, machine, fast_matmul, switch = _reference(loaded, prompts, n_tokens, dtype, bar)
-        model, fast = loaded.model, fast or served
         most = max(sum(-(-(len(prompts[i]) + n_tokens) // block_size) for i in g)
                    for gs in groups.values() for g in gs)
-        kv = KVCache(loaded.config, most, block_size, model.dtype, model.device)
+        refs, engine = _reference(loaded, prompts, n_tokens, dtype, bar, tensor_parallel_size, most)
+        served, invariant, model, kv = engine.fast_plan, engine.invariant_plan, engine.model, engine.kv
+        machine, fast_matmul, switch = asdict(engine.reproducibility), engine.fast_matmul, model.fast_rowwise_max_rows
+        fast = fast or served
         margins, flipped, flips_by, steps_by = [], [], {}, {}
         for b, gs in groups.items():
             bar.set_postfix_str(f"fast decode, batch {b}")
@@ -212,6 +215,7 @@ def calibrate(loaded, prompts: list, n_tokens: int = 64, batch_sizes=(1, 8, 32),
                 flips_by[b] = flips_by.get(b, 0) + sum(f for _, f in samples)
                 steps_by[b] = steps_by.get(b, 0) + len(samples)
                 bar.update(1)
+        engine.close()
     rows = tau_table(margins, flipped, confidence=confidence)
     if fast is not served:
         fast_matmul, switch = "replaced by the caller", None

@@ -78,6 +78,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="torch CPU threads, per rank with --tensor-parallel-size (default: torch's choice, "
                         "usually the core count, shared out over the ranks)")
     _tensor_parallel_args(p)
+    p.add_argument("--tensor-parallel-timeout", type=float, default=DEFAULTS.tensor_parallel_timeout,
+                   metavar="SECONDS",
+                   help="how long any collective may wait on a rank before the engine fails every request and "
+                        "stops (a dead rank is seen at once)")
 
 
 def _tensor_parallel_args(p: argparse.ArgumentParser) -> None:
@@ -86,10 +90,6 @@ def _tensor_parallel_args(p: argparse.ArgumentParser) -> None:
                         "the engine, in one torch.distributed group on gloo; VERIFIED bits are the same at every "
                         "N (bf16 models on CPU only). A model whose MLP or attention output does not split on the "
                         "reference's blocks is refused at start-up, with the reason")
-    p.add_argument("--tensor-parallel-timeout", type=float, default=DEFAULTS.tensor_parallel_timeout,
-                   metavar="SECONDS",
-                   help="how long any collective may wait on a rank before the engine fails every request and "
-                        "stops (a dead rank is seen at once)")
 
 
 def _admin_token_arg(p: argparse.ArgumentParser, help: str) -> None:
@@ -366,7 +366,12 @@ def cmd_calibrate(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     prompts = [encode_prompt(loaded.tokenizer, t, chat=not args.no_chat) for t in texts]
-    report = cal.calibrate(loaded, prompts, args.tokens, sizes, args.dtype, args.target_miss)
+    try:
+        report = cal.calibrate(loaded, prompts, args.tokens, sizes, args.dtype, args.target_miss,
+                               tensor_parallel_size=args.tensor_parallel_size)
+    except ValueError as e:   # a size or setting the engine refuses at start-up
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     meta = {"model": loaded.source, "dtype": args.dtype, "prompts": len(prompts), "tokens": args.tokens,
             "batch_sizes": sizes}
     js, png = cal.write(report, Path(args.out), meta)
