@@ -115,6 +115,26 @@ def test_a_worker_killed_mid_request_fails_every_request_within_10s():
         e.shutdown()
 
 
+def test_a_hung_worker_fails_every_request_after_the_timeout():
+    e = engine(2, tensor_parallel_timeout=3)
+    worker = e.core.tp_group.workers[0]
+    try:
+        handles = e.submit_many(["one", "two"], SamplingParams(max_tokens=400, ignore_eos=True),
+                                [VERIFIED, DeterminismParams(Mode.OFF)])
+        next(iter(handles[1]))
+        os.kill(worker.pid, signal.SIGSTOP)   # alive, but answers no collective
+        t0 = time.monotonic()
+        for h in handles:
+            with pytest.raises(RuntimeError, match="tensor-parallel collective failed"):
+                h.result(timeout=10)
+        assert time.monotonic() - t0 < 10
+        with pytest.raises(EngineDead):
+            e.submit("after", SamplingParams(max_tokens=2))
+    finally:
+        os.kill(worker.pid, signal.SIGKILL)
+        e.shutdown()
+
+
 def test_a_worker_killed_while_idle_ends_the_engine_within_10s():
     e = engine(2)
     deaths = []
