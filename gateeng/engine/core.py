@@ -12,6 +12,7 @@ plans -> gate, verify, commit / rollback -> scheduler update -> measure, record
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import secrets
 import threading
@@ -94,6 +95,8 @@ class EngineCore:
         self.tp_group = None   # the tensor-parallel group (engine.tensor_parallel), at sizes > 1
         if cfg.tensor_parallel_size > 1:   # the model becomes this process's shard (rank 0)
             self.model, plans, self.tp_group = tensor_parallel.start(cfg, self.model, cfg.tensor_parallel_timeout)
+            if loaded is None:   # the whole model is not needed past sharding: let it go
+                self.loaded = dataclasses.replace(self.loaded, model=self.model)
         else:
             plans = factory.build(cfg, self.model, mc, DTYPES[cfg.dtype], owned=loaded is None)
         shape = self.model.cfg   # the shard's heads and columns at sizes > 1
