@@ -249,6 +249,32 @@ class GateBounds:
 HTTP_BODY_SLACK_BYTES = 64 * 1024
 
 
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """What one HTTP listener holds at most (serving/http_server.py enforces it;
+    `gateeng serve` exposes each as a flag)."""
+    max_connections: int = 512          # open at once; one more is answered 503 and closed
+    header_timeout_s: float = 10.0      # from opening (or a kept-alive connection's next byte) to whole headers
+    body_timeout_s: float = 30.0        # from the headers to the whole body
+    keep_alive_timeout_s: float = 5.0   # an idle kept-alive connection is closed after this
+
+    def validate(self, what: str) -> None:
+        if self.max_connections < 1:
+            raise ValueError(f"--{what}-max-connections must be >= 1, got {self.max_connections}")
+        for name in ("header_timeout_s", "body_timeout_s", "keep_alive_timeout_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                flag = "--http-" + name.removesuffix("_s").replace("_", "-")
+                raise ValueError(f"{flag} must be a number of seconds > 0, got {value}")
+
+
+# The /metrics endpoint answers a scraper or two: a handful of connections is plenty.
+METRICS_MAX_CONNECTIONS = 16
+# File descriptors kept beyond the HTTP listeners' connections: gRPC's connections,
+# the model and kernel files, logs, the tensor-parallel group.
+RESERVED_FDS = 256
+
+
 @dataclass
 class ServerConfig:
     """The server's own settings (the engine's are EngineConfig). `gateeng serve`
@@ -261,6 +287,9 @@ class ServerConfig:
     bounds: GateBounds = field(default_factory=GateBounds)
     http_port: Optional[int] = None        # the OpenAI-compatible HTTP front; None: off
     served_model_name: Optional[str] = None   # its model id; None: the model file's or directory's name
+    http_limits: ConnectionLimits = field(default_factory=ConnectionLimits)
+    metrics_limits: ConnectionLimits = field(
+        default_factory=lambda: ConnectionLimits(max_connections=METRICS_MAX_CONNECTIONS))
     http_default_mode: str = "off"         # determinism of HTTP requests that name none (off | verified)
     # Once the engine is up, exempt every object then alive from garbage collection
     # (gc.freeze). Process-wide, so only for a process that runs one server for its
@@ -278,3 +307,10 @@ class ServerConfig:
             raise ValueError(f"http_default_mode must be off or verified, got {self.http_default_mode!r}")
         if self.drain_seconds < 0 or self.max_prompt_bytes < 0:
             raise ValueError("drain_seconds and max_prompt_bytes must be >= 0")
+        self.http_limits.validate("http")
+        self.metrics_limits.validate("metrics")
+
+    def descriptors_needed(self) -> int:
+        """Open files the listeners may hold at their limits, plus RESERVED_FDS."""
+        return (RESERVED_FDS + (self.http_limits.max_connections if self.http_port is not None else 0)
+                + (self.metrics_limits.max_connections if self.metrics_port is not None else 0))

@@ -49,10 +49,11 @@ class Reproducibility:
     tensor_parallel_size: int = 1
 
     def fingerprint(self) -> str:
-        """A short stable id of the record (equal records, equal ids; the
-        tensor-parallel size aside)."""
-        fields = asdict(self)
-        del fields["tensor_parallel_size"]
+        """A short stable id of what decides the bits: equal for replicas and restarts
+        that give equal bits. The self-check's wording (which carries its duration)
+        and the tensor-parallel size are information and stay out of it; whether the
+        self-check passed stays in, since it decides whether VERIFIED is served."""
+        fields = {k: v for k, v in asdict(self).items() if k not in UNFINGERPRINTED}
         blob = json.dumps(fields, sort_keys=True).encode()
         return "gateeng-" + hashlib.sha256(blob).hexdigest()[:16]
 
@@ -109,6 +110,7 @@ def build(*, engine_version: str, model_fingerprint: str, dtype: str, device: st
 
 # Fields that describe a record rather than decide its bits.
 INFORMATION = ("self_check", "self_check_passed", "tensor_parallel_size")
+UNFINGERPRINTED = ("self_check", "tensor_parallel_size")
 # Where the reference is a written spec, only these decide the bits.
 SPEC_FIELDS = ("reference", "model_fingerprint", "dtype")
 

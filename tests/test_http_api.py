@@ -87,6 +87,7 @@ def test_echo_gives_prompt_logprobs_like_lm_eval_asks(served):
     (dict(temperature=-1), 400, "temperature"),
     (dict(logprobs=21), 400, "logprobs must be in"),
     (dict(model="gpt-4"), 404, "not served here"),
+    (dict(stream=True, echo=True, logprobs=1), 400, "`echo` is not served on a stream"),
 ])
 def test_bad_requests_get_openai_errors(served, kwargs, status, words):
     _, _, api = served
@@ -114,3 +115,28 @@ def test_wrongly_typed_fields_are_400_and_the_engine_keeps_serving(served, body,
         urllib.request.urlopen(req, timeout=30)
     assert ei.value.code == 400 and words in json.loads(ei.value.read())["error"]["message"]
     assert api.completions.create(model="tiny", prompt="hi", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_top_logprobs_without_logprobs_is_refused_not_dropped(served):
+    _, _, api = served
+    with pytest.raises(openai.BadRequestError) as ei:
+        api.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                    top_logprobs=3)
+    assert "`top_logprobs` needs `logprobs: true`" in ei.value.body["message"]
+
+
+def test_streamed_completion_logprobs_equal_the_unary_answers(served):
+    _, _, api = served
+    args = dict(model="tiny", prompt=[5, 6, 7], max_tokens=10, temperature=0, logprobs=3,
+                extra_body=dict(VERIFIED, ignore_eos=True))
+    whole = api.completions.create(**args).choices[0].logprobs
+    tokens, logprobs, tops, offsets = [], [], [], []
+    for chunk in api.completions.create(stream=True, **args):
+        lp = chunk.choices[0].logprobs if chunk.choices else None
+        if lp is not None:
+            tokens += lp.tokens
+            logprobs += lp.token_logprobs
+            tops += lp.top_logprobs
+            offsets += lp.text_offset
+    assert (tokens, logprobs, tops, offsets) == (whole.tokens, whole.token_logprobs, whole.top_logprobs,
+                                                 whole.text_offset)

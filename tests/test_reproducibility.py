@@ -37,3 +37,15 @@ def test_records_are_equal_exactly_when_every_field_is():
     assert a.isa in a.device_kind and a.device_name in a.device_kind and a.cuda_version
     other_cpu = dataclasses.replace(a, isa=a.isa + ",avx512_bf16")   # any other ISA list
     assert other_cpu != a and other_cpu.fingerprint() != a.fingerprint()
+
+
+def test_the_fingerprint_leaves_out_the_self_checks_wording_but_not_its_verdict():
+    kw = dict(engine_version="1.2.3", model_fingerprint="abc", dtype="bfloat16", device="cpu",
+              plan="fast", reference="invariant(rows=8,split=64)", self_check_passed=True,
+              self_check="passed (0.06s)")
+    a = rp.build(**kw)
+    restarted = dataclasses.replace(a, self_check="passed (0.11s)", tensor_parallel_size=2)
+    assert restarted.fingerprint() == a.fingerprint()
+    failed = dataclasses.replace(a, self_check_passed=False)
+    assert failed.fingerprint() != a.fingerprint()
+    assert dataclasses.replace(a, model_fingerprint="abd").fingerprint() != a.fingerprint()

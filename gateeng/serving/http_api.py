@@ -31,18 +31,14 @@ logprobs are each token decoded alone.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import json
 import math
 import secrets
-import socket
-import threading
 import time
 from pathlib import Path
 from typing import Optional
 
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
@@ -85,7 +81,9 @@ def error_body(r: Refusal) -> dict:
 def error_response(r: Refusal) -> Response:
     """A refusal as OpenAI answers one, with Retry-After where retrying helps. ASCII
     JSON, so no message (which may quote the request) can fail to encode."""
-    headers = {"Retry-After": str(r.retry_after_s)} if r.retry_after_s is not None else None
+    headers = {"Retry-After": str(r.retry_after_s)} if r.retry_after_s is not None else {}
+    if r.kind in (Kind.TOO_LARGE, Kind.TIMEOUT):
+        headers["Connection"] = "close"   # the body's rest was not read: this connection cannot carry another
     return Response(json.dumps(error_body(r)), status_code=r.kind.http_status, headers=headers,
                     media_type="application/json")
 
@@ -120,26 +118,7 @@ class OpenAIFront:
         return self.gateway.ready_engine()
 
     async def _body(self, request: HttpRequest, allowed: set) -> dict:
-        # --max-prompt-bytes is already several times what the context holds, so a
-        # body past it (plus room for the other fields) carries a prompt that cannot
-        # fit, however its text is escaped. Such a body is refused by its
-        # Content-Length: read past, never kept or parsed.
-        prompt_bytes = self.gateway.prompt_bytes()
-        limit = prompt_bytes + HTTP_BODY_SLACK_BYTES
-        too_large = Refusal(Kind.TOO_LARGE, f"request body above {limit} bytes: its prompt is past "
-                                            f"--max-prompt-bytes ({prompt_bytes}), far more than the context holds")
-        header = request.headers.get("content-length") or "0"
-        if not header.isdigit():
-            raise Refusal(Kind.INVALID, f"Content-Length {header!r} is not a byte count")
-        length = int(header)
-        if length > limit:
-            if length <= DISCARD_BYTES:          # so the client reads the answer, not a reset
-                async for _ in request.stream():
-                    pass
-            raise too_large
-        raw = await request.body()
-        if len(raw) > limit:
-            raise too_large
+        raw = await self._read_body(request)
         try:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError, RecursionError) as e:
@@ -160,6 +139,42 @@ class OpenAIFront:
             raise Refusal(Kind.NOT_FOUND, f"model {model!r} is not served here; this server serves {self.model_name!r}",
                           param="model", code="model_not_found")
         return body
+
+    async def _read_body(self, request: HttpRequest) -> bytes:
+        """The body's bytes, bounded before they are held. --max-prompt-bytes is already
+        several times what the context holds, so a body past it (plus room for the
+        other fields) carries a prompt that cannot fit, however its text is escaped.
+        The limit applies to the bytes received, whatever Content-Length says and
+        with chunked transfer alike: past it nothing more is kept, the rest is read
+        and dropped up to DISCARD_BYTES (so the client reads the 413, not a reset)
+        and the connection is closed after the answer. The whole body must arrive
+        within --http-body-timeout."""
+        prompt_bytes = self.gateway.prompt_bytes()
+        limit = prompt_bytes + HTTP_BODY_SLACK_BYTES
+        header = request.headers.get("content-length")
+        if header is not None and not header.isdigit():
+            raise Refusal(Kind.INVALID, f"Content-Length {header!r} is not a byte count")
+        declared = int(header or 0)
+        keep = declared <= limit
+        chunks, received = [], 0
+        seconds = self.gateway.settings.http_limits.body_timeout_s
+        try:
+            async with asyncio.timeout(seconds):
+                if keep or declared <= DISCARD_BYTES:
+                    async for chunk in request.stream():
+                        received += len(chunk)
+                        keep = keep and received <= limit
+                        if keep:
+                            chunks.append(chunk)
+                        elif received > DISCARD_BYTES:
+                            break
+        except TimeoutError:
+            raise Refusal(Kind.TIMEOUT, f"the request body did not arrive within {seconds:g} s "
+                                        f"(--http-body-timeout); {received} bytes came") from None
+        if not keep:
+            raise Refusal(Kind.TOO_LARGE, f"request body above {limit} bytes: its prompt is past "
+                                          f"--max-prompt-bytes ({prompt_bytes}), far more than the context holds")
+        return b"".join(chunks)
 
     def _sampling(self, body: dict, max_tokens_default: int, logprobs=None, prompt_logprobs=None) -> SamplingParams:
         """OpenAI's sampling fields, checked by checks.sampling as gRPC's are."""
@@ -252,10 +267,14 @@ class OpenAIFront:
         k = checks.integer(body.get("logprobs"), "logprobs")
         echo = checks.boolean(body.get("echo"), "echo") or False
         stream = checks.boolean(body.get("stream"), "stream") or False
+        if echo and stream:
+            raise Refusal(Kind.INVALID, "`echo` is not served on a stream (the prompt's logprobs come with the "
+                                        "whole answer); ask without `stream`", param="echo")
         params = self._sampling(body, 16, logprobs=k, prompt_logprobs=k if echo and k is not None else None)
         det = self._determinism(body)
         events = await self.gateway.start(prompt, params, det, request_id)
-        return await self._respond(request, request_id, events, stream, "text_completion", self._completion_chunk,
+        return await self._respond(request, request_id, events, stream, "text_completion",
+                                   self._completion_chunks(),
                                    lambda final: self._completion_json(request_id, final, echo, k))
 
     async def chat_completions(self, request: HttpRequest, request_id: str):
@@ -264,6 +283,8 @@ class OpenAIFront:
         k = None
         if checks.boolean(body.get("logprobs"), "logprobs"):
             k = checks.integer(body.get("top_logprobs"), "top_logprobs") or 0
+        elif body.get("top_logprobs") is not None:
+            raise Refusal(Kind.INVALID, "`top_logprobs` needs `logprobs: true`", param="top_logprobs")
         stream = checks.boolean(body.get("stream"), "stream") or False
         params = self._sampling(body, max(1, self.engine.max_model_len // 2), logprobs=k)
         det = self._determinism(body)
@@ -303,10 +324,10 @@ class OpenAIFront:
         return final
 
     # ---- response shapes ----------------------------------------------------------
-    def _legacy_logprobs(self, items: list) -> dict:
-        """The completions API's logprobs from (token id, logprob or None, top or None) items."""
+    def _legacy_logprobs(self, items: list, pos: int = 0) -> dict:
+        """The completions API's logprobs from (token id, logprob or None, top or None)
+        items, their text offsets counted from `pos`."""
         out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        pos = 0
         for token, logprob, top in items:
             text = self._token_text(token)
             out["tokens"].append(text)
@@ -353,11 +374,22 @@ class OpenAIFront:
                              "finish_reason": FINISH[c.finish_reason]}],
                 "usage": _usage(c), **self._extension(c)}
 
-    def _completion_chunk(self, request_id: str, ev, first: bool) -> dict:
-        choice = {"index": 0, "text": ev.text if isinstance(ev, Chunk) else "", "logprobs": None,
-                  "finish_reason": None if isinstance(ev, Chunk) else FINISH[ev.finish_reason]}
-        return {"id": request_id, "object": "text_completion", "created": int(time.time()),
-                "model": self.model_name, "choices": [choice]}
+    def _completion_chunks(self):
+        """The shape of one stream's completion chunks. A chunk's logprobs are its
+        tokens' (as OpenAI streams them), their text offsets counted over the stream."""
+        offset = 0
+
+        def shape(request_id: str, ev, first: bool) -> dict:
+            nonlocal offset
+            choice = {"index": 0, "text": ev.text if isinstance(ev, Chunk) else "", "logprobs": None,
+                      "finish_reason": None if isinstance(ev, Chunk) else FINISH[ev.finish_reason]}
+            if isinstance(ev, Chunk) and ev.logprobs:
+                choice["logprobs"] = lp = self._legacy_logprobs([(e.token, e.logprob, e.top) for e in ev.logprobs],
+                                                                offset)
+                offset += sum(len(t) for t in lp["tokens"])
+            return {"id": request_id, "object": "text_completion", "created": int(time.time()),
+                    "model": self.model_name, "choices": [choice]}
+        return shape
 
     def _chat_chunk(self, request_id: str, ev, first: bool) -> dict:
         delta = {"role": "assistant"} if first else {}
@@ -441,35 +473,3 @@ def _usage(c: Completion) -> dict:
 def json_logprob(v: float):
     """JSON has no -inf: a token top-k/top-p removed gets the most negative float."""
     return v if math.isfinite(v) else -3.4028234663852886e38
-
-
-class HttpServer:
-    """uvicorn serving an OpenAIFront on a thread and event loop of its own, so that
-    what HTTP costs the loop (reading and parsing large JSON bodies) never delays
-    gRPC calls and health checks, whose loop is the server's. The two fronts meet
-    only in the gateway, whose state is safe to read from either loop. Signals stay
-    with the gRPC server, which drains both."""
-
-    def __init__(self, front: OpenAIFront, host: str, port: int):
-        class _Server(uvicorn.Server):
-            def capture_signals(self):       # the gateeng Server owns SIGTERM / SIGINT
-                return contextlib.nullcontext()
-
-        self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((host, port))
-        self.port = self.sock.getsockname()[1]
-        self.server = _Server(uvicorn.Config(front.app, log_level="warning", lifespan="off",
-                                             timeout_graceful_shutdown=5))
-        self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve(sockets=[self.sock])),
-                                       name="gateeng-http", daemon=True)
-
-    def start(self) -> None:
-        self.thread.start()
-
-    async def stop(self) -> None:
-        """Stop accepting, let the answers in progress finish (at most
-        timeout_graceful_shutdown), and wait for the thread to end."""
-        self.server.should_exit = True
-        if self.thread.is_alive():
-            await asyncio.get_running_loop().run_in_executor(None, self.thread.join)

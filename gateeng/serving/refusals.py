@@ -19,6 +19,7 @@ class Kind(enum.Enum):
     """(gRPC status, HTTP status, OpenAI error type) per kind of refusal."""
     INVALID = (grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error")
     TOO_LARGE = (grpc.StatusCode.INVALID_ARGUMENT, 413, "invalid_request_error")
+    TIMEOUT = (grpc.StatusCode.DEADLINE_EXCEEDED, 408, "invalid_request_error")
     NOT_FOUND = (grpc.StatusCode.NOT_FOUND, 404, "not_found_error")
     IN_FLIGHT = (grpc.StatusCode.ALREADY_EXISTS, 409, "invalid_request_error")
     BUSY = (grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error")

@@ -1,5 +1,7 @@
 """The serving process: one gateway (gateway.py) with the gRPC front and, with
 --http-port, the OpenAI-compatible HTTP front over it, and the /metrics endpoint.
+The HTTP front and /metrics are bounded listeners (http_server.py); the open-file
+limit is raised at start so that they at their limits leave gRPC and health theirs.
 
 Lifetime: the fronts listen (health NOT_SERVING) while the model loads and the
 self-check runs; then health turns SERVING. SIGTERM / SIGINT drain: health turns
@@ -14,13 +16,14 @@ import gc
 import signal
 from typing import Optional
 
-from prometheus_client import start_http_server
+from prometheus_client import make_asgi_app
 
 from gateeng.config import EngineConfig, ServerConfig
 from gateeng.engine.client import Engine
 from gateeng.logs import LOGGER
 from gateeng.serving.gateway import REQUEST_ID_HEADER, Gateway
 from gateeng.serving.grpc_api import GrpcFront
+from gateeng.serving.http_server import HttpServer, ensure_descriptors
 from gateeng.serving.metrics import Metrics
 
 __all__ = ["REQUEST_ID_HEADER", "Server"]
@@ -40,14 +43,18 @@ class Server:
         self.host, self.port, self.drain_seconds = settings.host, settings.port, settings.drain_seconds
         self.metrics = Metrics()
         self.gateway = Gateway(settings, self.metrics)
+        ensure_descriptors(settings.descriptors_needed())
         self.metrics_port = None
+        self.metrics_http: Optional[HttpServer] = None
         if settings.metrics_port is not None:
-            http, _ = start_http_server(settings.metrics_port, addr=self.host, registry=self.metrics.registry)
-            self.metrics_port = http.server_port
+            self.metrics_http = HttpServer(make_asgi_app(self.metrics.registry), self.host, settings.metrics_port,
+                                           settings.metrics_limits, "metrics")
+            self.metrics_http.start()
+            self.metrics_port = self.metrics_http.port
         self.exit_code = 0
         self._stop: Optional[asyncio.Event] = None
         self.grpc: Optional[GrpcFront] = None
-        self.http = None        # http_api.HttpServer when settings.http_port is set
+        self.http: Optional[HttpServer] = None   # the OpenAI front, when settings.http_port is set
 
     def request_stop(self, exit_code: int = 0) -> None:
         """Begin the drain (thread-safe only from the loop; signals use this)."""
@@ -68,9 +75,9 @@ class Server:
         await front.start()
         log.info("listening on port %d (health NOT_SERVING while the model loads)", self.port)
         if self.settings.http_port is not None:
-            from gateeng.serving.http_api import HttpServer, OpenAIFront
-            self.http = HttpServer(OpenAIFront(self.gateway, self.settings.served_model_name), self.host,
-                                   self.settings.http_port)
+            from gateeng.serving.http_api import OpenAIFront
+            self.http = HttpServer(OpenAIFront(self.gateway, self.settings.served_model_name).app, self.host,
+                                   self.settings.http_port, self.settings.http_limits, "http")
             self.http.start()
             log.info("OpenAI-compatible HTTP on port %d", self.http.port)
         try:
@@ -79,6 +86,7 @@ class Server:
             if self.http is not None:
                 await self.http.stop()
             await front.stop(0)
+            await self._stop_metrics()
             raise
         engine.on_death.append(lambda exc: loop.call_soon_threadsafe(self._on_engine_death, exc))
         if self.settings.freeze_heap:
@@ -103,8 +111,13 @@ class Server:
         if self.http is not None:
             await self.http.stop()
         await front.stop(grace=2)
+        await self._stop_metrics()
         self.gateway.close()
         return self.exit_code
+
+    async def _stop_metrics(self) -> None:
+        if self.metrics_http is not None:
+            await self.metrics_http.stop()
 
     def _on_signal(self, signum) -> None:
         log.info("signal %d: draining (up to %.0fs) and stopping", signum, self.drain_seconds)

@@ -8,7 +8,7 @@ import sys
 
 from gateeng import __version__
 from gateeng.config import (DIRECT, HTTP_BODY_SLACK_BYTES, KV_POSITIONS_PER_SEQ, ROUTE_POLICIES, EngineConfig,
-                            GateBounds, ServerConfig)
+                            ConnectionLimits, GateBounds, ServerConfig)
 from gateeng.plans.kernel_names import ISA_ENV, REFERENCE, REFERENCE_ISAS, TORCH_MM
 from gateeng.request import DEFAULT_MAX_TOKENS
 
@@ -327,7 +327,14 @@ def server_config(args) -> ServerConfig:
                         drain_seconds=args.drain_seconds, max_prompt_bytes=args.max_prompt_bytes,
                         http_port=args.http_port, served_model_name=args.served_model_name,
                         http_default_mode=args.http_default_mode, freeze_heap=not args.no_heap_freeze,
-                        bounds=GateBounds(args.request_tau_max, args.request_window_min, args.request_window_max))
+                        bounds=GateBounds(args.request_tau_max, args.request_window_min, args.request_window_max),
+                        http_limits=_limits(args, args.http_max_connections),
+                        metrics_limits=_limits(args, args.metrics_max_connections))
+
+
+def _limits(args, max_connections: int) -> ConnectionLimits:
+    return ConnectionLimits(max_connections=max_connections, header_timeout_s=args.http_header_timeout,
+                            body_timeout_s=args.http_body_timeout, keep_alive_timeout_s=args.http_keep_alive_timeout)
 
 
 def cmd_serve(args) -> int:
@@ -473,7 +480,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
     s = sub.add_parser("serve", help="serve the model over gRPC, with Prometheus metrics")
     _add_model_args(s)
-    s.add_argument("--host", default=SERVER.host, help="address to bind (gRPC and metrics)")
+    s.add_argument("--host", default=SERVER.host, help="address to bind (gRPC, HTTP and metrics)")
     s.add_argument("--port", type=int, default=SERVER.port, help="gRPC port")
     s.add_argument("--metrics-port", type=int, default=SERVER.metrics_port, help="Prometheus /metrics port (-1: off)")
     s.add_argument("--http-port", type=int, default=SERVER.http_port,
@@ -482,6 +489,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--http-default-mode", choices=["off", "verified"], default=SERVER.http_default_mode,
                    help="determinism of HTTP requests that set none: `verified` makes every lm-eval or openai "
                         "client request VERIFIED without an extension field")
+    s.add_argument("--http-max-connections", type=int, default=SERVER.http_limits.max_connections,
+                   help="HTTP connections open at once; one more is answered 503 and closed")
+    s.add_argument("--metrics-max-connections", type=int, default=SERVER.metrics_limits.max_connections,
+                   help="/metrics connections open at once; one more is answered 503 and closed")
+    s.add_argument("--http-header-timeout", type=float, default=SERVER.http_limits.header_timeout_s,
+                   help="seconds a connection (HTTP and metrics) has to send a request's headers, from opening "
+                        "or from a kept-alive connection's next request; then it is closed")
+    s.add_argument("--http-body-timeout", type=float, default=SERVER.http_limits.body_timeout_s,
+                   help="seconds an HTTP request has to send its whole body after its headers; then it gets 408")
+    s.add_argument("--http-keep-alive-timeout", type=float, default=SERVER.http_limits.keep_alive_timeout_s,
+                   help="seconds an idle kept-alive connection stays open")
     s.add_argument("--served-model-name", default=SERVER.served_model_name,
                    help="the model id the HTTP API reports and accepts (default: the model file's name)")
     s.add_argument("--max-queue", type=int, default=DEFAULTS.max_queue,
