@@ -59,7 +59,9 @@ class Gateway:
                     chat: bool = False) -> AsyncIterator:
         """Submit one request (tokenizing it on the pool) and return its event
         iterator: Chunk / Rollback events, then the Completion. Closing the iterator
-        before the end aborts the request. Refusals raise before it is returned.
+        before the end aborts the request, and so does cancelling this call, even
+        while the pool is still submitting it (aio.stream_request). Refusals raise
+        before it is returned.
         The prompt's size is checked here, before tokenizing, for both fronts."""
         engine = self.ready_engine()
         try:

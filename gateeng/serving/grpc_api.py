@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hmac
 import secrets
+from contextlib import aclosing
 from dataclasses import asdict
 from typing import Optional
 
@@ -146,6 +147,12 @@ class EngineService:
         if key is not None:
             self.owned[key] = engine_id
         self.owned[(peer, engine_id)] = engine_id
+        # When the call ends (answered, cancelled, past its deadline), its request
+        # ends too. The finally below does this when the handler unwinds; grpc may
+        # instead leave a streaming handler suspended at its yield (cancelled while
+        # sending), which would otherwise keep decoding until garbage collection.
+        # A request still inside submit then is aborted by aio.stream_request.
+        context.add_done_callback(lambda _: self._call_ended(engine, key, peer, engine_id))
         stream = None
         try:
             try:
@@ -168,29 +175,39 @@ class EngineService:
                 log.exception("request %s failed", engine_id)
                 await self._refuse(context, internal_error(engine_id))
         finally:
-            if key is not None:
-                self.owned.pop(key, None)
-            self.owned.pop((peer, engine_id), None)
+            self._forget(key, peer, engine_id)
             if stream is not None:
                 await stream.aclose()     # aborts the request if the call went away first
 
+    def _forget(self, key, peer: str, engine_id: str) -> None:
+        if key is not None and self.owned.get(key) == engine_id:
+            del self.owned[key]
+        self.owned.pop((peer, engine_id), None)
+
+    def _call_ended(self, engine, key, peer: str, engine_id: str) -> None:
+        self._forget(key, peer, engine_id)
+        engine.abort(engine_id)           # a no-op for a request that has finished
+
     # ---- RPCs -------------------------------------------------------------------
     async def Generate(self, raw: bytes, context):
-        async for ev, shown_id, engine_id in self._run(raw, context):
-            if ev is None:
-                await context.send_initial_metadata(((REQUEST_ID_HEADER, engine_id),))
-            elif isinstance(ev, Chunk):
-                yield pb.GenerateResponse(chunk=pb.Chunk(token_ids=ev.token_ids, text=ev.text, position=ev.position,
-                                                         logprobs=logprobs_proto(ev.logprobs)))
-            elif isinstance(ev, Rollback):
-                yield pb.GenerateResponse(rollback=pb.Rollback(position=ev.position))
-            else:
-                yield pb.GenerateResponse(complete=complete_proto(ev, shown_id))
+        async with aclosing(self._run(raw, context)) as run:   # unwound however this handler ends
+            async for ev, shown_id, engine_id in run:
+                if ev is None:
+                    await context.send_initial_metadata(((REQUEST_ID_HEADER, engine_id),))
+                elif isinstance(ev, Chunk):
+                    yield pb.GenerateResponse(chunk=pb.Chunk(token_ids=ev.token_ids, text=ev.text,
+                                                             position=ev.position,
+                                                             logprobs=logprobs_proto(ev.logprobs)))
+                elif isinstance(ev, Rollback):
+                    yield pb.GenerateResponse(rollback=pb.Rollback(position=ev.position))
+                else:
+                    yield pb.GenerateResponse(complete=complete_proto(ev, shown_id))
 
     async def Complete(self, raw: bytes, context):
-        async for ev, shown_id, _ in self._run(raw, context):
-            if isinstance(ev, Completion):
-                return complete_proto(ev, shown_id)
+        async with aclosing(self._run(raw, context)) as run:
+            async for ev, shown_id, _ in run:
+                if isinstance(ev, Completion):
+                    return complete_proto(ev, shown_id)
 
     async def Abort(self, raw: bytes, context):
         request = await self._parse(pb.AbortRequest, raw, context)
