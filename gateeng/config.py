@@ -286,7 +286,10 @@ class ServerConfig:
     max_prompt_bytes: int = 0              # 0: 32 bytes per context position
     bounds: GateBounds = field(default_factory=GateBounds)
     http_port: Optional[int] = None        # the OpenAI-compatible HTTP front; None: off
-    served_model_name: Optional[str] = None   # its model id; None: the model file's or directory's name
+    served_model_name: Optional[str] = None   # the model's name on both fronts; None: gateway.model_name(source)
+    # GetModelInfo.source: the model's path on this machine, shown to any client
+    # only when the operator asks; otherwise clients get its name and fingerprint.
+    expose_model_path: bool = False
     http_limits: ConnectionLimits = field(default_factory=ConnectionLimits)
     metrics_limits: ConnectionLimits = field(
         default_factory=lambda: ConnectionLimits(max_connections=METRICS_MAX_CONNECTIONS))

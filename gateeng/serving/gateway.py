@@ -10,6 +10,7 @@ set once (`engine`), a flag (`draining`) or thread-safe (metrics, the pool).
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import AsyncIterator, Optional
 
 from gateeng.config import ServerConfig
@@ -23,6 +24,14 @@ from gateeng.serving.refusals import Kind, Refusal
 # The response header (gRPC initial metadata, HTTP header) with the server's id
 # for the request: unguessable, and the one the server's error logs name.
 REQUEST_ID_HEADER = "gateeng-request-id"
+
+
+def model_name(source: str) -> str:
+    """A model's name from where it was loaded: a .gguf file's stem, else the
+    directory's name. Clients see this, never the path (it names the server's
+    directories); --served-model-name replaces it (Gateway.model_name)."""
+    path = Path(source)
+    return path.stem if path.suffix == ".gguf" else path.name
 
 
 class Gateway:
@@ -42,6 +51,13 @@ class Gateway:
         if self.draining:
             return "the server is shutting down; retry on another replica"
         return None
+
+    def model_name(self) -> Optional[str]:
+        """The model's name as both fronts show it: --served-model-name, else
+        model_name(source); None while the model loads and none is set."""
+        if self.settings.served_model_name:
+            return self.settings.served_model_name
+        return None if self.engine is None else model_name(self.engine.loaded.source)
 
     def ready_engine(self) -> Engine:
         """The engine, or a Refusal (UNAVAILABLE, with a retry hint) saying why there

@@ -220,7 +220,9 @@ class EngineService:
         await self._parse(pb.GetModelInfoRequest, raw, context)
         e = await self._engine(context)
         mc = e.model_config
-        return pb.ModelInfo(source=e.loaded.source, fingerprint=e.loaded.fingerprint, dtype=e.config.dtype,
+        source = e.loaded.source if self.gateway.settings.expose_model_path else ""
+        return pb.ModelInfo(name=self.gateway.model_name(), source=source, fingerprint=e.loaded.fingerprint,
+                            dtype=e.config.dtype,
                             vocab_size=mc.vocab_size, max_model_len=e.max_model_len, num_layers=mc.num_layers,
                             hidden_size=mc.hidden_size, eos_token_ids=sorted(e.stop.eos),
                             architecture=mc.architecture,

@@ -326,6 +326,7 @@ def server_config(args) -> ServerConfig:
                         metrics_port=None if args.metrics_port < 0 else args.metrics_port,
                         drain_seconds=args.drain_seconds, max_prompt_bytes=args.max_prompt_bytes,
                         http_port=args.http_port, served_model_name=args.served_model_name,
+                        expose_model_path=args.expose_model_path,
                         http_default_mode=args.http_default_mode, freeze_heap=not args.no_heap_freeze,
                         bounds=GateBounds(args.request_tau_max, args.request_window_min, args.request_window_max),
                         http_limits=_limits(args, args.http_max_connections),
@@ -502,6 +503,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds an idle kept-alive connection stays open")
     s.add_argument("--served-model-name", default=SERVER.served_model_name,
                    help="the model id the HTTP API reports and accepts (default: the model file's name)")
+    s.add_argument("--expose-model-path", action="store_true", default=SERVER.expose_model_path,
+                   help="report the model's path on this machine to every client (GetModelInfo.source); by "
+                        "default that field is empty and clients see only the model's name and fingerprint")
     s.add_argument("--max-queue", type=int, default=DEFAULTS.max_queue,
                    help="requests allowed to wait; beyond it calls fail with RESOURCE_EXHAUSTED and a retry hint")
     s.add_argument("--max-prompt-bytes", type=int, default=SERVER.max_prompt_bytes,

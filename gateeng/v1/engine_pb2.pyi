@@ -283,7 +283,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("source", "fingerprint", "dtype", "vocab_size", "max_model_len", "num_layers", "hidden_size", "eos_token_ids", "architecture", "has_chat_template")
+    __slots__ = ("source", "fingerprint", "dtype", "vocab_size", "max_model_len", "num_layers", "hidden_size", "eos_token_ids", "architecture", "has_chat_template", "name")
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -294,6 +294,7 @@ class ModelInfo(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
     source: str
     fingerprint: str
     dtype: str
@@ -304,7 +305,8 @@ class ModelInfo(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     architecture: str
     has_chat_template: bool
-    def __init__(self, source: _Optional[str] = ..., fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., architecture: _Optional[str] = ..., has_chat_template: _Optional[bool] = ...) -> None: ...
+    name: str
+    def __init__(self, source: _Optional[str] = ..., fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., architecture: _Optional[str] = ..., has_chat_template: _Optional[bool] = ..., name: _Optional[str] = ...) -> None: ...
 
 class GetServerInfoRequest(_message.Message):
     __slots__ = ()
