@@ -36,7 +36,6 @@ import json
 import math
 import secrets
 import time
-from pathlib import Path
 from typing import Optional
 
 from starlette.applications import Starlette
@@ -91,8 +90,8 @@ def error_response(r: Refusal) -> Response:
 class OpenAIFront:
     """Routes over the gateway."""
 
-    def __init__(self, gateway: Gateway, model_name: Optional[str] = None):
-        self.gateway, self._model_name = gateway, model_name
+    def __init__(self, gateway: Gateway):
+        self.gateway = gateway
         self.created = int(time.time())
         self.app = Starlette(routes=[
             Route("/health", self.health, methods=["GET"]),
@@ -104,14 +103,8 @@ class OpenAIFront:
     # ---- plumbing ---------------------------------------------------------------
     @property
     def model_name(self) -> str:
-        """--served-model-name, else the model file's or directory's name."""
-        if self._model_name:
-            return self._model_name
-        engine = self.gateway.engine
-        if engine is None:
-            return "gateeng"
-        source = Path(engine.loaded.source)
-        return source.stem if source.suffix == ".gguf" else source.name
+        """The model's name both fronts show (Gateway.model_name)."""
+        return self.gateway.model_name() or "gateeng"
 
     @property
     def engine(self) -> Engine:

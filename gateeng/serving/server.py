@@ -76,7 +76,7 @@ class Server:
         log.info("listening on port %d (health NOT_SERVING while the model loads)", self.port)
         if self.settings.http_port is not None:
             from gateeng.serving.http_api import OpenAIFront
-            self.http = HttpServer(OpenAIFront(self.gateway, self.settings.served_model_name).app, self.host,
+            self.http = HttpServer(OpenAIFront(self.gateway).app, self.host,
                                    self.settings.http_port, self.settings.http_limits, "http")
             self.http.start()
             log.info("OpenAI-compatible HTTP on port %d", self.http.port)

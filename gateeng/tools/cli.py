@@ -502,7 +502,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--http-keep-alive-timeout", type=float, default=SERVER.http_limits.keep_alive_timeout_s,
                    help="seconds an idle kept-alive connection stays open")
     s.add_argument("--served-model-name", default=SERVER.served_model_name,
-                   help="the model id the HTTP API reports and accepts (default: the model file's name)")
+                   help="the model's name on both fronts: the id the HTTP API reports and accepts, and "
+                        "GetModelInfo's name (default: the model file's or directory's name)")
     s.add_argument("--expose-model-path", action="store_true", default=SERVER.expose_model_path,
                    help="report the model's path on this machine to every client (GetModelInfo.source); by "
                         "default that field is empty and clients see only the model's name and fingerprint")
