@@ -2,6 +2,7 @@
 
 A stand-in converter writes a small HF-like directory, so these run without the
 model; one test interrupts a real conversion of the embedded model."""
+import errno
 import json
 import os
 import signal
@@ -144,3 +145,34 @@ def test_model_dir_prints_the_converted_directory_with_its_tokenizer(capsys):
     assert (out / "tokenizer.json").is_file() and (out / "config.json").is_file()
     assert main(["model-dir", "--model", "/nonexistent/model.gguf"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where, exc", [
+    ("convert", OSError(errno.ENOSPC, "No space left on device")),
+    ("convert", OSError(errno.EDQUOT, "Disk quota exceeded")),
+    ("convert", RuntimeError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
+                             'message: "No space left on device" })')),
+    ("fsync", OSError(errno.ENOSPC, "No space left on device")),
+], ids=["ENOSPC", "EDQUOT", "safetensors", "at fsync"])
+def test_full_disk_during_conversion_is_one_clear_line_and_leaves_nothing(cache, monkeypatch, where, exc):
+    root, gguf = cache
+
+    def full(gguf, out):
+        (out / "model.safetensors").write_bytes(b"\0" * (1 << 20))
+        if where == "convert":
+            raise exc
+
+    def fsync(fd):
+        raise exc
+    if where == "fsync":
+        monkeypatch.setattr(model_cache.os, "fsync", fsync)
+    with pytest.raises(model_cache.NoSpace) as info:
+        model_cache.converted(gguf, full)
+    text = str(info.value)
+    assert "\n" not in text and str(root) in text and "1.0 MiB written" in text
+    assert "GATEENG_CACHE" in text and "free space" in text and "at least the GGUF's" in text
+    assert entries(root) == []   # no partial folder
+    monkeypatch.undo()
+    monkeypatch.setenv("GATEENG_CACHE", str(root))
+    target = model_cache.converted(gguf, FakeConverter())   # with room again, it converts
+    assert model_cache.check(target) is None and entries(root) == [target.name]

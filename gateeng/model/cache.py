@@ -15,9 +15,13 @@ Invariants:
   them (one read of the files), so a truncated or edited cache is reported and
   converted again instead of failing every start. (The model fingerprint is not the
   files': gateeng.model.fingerprint.)
+- A conversion that runs out of space (ENOSPC, EDQUOT) removes its .tmp folder and
+  raises NoSpace: one line naming the folder, what was written and what is free,
+  and what to do. Kernel builds (gateeng.plans.cpp_build) raise the same.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -32,6 +36,56 @@ from gateeng.config import cache_root
 from gateeng.logs import log
 
 MANIFEST = "gateeng.json"
+
+# What a full disk or an exhausted quota looks like where it arrives as text instead of
+# an OSError: a compiler's or ninja's output, safetensors' Rust I/O error.
+_NO_SPACE_TEXT = ("no space left on device", "disk quota exceeded", "os error 28", "os error 122",
+                  "storagefull", "filesystemquotaexceeded")
+
+
+class NoSpace(OSError):
+    """Writing into the cache failed for lack of space or quota; str() is one line that
+    names the folder, what was written before it failed, what is free, and what to do."""
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+def is_no_space(exc: BaseException) -> bool:
+    """Whether `exc` (or what it was raised from) is a full disk or an exhausted quota."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if any(words in str(exc).lower() for words in _NO_SPACE_TEXT):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def tree_size(path: Path) -> int:
+    """Bytes in the files under `path` (0 where it is gone)."""
+    total = 0
+    for dirpath, _, names in os.walk(path):
+        for name in names:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def no_space(folder: Path, doing: str, written: int, needed: str = "",
+             advice: str = "free space there, or set GATEENG_CACHE to a folder on a disk with room") -> NoSpace:
+    """The one-line error for a write into `folder` that ran out of space."""
+    try:
+        free = f"{shutil.disk_usage(folder if folder.exists() else folder.parent).free / 2 ** 20:.0f} MiB"
+    except OSError:
+        free = "unknown"
+    need = f"; {needed}" if needed else ""
+    return NoSpace(errno.ENOSPC, f"no space left on the disk of {folder} while {doing} "
+                                 f"({written / 2 ** 20:.1f} MiB written when it failed, {free} free now{need}): {advice}")
 
 
 def sha256_file(path: Path) -> str:
@@ -76,8 +130,14 @@ def check(target: Path) -> Optional[str]:
 
 @contextmanager
 def _locked(lock_path: Path):
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_path, "a") as fh:
+    try:
+        lock_path.parent.mkdir(parents=True, exist_ok=True)
+        fh = open(lock_path, "a")
+    except OSError as exc:
+        if is_no_space(exc):
+            raise no_space(lock_path.parent, f"creating {lock_path.name}", 0) from exc
+        raise
+    with fh:
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -116,15 +176,26 @@ def converted(gguf: Path, convert: Callable[[Path, Path], None]) -> Path:
             log(f"removing {stale.name}, left by an interrupted conversion")
             shutil.rmtree(stale, ignore_errors=True)
         tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
-        tmp.mkdir()
         t0 = time.time()
         log(f"converting {gguf.name} to safetensors (once; cached in {target}) ...")
-        convert(gguf, tmp)
-        manifest = {"source": str(gguf), "sha256": digest, "files": hash_dir(tmp)}
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        for path in tmp.iterdir():
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
-        os.replace(tmp, target)
+        try:
+            tmp.mkdir()
+            convert(gguf, tmp)
+            manifest = {"source": str(gguf), "sha256": digest, "files": hash_dir(tmp)}
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+            for path in tmp.iterdir():
+                with open(path, "rb") as f:
+                    os.fsync(f.fileno())   # a full disk may surface only here
+            os.replace(tmp, target)
+        except BaseException as exc:
+            # Nothing half-written stays behind, whatever stopped the conversion.
+            written = tree_size(tmp)
+            shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(exc, Exception) and is_no_space(exc):
+                size = gguf.stat().st_size / 2 ** 20
+                raise no_space(target.parent, f"converting {gguf.name}", written,
+                               f"it needs at least the GGUF's {size:.0f} MiB, about {2 * size:.0f} MiB "
+                               f"or more for a 16-bit or quantized GGUF") from exc
+            raise
         log(f"  converted in {time.time() - t0:.0f}s")
     return target

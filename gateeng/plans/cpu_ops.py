@@ -10,7 +10,8 @@ about a minute on 2 cores) into $GATEENG_CACHE, keyed by the source, the torch
 version and the CPU's flags, since the code is compiled for this CPU
 (-march=native, or the instruction set GATEENG_CPU_ISA names) and the machine
 under a cache can change. One process builds
-while others wait on the builder's lock. Where the build fails, `load()`
+while others wait on its lock, and a build killed at any stage is found and
+redone by the next start (cpp_build). Where the build fails, `load()`
 returns None, both plans keep their torch ops (the invariant plan's bits and
 kernel_plan change with it), and the log says why (EngineConfig.cpu_kernels /
 --no-cpu-kernels skips them altogether).
