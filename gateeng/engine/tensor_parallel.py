@@ -14,6 +14,16 @@ first, so the C++ kernels are compiled once; then it starts the workers, handing
 each its shard's tensors through shared memory. A worker builds its plans and
 KV cache, reports on the group's TCPStore that it is up, and joins the group.
 
+Loopback and the secret: every rank is a process on this machine, so the store and
+gloo listen on 127.0.0.1 only. The store is open to any local process, so the
+driver makes a random secret per engine and hands it to the workers in their spawn
+arguments (a pickle over a pipe to the child: not on a command line or in an
+environment). Every value the ranks exchange through the store carries an HMAC
+under it (SignedStore), so a stranger cannot mark a rank up or rewrite a rank's
+gloo address; once gloo has connected, every pair of ranks proves the secret to
+each other over its own connection (handshake), so a stranger that took a rank's
+place on a gloo listener makes start-up fail before any row is sent.
+
 Fail closed: a worker that exits is seen at once through its process sentinel
 (`on_death` callbacks: the engine then fails every request); one that hangs makes
 the next collective time out; a collective that fails raises
@@ -24,8 +34,13 @@ worker whose driver died or hung leaves within one timeout.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import multiprocessing.connection
 import os
+import secrets
+import socket
+import struct
 import threading
 import time
 from dataclasses import replace
@@ -34,6 +49,7 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 import torch.multiprocessing as mp
 
 from gateeng.config import EngineConfig, kv_blocks
@@ -45,12 +61,138 @@ from gateeng.plans import factory, sharded
 from gateeng.step import Kind
 
 HOST = "127.0.0.1"
+LOOPBACK_INTERFACE = "lo"   # Linux's loopback interface: its address is 127.0.0.1
+GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
 STARTUP_SECONDS = 300   # for every worker to import, build its plans and report (a cold start compiles)
 PING, STOP = "ping", "stop"
 
 
 class TensorParallelFailure(RuntimeError):
     """A rank died, hung past the group's timeout, or a collective failed."""
+
+
+class ForgedValue(TensorParallelFailure):
+    """A value on the rendezvous store, or a rank's proof, that was not made with the
+    engine's secret: something other than the engine's own ranks wrote it."""
+
+
+def _mac(secret: str, *parts: bytes) -> bytes:
+    """HMAC-SHA256 under the secret over the parts, each length-prefixed (so no two
+    different lists of parts give the same message)."""
+    message = b"".join(struct.pack("<Q", len(part)) + part for part in parts)
+    return hmac.new(secret.encode(), message, hashlib.sha256).digest()
+
+
+class SignedStore(dist.Store):
+    """The ranks' view of the rendezvous TCPStore. Every value set through it is
+    stored behind an HMAC of (key, value) under the engine's secret, and every value
+    read through it must carry the right one, else ForgedValue: a connection without
+    the secret can read and overwrite the store, but cannot make a value a rank
+    accepts, nor move one rank's value to another key. gloo's rendezvous and the
+    ranks' readiness marks use only set, get, wait and check; counters (add) cannot
+    carry a MAC and pass through unsigned, and nothing here relies on them."""
+
+    def __init__(self, store: dist.Store, secret: str):
+        super().__init__()
+        self._store, self._secret = store, secret
+
+    def set(self, key: str, value) -> None:
+        value = value.encode() if isinstance(value, str) else bytes(value)
+        self._store.set(key, _mac(self._secret, key.encode(), value) + value)
+
+    def get(self, key: str) -> bytes:
+        raw = self._store.get(key)
+        tag, value = raw[:32], raw[32:]
+        if len(raw) < 32 or not hmac.compare_digest(tag, _mac(self._secret, key.encode(), value)):
+            raise ForgedValue(f"the tensor-parallel store's key {key!r} holds a value not made with this "
+                              "engine's secret: another process on this machine wrote to the store")
+        return value
+
+    def multi_get(self, keys: list) -> list:
+        return [self.get(key) for key in keys]
+
+    def multi_set(self, keys: list, values: list) -> None:
+        for key, value in zip(keys, values):
+            self.set(key, value)
+
+    def wait(self, keys: list, timeout: Optional[timedelta] = None) -> None:
+        if timeout is None:
+            self._store.wait(keys)
+        else:
+            self._store.wait(keys, timeout)
+
+    def check(self, keys: list) -> bool:
+        return self._store.check(keys)
+
+    def add(self, key: str, amount: int) -> int:
+        return self._store.add(key, amount)
+
+    def delete_key(self, key: str) -> bool:
+        return self._store.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self._store.num_keys()
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._store.set_timeout(timeout)
+
+
+def _loopback_listener() -> int:
+    """A listening socket on 127.0.0.1 at a free port, as a file descriptor for the
+    TCPStore to own (it closes it when it goes). TCPStore's own listener binds to
+    every interface (`::`) whatever host it is given, with and without libuv; one it
+    is handed (master_listen_fd) keeps its address."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((HOST, 0))
+        sock.listen(128)
+    except BaseException:
+        sock.close()
+        raise
+    return sock.detach()
+
+
+@contextlib.contextmanager
+def _gloo_on_loopback():
+    """While the group is made: gloo binds each rank's listening socket to the
+    address of GLOO_SOCKET_IFNAME's interface where that is set, else to the address
+    the machine's hostname resolves to (often its LAN address). The ranks are all on
+    this machine, so loopback is always right, whatever the environment says."""
+    before = os.environ.get(GLOO_IFNAME)
+    os.environ[GLOO_IFNAME] = LOOPBACK_INTERFACE
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(GLOO_IFNAME, None)
+        else:
+            os.environ[GLOO_IFNAME] = before
+
+
+def _proof(secret: str, src: int, dst: int) -> bytes:
+    return _mac(secret, b"gateeng tensor-parallel rank proof", str(src).encode(), str(dst).encode())
+
+
+def handshake(rank: int, size: int, secret: str) -> None:
+    """Every ordered pair of ranks (src, dst) sends its proof over the pair's own gloo
+    connection, and dst checks it, else ForgedValue (a wrong proof) or gloo's timeout
+    (none comes). gloo's addresses are signed, so a stranger can be in a pair only by
+    connecting to a rank's listener before the rank it stands for; it then talks to
+    that one rank only, which sends it no proof it could use elsewhere (each names its
+    source and destination), so it cannot show the proof that rank waits for."""
+    mine = {peer: torch.frombuffer(bytearray(_proof(secret, rank, peer)), dtype=torch.uint8)
+            for peer in range(size) if peer != rank}   # held until every send is done
+    sends = [dist.isend(proof, peer) for peer, proof in mine.items()]
+    for peer in range(size):
+        if peer == rank:
+            continue
+        got = torch.empty(32, dtype=torch.uint8)
+        dist.recv(got, peer)
+        if not hmac.compare_digest(bytes(got.tolist()), _proof(secret, peer, rank)):
+            raise ForgedValue(f"tensor-parallel rank {peer} did not prove this engine's secret to rank {rank}: "
+                              "a process other than the engine's own rank is in the group")
+    for work in sends:
+        work.wait()
 
 
 def refusal(cfg: EngineConfig) -> Optional[str]:
@@ -88,35 +230,54 @@ class Group:
         self._last = time.monotonic()
         self._closing = threading.Event()
         ctx = mp.get_context("spawn")
-        self._store = dist.TCPStore(HOST, 0, self.size, True, timedelta(seconds=STARTUP_SECONDS),
-                                    wait_for_workers=False)
+        secret = secrets.token_hex(32)   # per engine; reaches the workers only in their spawn arguments
+        fd = _loopback_listener()
+        try:
+            self._store = dist.TCPStore(HOST, _port_of(fd), self.size, True, timedelta(seconds=STARTUP_SECONDS),
+                                        wait_for_workers=False, master_listen_fd=fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._signed = SignedStore(self._store, secret)
         threads = threads_per_rank(cfg)
         self.workers = []
         for rank in range(1, self.size):
             lay = shard.layout(model.cfg, self.size, rank)
             tensors = shard.shard_tensors(model, lay)
             p = ctx.Process(target=_worker_main, name=f"gateeng-tp{rank}", daemon=True,
-                            args=(rank, self._store.port, timeout, cfg, model.cfg, lay, tensors, threads))
+                            args=(rank, self._store.port, secret, timeout, cfg, model.cfg, lay, tensors, threads))
             p.start()
             self.workers.append(p)
             del tensors
-        self._await_workers()
-        dist.init_process_group("gloo", store=self._store, rank=0, world_size=self.size,
-                                timeout=timedelta(seconds=timeout))
+        try:
+            self._await_workers()
+            with _gloo_on_loopback():
+                dist.init_process_group("gloo", store=self._signed, rank=0, world_size=self.size,
+                                        timeout=timedelta(seconds=timeout))
+            handshake(0, self.size, secret)
+        except BaseException as exc:
+            self._kill()
+            _leave_group()
+            if isinstance(exc, ForgedValue):
+                raise ForgedValue(f"tensor-parallel start-up refused: {exc}") from None
+            if isinstance(exc, TensorParallelFailure) or not isinstance(exc, Exception):
+                raise
+            raise TensorParallelFailure(f"tensor-parallel start-up failed ({self._states()}): {exc}") from exc
         threading.Thread(target=self._watch, name="gateeng-tp-watch", daemon=True).start()
         threading.Thread(target=self._heartbeat, name="gateeng-tp-heartbeat", daemon=True).start()
 
     def _await_workers(self) -> None:
         keys = [f"up/{rank}" for rank in range(1, self.size)]
         deadline = time.monotonic() + STARTUP_SECONDS
-        while not self._store.check(keys):
+        while not self._signed.check(keys):
             dead = [p for p in self.workers if p.exitcode is not None]
             if dead or time.monotonic() > deadline:
-                self._kill()
                 why = (f"{dead[0].name} exited with code {dead[0].exitcode} during start-up" if dead else
                        f"the workers did not start within {STARTUP_SECONDS} s")
                 raise TensorParallelFailure(f"tensor-parallel start-up failed: {why}")
             time.sleep(0.05)
+        for key in keys:   # a mark is a rank's only when signed: a stranger's refuses start-up
+            self._signed.get(key)
 
     @contextlib.contextmanager
     def command(self, message):
@@ -210,7 +371,28 @@ def start(cfg: EngineConfig, model, timeout: float):
     return mine, plans, group
 
 
-def _worker_main(rank: int, port: int, timeout: float, cfg: EngineConfig, model_cfg, lay, tensors,
+def _leave_group() -> None:
+    """Leave the default group after a failed start-up, made or not. torch names a
+    group's keys on the store by a per-process counter that only destroying a made
+    group puts back; left advanced by a group that failed to form, the next engine's
+    driver would wait under other keys than its fresh workers."""
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+    else:
+        distributed_c10d._world.group_count = 0
+
+
+def _port_of(fd: int) -> int:
+    """The port a listening socket's file descriptor is bound to (the descriptor stays open)."""
+    sock = socket.socket(fileno=fd)
+    try:
+        return sock.getsockname()[1]
+    finally:
+        sock.detach()
+
+
+def _worker_main(rank: int, port: int, secret: str, timeout: float, cfg: EngineConfig, model_cfg, lay, tensors,
                  threads: int) -> None:
     """A worker rank: build the shard's plans and KV cache, join the group, then run
     every announced call until the driver says stop (or the group fails)."""
@@ -223,10 +405,13 @@ def _worker_main(rank: int, port: int, timeout: float, cfg: EngineConfig, model_
     built = factory.build(cfg, model, model.cfg, dtype, owned=True)
     plans = {Kind.FAST: built.fast, Kind.INVARIANT: built.invariant}
     kv = KVCache(model.cfg, kv_blocks(cfg), cfg.block_size, dtype, cfg.device)
-    store = dist.TCPStore(HOST, port, cfg.tensor_parallel_size, False, timedelta(seconds=STARTUP_SECONDS))
+    store = SignedStore(dist.TCPStore(HOST, port, cfg.tensor_parallel_size, False,
+                                      timedelta(seconds=STARTUP_SECONDS)), secret)
     store.set(f"up/{rank}", "1")
+    os.environ[GLOO_IFNAME] = LOOPBACK_INTERFACE   # this process only makes the group (_gloo_on_loopback)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=cfg.tensor_parallel_size,
                             timeout=timedelta(seconds=timeout))
+    handshake(rank, cfg.tensor_parallel_size, secret)
     while True:
         box = [None]
         dist.broadcast_object_list(box, src=0)
