@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gateeng.model.cache import NoSpace
+from gateeng.disk import NoSpace
 from gateeng.plans import cpp_build, factory, reference_ops
 
 TINY = textwrap.dedent("""

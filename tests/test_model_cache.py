@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from gateeng.disk import NoSpace
 from gateeng.model import cache as model_cache
 
 
@@ -166,7 +167,7 @@ def test_full_disk_during_conversion_is_one_clear_line_and_leaves_nothing(cache,
         raise exc
     if where == "fsync":
         monkeypatch.setattr(model_cache.os, "fsync", fsync)
-    with pytest.raises(model_cache.NoSpace) as info:
+    with pytest.raises(NoSpace) as info:
         model_cache.converted(gguf, full)
     text = str(info.value)
     assert "\n" not in text and str(root) in text and "1.0 MiB written" in text

@@ -16,14 +16,12 @@ Invariants:
   converted again instead of failing every start. (The model fingerprint is not the
   files': gateeng.model.fingerprint.)
 - A conversion that runs out of space (ENOSPC, EDQUOT) removes its .tmp folder and
-  raises NoSpace: one line naming the folder, what was written and what is free,
+  raises gateeng.disk.NoSpace: one line naming the folder, what was written and what is free,
   and what to do. Kernel builds (gateeng.plans.cpp_build) raise the same.
 """
 from __future__ import annotations
 
-import errno
 import fcntl
-import hashlib
 import json
 import os
 import shutil
@@ -33,68 +31,10 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from gateeng.config import cache_root
+from gateeng.disk import is_no_space, no_space, sha256_file, tree_size
 from gateeng.logs import log
 
 MANIFEST = "gateeng.json"
-
-# What a full disk or an exhausted quota looks like where it arrives as text instead of
-# an OSError: a compiler's or ninja's output, safetensors' Rust I/O error.
-_NO_SPACE_TEXT = ("no space left on device", "disk quota exceeded", "os error 28", "os error 122",
-                  "storagefull", "filesystemquotaexceeded")
-
-
-class NoSpace(OSError):
-    """Writing into the cache failed for lack of space or quota; str() is one line that
-    names the folder, what was written before it failed, what is free, and what to do."""
-
-    def __str__(self) -> str:
-        return self.strerror
-
-
-def is_no_space(exc: BaseException) -> bool:
-    """Whether `exc` (or what it was raised from) is a full disk or an exhausted quota."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        if any(words in str(exc).lower() for words in _NO_SPACE_TEXT):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
-
-
-def tree_size(path: Path) -> int:
-    """Bytes in the files under `path` (0 where it is gone)."""
-    total = 0
-    for dirpath, _, names in os.walk(path):
-        for name in names:
-            try:
-                total += os.lstat(os.path.join(dirpath, name)).st_size
-            except OSError:
-                pass
-    return total
-
-
-def no_space(folder: Path, doing: str, written: int, needed: str = "",
-             advice: str = "free space there, or set GATEENG_CACHE to a folder on a disk with room") -> NoSpace:
-    """The one-line error for a write into `folder` that ran out of space."""
-    try:
-        free = f"{shutil.disk_usage(folder if folder.exists() else folder.parent).free / 2 ** 20:.0f} MiB"
-    except OSError:
-        free = "unknown"
-    need = f"; {needed}" if needed else ""
-    return NoSpace(errno.ENOSPC, f"no space left on the disk of {folder} while {doing} "
-                                 f"({written / 2 ** 20:.1f} MiB written when it failed, {free} free now{need}): {advice}")
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
 
 def hash_dir(hf_dir: Path) -> dict:
     """{file name: {size, sha256}} for every file but the manifest."""

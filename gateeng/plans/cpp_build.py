@@ -26,7 +26,7 @@ Invariants:
 - The module is imported from the final folder, never the .tmp one: torch builds it
   without importing it as a Python module, and the import reads <key>/<module>.so.
 - A build that runs out of space removes its .tmp folder and raises
-  gateeng.model.cache.NoSpace (one line: the folder, what to do).
+  gateeng.disk.NoSpace (one line: the folder, what to do).
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ from typing import Optional
 
 from gateeng.config import cache_root
 from gateeng.logs import log
-from gateeng.model.cache import NoSpace, is_no_space, no_space, sha256_file, tree_size
+from gateeng.disk import NoSpace, is_no_space, no_space, sha256_file, tree_size
 
 RECORD = "built.json"
 TORCH_LOCK = "lock"   # torch's FileBaton, present while (or after a kill during) its build
