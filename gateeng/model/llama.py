@@ -251,6 +251,35 @@ class LlamaModel(torch.nn.Module):
         packed = self.shared[id(self.embed)].data
         return packed[ids // 16, :, ids % 16, :].reshape(ids.shape[0], -1)
 
+    def hf_state_dict(self, get=lambda t: t) -> dict:
+        """The weights under transformers' LlamaForCausalLM names (load_hf_state_dict's
+        inverse): the stacked qkv and gate_up split back into their projections.
+        `get` maps each parameter first (`lambda p: p.grad` names the gradients)."""
+        cfg = self.cfg
+        nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        sd = {"model.embed_tokens.weight": get(self.embed), "model.norm.weight": get(self.norm)}
+        for i, layer in enumerate(self.layers):
+            pre = f"model.layers.{i}."
+            sd[pre + "input_layernorm.weight"] = get(layer.input_norm)
+            sd[pre + "post_attention_layernorm.weight"] = get(layer.post_norm)
+            for n, w in zip("qkv", get(layer.qkv).split([nq, nkv, nkv])):
+                sd[pre + f"self_attn.{n}_proj.weight"] = w
+            if layer.qkv_bias is not None:
+                for n, b in zip("qkv", get(layer.qkv_bias).split([nq, nkv, nkv])):
+                    sd[pre + f"self_attn.{n}_proj.bias"] = b
+            sd[pre + "self_attn.o_proj.weight"] = get(layer.o)
+            if layer.o_bias is not None:
+                sd[pre + "self_attn.o_proj.bias"] = get(layer.o_bias)
+            if layer.q_norm is not None:
+                sd[pre + "self_attn.q_norm.weight"] = get(layer.q_norm)
+                sd[pre + "self_attn.k_norm.weight"] = get(layer.k_norm)
+            gate, up = get(layer.gate_up).split(cfg.intermediate_size)
+            sd[pre + "mlp.gate_proj.weight"], sd[pre + "mlp.up_proj.weight"] = gate, up
+            sd[pre + "mlp.down_proj.weight"] = get(layer.down)
+        if not cfg.tie_word_embeddings:
+            sd["lm_head.weight"] = get(self.lm_head)
+        return sd
+
     def logits(self, hidden: torch.Tensor, plan) -> torch.Tensor:
         return plan.linear(hidden.float(), self.lm_head_f32)
 
@@ -260,7 +289,7 @@ class LlamaModel(torch.nn.Module):
         final one): the same bits as the add, then the norm."""
         cfg = self.cfg
         nq, d = cfg.num_heads * cfg.head_dim, cfg.head_dim
-        h = self.embed_rows(input_ids)
+        h = plan.embed(self, input_ids)
         cos, sin = self.cos[positions], self.sin[positions]   # [rows, head_dim], gathered once per forward
         slots = KVSlots(slots)
         x = plan.rms_norm(h, self.layers[0].input_norm, cfg.rms_norm_eps)

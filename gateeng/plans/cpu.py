@@ -44,6 +44,11 @@ class CpuKernelOps:
         return None
 
     @staticmethod
+    def embed(model, ids: torch.Tensor) -> torch.Tensor:
+        """The token ids' embedding rows (a copy: no arithmetic)."""
+        return model.embed_rows(ids)
+
+    @staticmethod
     def add(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """x + b (a bias), rounded to x's dtype."""
         return x + b
