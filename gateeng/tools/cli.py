@@ -216,7 +216,7 @@ def cmd_generate(args) -> int:
     try:
         engine = Engine(_engine_config(args))
         res = engine.generate(args.prompt, params, det, chat=not args.no_chat)
-    except (ValueError, FileNotFoundError, DeterminismUnavailable) as e:
+    except (ValueError, OSError, DeterminismUnavailable) as e:   # OSError: a missing file, a full disk
         print(f"error: {e}", file=sys.stderr)
         return 2
     except EngineDead as e:   # the engine failed while it ran (a tensor-parallel rank died)
