@@ -162,6 +162,10 @@ class EngineConfig:
     # Seconds any collective of that group may wait before the engine fails closed:
     # a long prefill step on a loaded 2-core machine takes a few seconds.
     tensor_parallel_timeout: float = 15.0
+    # A weight update (Engine.update_weights) holds admission and lets the running
+    # requests finish on the old weights for up to this many seconds; those still
+    # running then end (abort), so that no answer mixes two weight versions.
+    weight_update_wait: float = 30.0
 
     def validate(self) -> None:
         if self.dtype not in ("bfloat16", "float32"):
@@ -184,6 +188,8 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.tensor_parallel_timeout <= 0:
             raise ValueError(f"tensor_parallel_timeout must be > 0 seconds, got {self.tensor_parallel_timeout}")
+        if not (math.isfinite(self.weight_update_wait) and self.weight_update_wait >= 0):
+            raise ValueError(f"weight_update_wait must be a number of seconds >= 0, got {self.weight_update_wait}")
         validate_threshold(self.margin_threshold)
         validate_window(self.max_window)
         if self.max_window + 1 > self.max_num_batched_tokens:

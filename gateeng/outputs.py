@@ -39,6 +39,7 @@ class Completion:
     logprobs: list = field(default_factory=list)   # sampler.Logprobs per token, if asked for
     prompt_logprobs: list = field(default_factory=list)   # per prompt token after the first, if asked for
     prompt_ids: list = field(default_factory=list)
+    finish_detail: str = ""   # why it ended where finish_reason alone does not say ('' otherwise)
 
     @property
     def completion_tokens(self) -> int:

@@ -189,6 +189,9 @@ class Request:
     logprobs: list = field(default_factory=list)
     # With params.prompt_logprobs: one per prompt token after the first.
     prompt_logprobs: list = field(default_factory=list)
+    # Why the request ended where finish_reason alone does not say (an abort by a
+    # weight update); '' otherwise.
+    finish_detail: str = ""
 
     def __post_init__(self):
         if not self.tokens:

@@ -117,6 +117,11 @@ class BlockManager:
             blk.key, blk.tokens = key, chunk
             self.cache[key] = blk.block_id
 
+    def drop_prefix_cache(self) -> None:
+        """Forget every cached block (new weights: no KV written before is reusable)."""
+        for blk in self.blocks:
+            self._unregister(blk)
+
     def _unregister(self, blk: Block) -> None:
         if blk.key is not None:
             del self.cache[blk.key]

@@ -14,11 +14,13 @@ import time
 from typing import Optional, Sequence, Union
 
 from gateeng.config import EngineConfig
+from gateeng.engine import weights
 from gateeng.engine.aio import Submitted, stream_request
 from gateeng.engine.core import EngineCore, Observer
-from gateeng.engine.errors import EngineDead, QueueFull
+from gateeng.engine.errors import EngineDead, QueueFull, WeightUpdateUnavailable
 from gateeng.engine.output_processor import RequestHandle
-from gateeng.model.loader import LoadedModel
+from gateeng.logs import log
+from gateeng.model.loader import LoadedModel, trim_heap
 from gateeng.request import DeterminismParams, SamplingParams
 
 
@@ -34,6 +36,8 @@ class Engine:
         self._lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
+        self._weights_lock = threading.Lock()   # one weight update at a time
+        self._weights_applied: Optional[tuple] = None   # (set once swapped in, [requests ended])
         if self.core.tp_group is not None:   # a worker's death ends the engine, even while it idles
             self.core.tp_group.on_death.append(self._fail_from_outside)
 
@@ -52,6 +56,7 @@ class Engine:
     invariant_plan = property(lambda self: self.core.invariant_plan)
     fast_matmul = property(lambda self: self.core.fast_matmul)
     counts = property(lambda self: self.core.counts)
+    weight_version = property(lambda self: self.core.weight_version)
     margin_threshold = property(lambda self: self.core.margin_threshold)
     max_window = property(lambda self: self.core.max_window)
 
@@ -115,6 +120,51 @@ class Engine:
     def set_observer(self, observer: Observer) -> None:
         self.core.set_observer(observer)
 
+    def update_weights(self, path) -> weights.WeightUpdate:
+        """Serve the checkpoint in directory `path` from the next step boundary on.
+
+        On this (the calling) thread: read it as `--model` does (the tokenizer stays
+        this engine's), check every tensor against the served model and build the
+        new model with its packed weights aside (engine/weights.py); a failure
+        raises WeightsRefused naming the tensor or file, and nothing changes. Then
+        the engine thread admits no new request, lets the running ones finish on
+        the old weights for up to config.weight_update_wait seconds, ends those
+        still running and any preempted one that produced output (finish_reason
+        abort, finish_detail "ended by a weight update"), swaps the weights in,
+        drops the prefix cache and admits again. Returns once the swap is done.
+        WeightUpdateUnavailable: tensor parallelism or CUDA (nothing changes)."""
+        with self._weights_lock:
+            t0 = time.perf_counter()
+            try:
+                if self.failure is not None:
+                    raise EngineDead(f"the engine loop stopped on an error: {self.failure!r}")
+                if not self.accepting:
+                    raise WeightUpdateUnavailable("the engine is shutting down")
+                weights.refuse_unless_supported(self.config, self.core.tp_group is not None)
+                prepared = weights.prepare(self.config, self.model_config, path)
+            except Exception as exc:   # refused (WeightsRefused, WeightUpdateUnavailable) or failed: nothing changed
+                log(f"weight update from {path} refused: {exc}")
+                self.core.observer.on_weight_update(False, time.perf_counter() - t0, self.weight_version)
+                raise
+            built = time.perf_counter()
+            done, ended = threading.Event(), []
+            self._weights_applied = (done, ended)
+            self._inbox.put(("weights", prepared))
+            self._ensure_thread()
+            while not done.wait(0.05):
+                if self.failure is not None or self._stopping:
+                    raise EngineDead("the engine stopped before the new weights were swapped in")
+            seconds = time.perf_counter() - t0
+            result = weights.WeightUpdate(self.loaded.fingerprint, self.weight_version, seconds, ended[0])
+            log(f"weights from {path} in place: version {result.weight_version}, fingerprint "
+                f"{result.model_fingerprint[:16]}, {seconds:.2f} s (read and checked {prepared.read_seconds:.2f} s, "
+                f"built and packed {prepared.build_seconds:.2f} s, to the step boundary "
+                f"{seconds - (built - t0):.2f} s); {result.requests_ended} requests ended")
+            del prepared
+            trim_heap()   # the old weights' memory goes back to the OS
+            self.core.observer.on_weight_update(True, seconds, result.weight_version)
+            return result
+
     @property
     def num_in_flight(self) -> int:
         return self.core.num_in_flight
@@ -157,6 +207,10 @@ class Engine:
         while not self._stopping:
             try:
                 self._drain_inbox()
+                if core.weight_update_due():   # a step boundary
+                    done, ended = self._weights_applied
+                    ended.append(core.apply_weight_update())
+                    done.set()
                 if core.has_work():
                     core.step()
                     stepped = True
@@ -185,6 +239,8 @@ class Engine:
                     self.core.schedule(r)
             elif op == "abort":
                 self.core.abort(arg)
+            elif op == "weights":
+                self.core.begin_weight_update(arg)
             elif op == "fail":
                 raise arg
             drained = True

@@ -23,7 +23,7 @@ import torch
 
 from gateeng import __version__, reproducibility
 from gateeng.config import ADAPTIVE, EngineConfig, kv_blocks, validate_threshold, validate_window
-from gateeng.engine import pricing, tensor_parallel
+from gateeng.engine import pricing, tensor_parallel, weights
 from gateeng.engine.block_manager import BlockManager
 from gateeng.engine.detokenizer import IncrementalText
 from gateeng.engine.errors import DeterminismUnavailable, QueueFull
@@ -32,7 +32,7 @@ from gateeng.engine.records import Counts, SeqRecord, StepRecord
 from gateeng.engine.route import RoutePolicy
 from gateeng.engine.scheduler import Scheduler
 from gateeng.engine.stopping import StopChecker
-from gateeng.engine.verification import VerificationStage
+from gateeng.engine.verification import VerificationStage, discard_speculation
 from gateeng.logs import log
 from gateeng.model.chat import encode_prompt
 from gateeng.model.llama import KVCache
@@ -74,6 +74,8 @@ class Observer:
     def on_tokens(self, mode: Mode, count: int, seconds_per_token: float) -> None: ...
     def on_retraction(self, mode: Mode) -> None: ...
     def on_finish(self, completion: Completion, seconds: float) -> None: ...
+    # A weight update applied or refused (called on the updating thread).
+    def on_weight_update(self, applied: bool, seconds: float, weight_version: int) -> None: ...
 
 
 class EngineCore:
@@ -118,11 +120,10 @@ class EngineCore:
         self.margin_threshold = cfg.margin_threshold
         self.max_window = cfg.max_window
         self.version = __version__
-        self.reproducibility = reproducibility.build(
-            engine_version=self.version, model_fingerprint=self.loaded.fingerprint, dtype=cfg.dtype,
-            device=cfg.device, plan=cfg.plan, reference=self.invariant_plan.describe(cfg.dtype),
-            self_check_passed=self.selfcheck.passed, self_check=self.selfcheck.describe(),
-            tensor_parallel_size=cfg.tensor_parallel_size)
+        self.reproducibility = self._answer_record(self.loaded.fingerprint)
+        self.weight_version = 0   # +1 per applied weight update (apply_weight_update)
+        self._weight_update: Optional[weights.Prepared] = None   # built aside, waiting for its step boundary
+        self._weight_deadline = 0.0
         self.observer = observer or Observer()
         self.outputs = OutputProcessor(self.observer, self.reproducibility)
         self.counts = Counts()   # replaced (never mutated) by the driving thread
@@ -136,6 +137,15 @@ class EngineCore:
         self.release_threads = plans.release_threads
         self.release_threads()
         trim_heap()   # what loading and packing freed goes back to the OS
+
+    def _answer_record(self, fingerprint: str) -> reproducibility.Reproducibility:
+        """The Reproducibility record of every answer on the weights `fingerprint` names."""
+        cfg = self.config
+        return reproducibility.build(
+            engine_version=self.version, model_fingerprint=fingerprint, dtype=cfg.dtype,
+            device=cfg.device, plan=cfg.plan, reference=self.invariant_plan.describe(cfg.dtype),
+            self_check_passed=self.selfcheck.passed, self_check=self.selfcheck.describe(),
+            tensor_parallel_size=cfg.tensor_parallel_size)
 
     def _price_plans(self, cfg: EngineConfig) -> None:
         """Seed the route policy's cost models with timed decode passes of both plans
@@ -288,6 +298,50 @@ class EngineCore:
         """Release what outlives a step: the tensor-parallel workers (a no-op at size 1)."""
         if self.tp_group is not None:
             self.tp_group.close()
+
+    # ---- weights in place (the driving thread; weights.prepare built them aside) -----
+    def begin_weight_update(self, prepared: weights.Prepared) -> None:
+        """Hold admission: the running requests finish on the weights they started
+        on, for up to config.weight_update_wait seconds (weight_update_due)."""
+        self._weight_update = prepared
+        self._weight_deadline = time.monotonic() + self.config.weight_update_wait
+        self.scheduler.admitting = False
+
+    def weight_update_due(self) -> bool:
+        """A pending update may be applied now: nothing runs, or the wait is over."""
+        return self._weight_update is not None and (not self.scheduler.running
+                                                    or time.monotonic() >= self._weight_deadline)
+
+    def apply_weight_update(self) -> int:
+        """Between two steps: end every request that computed anything on the old
+        weights (still running, or preempted with output or prompt logprobs), then
+        swap the model and its plans in, drop the prefix cache (the KV cache's
+        shapes stay) and admit again. No answer mixes two weight versions: those
+        ended keep their old Reproducibility record, every later one gets the new
+        fingerprint. Returns the number of requests ended."""
+        prepared, self._weight_update = self._weight_update, None
+        sch = self.scheduler
+        ended = list(sch.running) + [r for r in sch.waiting if r.output_ids or r.prompt_logprobs]
+        for req in ended:
+            discard_speculation(req)   # a VERIFIED answer ends on its verified tokens
+            req.finish_detail = weights.ENDED
+            sch.abort(req.request_id)
+        self._collect_finished()
+        self.blocks.drop_prefix_cache()
+        plans = prepared.plans
+        self.model = self.runner.model = prepared.model
+        self.runner.plans = {Kind.FAST: plans.fast, Kind.INVARIANT: plans.invariant}
+        self.runner.sample, self.runner.logprobs = plans.sample, plans.logprobs
+        # The same shapes, dtype and kernels as before: the self-check (which ran on
+        # the weights' shapes), the route's prices and the group rows still hold.
+        self.invariant_plan, self.fast_matmul = plans.invariant, plans.fast_matmul
+        self.verified_unavailable, self.release_threads = plans.unavailable, plans.release_threads
+        self.loaded = dataclasses.replace(self.loaded, model=prepared.model, fingerprint=prepared.fingerprint)
+        self.reproducibility = self.outputs.reproducibility = self._answer_record(prepared.fingerprint)
+        self.weight_version += 1
+        sch.admitting = True
+        self.publish_counts()
+        return len(ended)
 
     # ---- settings -----------------------------------------------------------------
     def set_margin_threshold(self, tau: float) -> None:

@@ -11,3 +11,13 @@ class EngineDead(RuntimeError):
 
 class DeterminismUnavailable(RuntimeError):
     """VERIFIED was asked for but the invariant plan failed its self-check here."""
+
+
+class WeightsRefused(ValueError):
+    """A weight update's checkpoint is not one the served model can take (a tensor
+    missing, extra, of another shape or dtype, not finite; an unreadable file;
+    another config). The message names the tensor or file; nothing changed."""
+
+
+class WeightUpdateUnavailable(RuntimeError):
+    """This engine cannot take weights in place (tensor parallelism, CUDA); nothing changed."""

@@ -79,7 +79,7 @@ class OutputProcessor:
                           dataclasses.replace(req.params, seed=req.seed if not req.params.greedy else None),
                           req.stats.snapshot(),
                           self.reproducibility, list(req.logprobs), list(req.prompt_logprobs),
-                          list(req.prompt_ids))
+                          list(req.prompt_ids), req.finish_detail)
 
     def _send(self, req: Request, h: RequestHandle, final: bool) -> None:
         text = req.text

@@ -48,6 +48,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished: list[Request] = []   # drained by the engine after each step
         self.num_preemptions = 0
+        # False while a weight update waits for the running requests: nothing new
+        # (nor a preempted request) joins the batch on the weights about to go.
+        self.admitting = True
 
     # ---- queue -------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -92,7 +95,7 @@ class Scheduler:
                 # Out of KV blocks: recompute-preempt the newest request (maybe this one).
                 victim = self.running[-1]
                 self._preempt(victim)
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.admitting and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             self._match_prefix(req)
             seq = self._next_chunk(req, budget)

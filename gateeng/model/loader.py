@@ -92,21 +92,31 @@ class LoadedModel:
 def load(path: Optional[str], dtype: str = "bfloat16", device: str = "cpu") -> LoadedModel:
     src = Path(path) if path else default_model_path()
     hf_dir = ensure_hf_dir(src)
+    cfg = read_model_config(hf_dir)
+    checkpoint = Checkpoint(weight_files(hf_dir))
+    model = LlamaModel(cfg, DTYPES[dtype], device)
+    model.load_hf_state_dict(checkpoint)
+    tok = Tokenizer.from_dir(hf_dir)
+    return LoadedModel(model, tok, cfg, model_fingerprint(cfg, checkpoint), str(src))
+
+
+def read_model_config(hf_dir: Path) -> ModelConfig:
+    """The ModelConfig of an HF directory's config.json, for a family the engine runs."""
     hf_cfg = read_config(hf_dir)
     if hf_cfg.model_type not in SUPPORTED:
         raise ValueError(f"model type {hf_cfg.model_type!r} is not a supported Llama-family decoder "
                          f"({', '.join(SUPPORTED)})")
     if getattr(hf_cfg, "mlp_bias", False):
         raise ValueError("models with MLP biases are not supported")
-    cfg = ModelConfig.from_hf(hf_cfg)
-    files = sorted(hf_dir.glob("*.safetensors"))
+    return ModelConfig.from_hf(hf_cfg)
+
+
+def weight_files(hf_dir: Path) -> list:
+    """The directory's *.safetensors files, in name order (the weights `load` reads)."""
+    files = sorted(Path(hf_dir).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {hf_dir}")
-    checkpoint = Checkpoint(files)
-    model = LlamaModel(cfg, DTYPES[dtype], device)
-    model.load_hf_state_dict(checkpoint)
-    tok = Tokenizer.from_dir(hf_dir)
-    return LoadedModel(model, tok, cfg, model_fingerprint(cfg, checkpoint), str(src))
+    return files
 
 
 class Checkpoint(Mapping):

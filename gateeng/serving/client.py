@@ -90,5 +90,13 @@ class Client:
             req.margin_threshold = margin_threshold
         if max_window is not None:
             req.max_window = max_window
-        md = [("authorization", f"Bearer {self.admin_token}")] if self.admin_token else []
-        return self.stub.UpdateGateConfig(req, metadata=md)
+        return self.stub.UpdateGateConfig(req, metadata=self._admin_metadata())
+
+    def update_weights(self, path: str, timeout=None) -> pb.UpdateWeightsResponse:
+        """Have the server serve the checkpoint in `path`, a directory on the server
+        (admin; see the UpdateWeights RPC)."""
+        return self.stub.UpdateWeights(pb.UpdateWeightsRequest(path=str(path)), metadata=self._admin_metadata(),
+                                       timeout=timeout)
+
+    def _admin_metadata(self) -> list:
+        return [("authorization", f"Bearer {self.admin_token}")] if self.admin_token else []

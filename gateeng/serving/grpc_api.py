@@ -9,7 +9,8 @@ the protobuf, checks.py for what both fronts share).
 Status codes a client can act on (refusals.py): INVALID_ARGUMENT (bad or unknown
 fields), ALREADY_EXISTS (a request_id this connection has in flight),
 RESOURCE_EXHAUSTED (queue full; trailing metadata `grpc-retry-pushback-ms` says
-when to retry), FAILED_PRECONDITION (VERIFIED where the self-check failed),
+when to retry), FAILED_PRECONDITION (VERIFIED where the self-check failed; weights
+in place where the server cannot swap them),
 UNAUTHENTICATED / PERMISSION_DENIED (admin), UNAVAILABLE (loading, draining, or
 the engine stopped; retry on another replica), INTERNAL (an engine failure).
 
@@ -24,8 +25,10 @@ deadline pass, aborts its request and frees its KV blocks.
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import secrets
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import asdict
 from typing import Optional
@@ -36,7 +39,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from gateeng.config import validate_threshold, validate_window
-from gateeng.engine.errors import EngineDead
+from gateeng.engine.errors import EngineDead, WeightUpdateUnavailable
 from gateeng.logs import LOGGER
 from gateeng.outputs import Chunk, Completion, Rollback
 from gateeng.reproducibility import Reproducibility
@@ -97,7 +100,7 @@ def complete_proto(c: Completion, request_id: str) -> pb.CompleteResponse:
             direct_steps=s.direct_steps, rollbacks_direct=s.mismatches_direct),
         reproducibility=reproducibility_proto(c.reproducibility, c.seed), logprobs=logprobs_proto(c.logprobs),
         prompt_logprobs=logprobs_proto(c.prompt_logprobs), prompt_token_ids=pb.TokenIds(ids=c.prompt_ids),
-        sampling=sampling_proto(c.sampling))
+        sampling=sampling_proto(c.sampling), finish_detail=c.finish_detail)
 
 
 class EngineService:
@@ -106,6 +109,8 @@ class EngineService:
         self.admin_token = admin_token
         # (peer, client request id) -> engine id, for the calls in flight.
         self.owned: dict[tuple[str, str], str] = {}
+        # Weight updates, one at a time (Engine.update_weights serializes them too).
+        self.weights_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gateeng-weights")
 
     # ---- helpers --------------------------------------------------------------
     async def _refuse(self, context, refusal: Refusal):
@@ -226,7 +231,8 @@ class EngineService:
                             vocab_size=mc.vocab_size, max_model_len=e.max_model_len, num_layers=mc.num_layers,
                             hidden_size=mc.hidden_size, eos_token_ids=sorted(e.stop.eos),
                             architecture=mc.architecture,
-                            has_chat_template=bool(getattr(e.tokenizer, "chat_template", None)))
+                            has_chat_template=bool(getattr(e.tokenizer, "chat_template", None)),
+                            weight_version=e.weight_version)
 
     async def GetServerInfo(self, raw: bytes, context):
         await self._parse(pb.GetServerInfoRequest, raw, context)
@@ -240,7 +246,8 @@ class EngineService:
                              kv_cache_usage=counts.kv_usage, max_queue=e.config.max_queue,
                              reproducibility=reproducibility_proto(e.reproducibility, None))
 
-    async def UpdateGateConfig(self, raw: bytes, context):
+    async def _admin(self, context) -> None:
+        """Refuse the call unless the server has an admin token and the call carries it."""
         if not self.admin_token:
             await self._refuse(context, Refusal(Kind.DENIED, "admin RPCs are disabled: start the server with "
                                                              "GATEENG_ADMIN_TOKEN or --admin-token-file"))
@@ -248,6 +255,9 @@ class EngineService:
         if not hmac.compare_digest(md.get("authorization", "").encode(), f"Bearer {self.admin_token}".encode()):
             await self._refuse(context, Refusal(Kind.UNAUTHENTICATED,
                                                 "admin RPC needs metadata `authorization: Bearer <admin token>`"))
+
+    async def UpdateGateConfig(self, raw: bytes, context):
+        await self._admin(context)
         request = await self._parse(pb.UpdateGateConfigRequest, raw, context)
         e = await self._engine(context)
         try:
@@ -264,6 +274,21 @@ class EngineService:
             e.set_max_window(w)
         log.info("gate config now tau=%s W=%s", e.margin_threshold, e.max_window)
         return pb.GateConfig(margin_threshold=e.margin_threshold, max_window=e.max_window)
+
+    async def UpdateWeights(self, raw: bytes, context):
+        await self._admin(context)
+        request = await self._parse(pb.UpdateWeightsRequest, raw, context)
+        e = await self._engine(context)
+        # Reading, checking and packing take seconds: on their own thread, never the
+        # event loop's. A call that goes away meanwhile does not stop the update.
+        try:
+            result = await asyncio.get_running_loop().run_in_executor(self.weights_pool, e.update_weights,
+                                                                      request.path)
+        except (ValueError, WeightUpdateUnavailable, EngineDead) as err:   # WeightsRefused is a ValueError
+            await self._refuse(context, refusals.from_engine(err))
+        return pb.UpdateWeightsResponse(model_fingerprint=result.model_fingerprint,
+                                        weight_version=result.weight_version, seconds=result.seconds,
+                                        requests_ended=result.requests_ended)
 
     def handler(self) -> grpc.GenericRpcHandler:
         """Handlers that take raw bytes, so a malformed request is INVALID_ARGUMENT
@@ -282,6 +307,8 @@ class EngineService:
                                                                  response_serializer=out(pb.ServerInfo)),
             "UpdateGateConfig": grpc.unary_unary_rpc_method_handler(self.UpdateGateConfig,
                                                                     response_serializer=out(pb.GateConfig)),
+            "UpdateWeights": grpc.unary_unary_rpc_method_handler(self.UpdateWeights,
+                                                                 response_serializer=out(pb.UpdateWeightsResponse)),
         }
         return grpc.method_handlers_generic_handler(SERVICE, methods)
 
@@ -313,3 +340,4 @@ class GrpcFront:
 
     async def stop(self, grace: Optional[float]) -> None:
         await self.server.stop(grace)
+        self.service.weights_pool.shutdown(wait=False)

@@ -203,7 +203,8 @@ class OpenAIFront:
                 "reproducibility": {**record_json(c.reproducibility), "seed": c.seed},
                 "determinism": {"mode": c.mode.value, **vars(c.stats)},
                 "replay": {"prompt_token_ids": c.prompt_ids, "token_ids": c.token_ids,
-                           "sampling": c.sampling.to_dict()}}
+                           "sampling": c.sampling.to_dict()},
+                **({"finish_detail": c.finish_detail} if c.finish_detail else {})}
 
     def _token_text(self, token: int) -> str:
         return self.engine.tokenizer.decode([token])
@@ -243,8 +244,10 @@ class OpenAIFront:
 
     async def models(self, request: HttpRequest):
         model = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "gateeng"}
-        if self.gateway.engine is not None:    # what `gateeng replay --openai` checks before it decodes
-            model["reproducibility"] = record_json(self.gateway.engine.reproducibility)
+        engine = self.gateway.engine
+        if engine is not None:    # what `gateeng replay --openai` checks before it decodes
+            model["reproducibility"] = record_json(engine.reproducibility)
+            model["weight_version"] = engine.weight_version   # 0 at start, +1 per applied weight update
         return JSONResponse({"object": "list", "data": [model]})
 
     async def completions(self, request: HttpRequest, request_id: str):

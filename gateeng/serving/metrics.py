@@ -96,11 +96,21 @@ class Metrics(Observer):
         self.errors = Counter("gateeng_rpc_errors", "Calls answered with an error status, by gRPC status code",
                               ["code"], registry=r)
         self.preemptions = Counter("gateeng_preemptions", "Requests preempted (recompute)", registry=r)
+        self.weight_updates = Counter("gateeng_weight_updates", "Weight updates (UpdateWeights, "
+                                      "Engine.update_weights): applied, or refused with nothing changed",
+                                      ["result"], registry=r)
+        self.weight_update_seconds = Gauge("gateeng_weight_update_seconds",
+                                           "Duration of the last applied weight update, from the call to the "
+                                           "swap (the wait for running requests included)", registry=r)
+        self.weight_version = Gauge("gateeng_weight_version", "Weight version served: 0 at start, +1 per "
+                                    "applied weight update", registry=r)
         self.build_info = Gauge("gateeng_build_info", "Build and run configuration",
                                 ["version", "plan", "dtype", "device", "self_check"], registry=r)
         # Every label value exists from the start, so ratios and rates have both sides at once.
         for setting in ("margin_threshold", "max_window"):
             self.overrides.labels(setting)
+        for result in ("applied", "refused"):
+            self.weight_updates.labels(result)
         for reason in REASONS:
             self.triggers.labels(reason)
         for reason in MISMATCH_REASONS:
@@ -120,6 +130,7 @@ class Metrics(Observer):
         self.build_info.labels(engine.version, cfg.plan, cfg.dtype, cfg.device,
                                "passed" if engine.selfcheck.passed else "failed").set(1)
         self.queue_capacity.set(cfg.max_queue)
+        self.weight_version.set(engine.weight_version)
         engine.set_observer(self)
 
     def count_overrides(self, det) -> None:
@@ -129,7 +140,7 @@ class Metrics(Observer):
         if det.max_window is not None:
             self.overrides.labels("max_window").inc()
 
-    # ---- Observer hooks (engine thread) ---------------------------------------
+    # ---- Observer hooks (engine thread; on_weight_update on the updating one) ---
     def on_step(self, record: StepRecord) -> None:
         for seq in record.seqs:
             if not seq.decode:
@@ -173,6 +184,12 @@ class Metrics(Observer):
 
     def on_retraction(self, mode: Mode) -> None:
         self.retractions.inc()
+
+    def on_weight_update(self, applied: bool, seconds: float, weight_version: int) -> None:
+        self.weight_updates.labels("applied" if applied else "refused").inc()
+        if applied:
+            self.weight_update_seconds.set(seconds)
+        self.weight_version.set(weight_version)
 
     def on_finish(self, completion, seconds: float) -> None:
         self.prompt_tokens.inc(completion.prompt_tokens)

@@ -10,7 +10,7 @@ from typing import Optional
 
 import grpc
 
-from gateeng.engine.errors import DeterminismUnavailable, EngineDead, QueueFull
+from gateeng.engine.errors import DeterminismUnavailable, EngineDead, QueueFull, WeightUpdateUnavailable
 
 RETRY_AFTER_S = 1   # the back-off a busy server asks for (gRPC pushback, HTTP Retry-After)
 
@@ -24,6 +24,7 @@ class Kind(enum.Enum):
     IN_FLIGHT = (grpc.StatusCode.ALREADY_EXISTS, 409, "invalid_request_error")
     BUSY = (grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error")
     NO_VERIFIED = (grpc.StatusCode.FAILED_PRECONDITION, 400, "invalid_request_error")
+    NOT_HERE = (grpc.StatusCode.FAILED_PRECONDITION, 409, "invalid_request_error")   # not on this server's setup
     UNAUTHENTICATED = (grpc.StatusCode.UNAUTHENTICATED, 401, "authentication_error")
     DENIED = (grpc.StatusCode.PERMISSION_DENIED, 403, "permission_error")
     UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, 503, "server_error")
@@ -75,6 +76,8 @@ def from_engine(exc: Exception, submitted: bool = False) -> Refusal:
         return busy(str(exc))
     if isinstance(exc, DeterminismUnavailable):
         return Refusal(Kind.NO_VERIFIED, str(exc), param="determinism")
+    if isinstance(exc, WeightUpdateUnavailable):
+        return Refusal(Kind.NOT_HERE, str(exc))
     if isinstance(exc, ValueError):   # checks.BadRequest included
         return Refusal(Kind.INVALID, str(exc), param=getattr(exc, "param", None), code=getattr(exc, "code", None))
     raise exc

@@ -120,7 +120,8 @@ def _engine_config(args):
                         pack_fast_weights=not args.no_packed_weights, cpu_kernels=not args.no_cpu_kernels,
                         num_threads=args.threads, max_queue=getattr(args, "max_queue", DEFAULTS.max_queue),
                         tensor_parallel_size=args.tensor_parallel_size,
-                        tensor_parallel_timeout=args.tensor_parallel_timeout)
+                        tensor_parallel_timeout=args.tensor_parallel_timeout,
+                        weight_update_wait=getattr(args, "weight_update_wait", DEFAULTS.weight_update_wait))
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -426,6 +427,29 @@ def cmd_admin_gate(args) -> int:
     return _update_gate(args.server, token, args.tau, args.window)
 
 
+def cmd_update_weights(args) -> int:
+    import grpc
+
+    from gateeng.serving.client import Client
+    try:
+        token = _admin_token(args)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not token:
+        print(f"error: the admin token is missing: pass --admin-token-file or set ${ADMIN_ENV}", file=sys.stderr)
+        return 2
+    with Client(args.server, admin_token=token) as c:
+        try:
+            res = c.update_weights(args.dir)
+        except grpc.RpcError as e:
+            print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 2
+    print(f"{args.server}: weights from {args.dir} in place: weight_version {res.weight_version}, "
+          f"model_fingerprint {res.model_fingerprint}, {res.seconds:.2f} s, {res.requests_ended} requests ended")
+    return 0
+
+
 def cmd_model_dir(args) -> int:
     """Print the Hugging Face-format directory of a model (a .gguf is converted once
     and cached): the tokenizer path tools such as lm-eval-harness take."""
@@ -520,7 +544,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--request-window-max", type=int, default=SERVER.bounds.max_window,
                    help="the largest max_window a request may ask for (a verify replay is up to W+1 "
                         "positions in one step)")
-    _admin_token_arg(s, "enables admin RPCs (UpdateGateConfig)")
+    _admin_token_arg(s, "enables admin RPCs (UpdateGateConfig, UpdateWeights)")
+    s.add_argument("--weight-update-wait", type=float, default=DEFAULTS.weight_update_wait, metavar="SECONDS",
+                   help="a weight update (`gateeng update-weights`) admits no new request and lets the running "
+                        "ones finish on the old weights for up to this long; those still running then end with "
+                        "finish_reason abort, so no answer mixes two weight versions")
     s.add_argument("--drain-seconds", type=float, default=SERVER.drain_seconds,
                    help="on SIGTERM, how long in-flight requests may finish before they end with UNAVAILABLE")
     s.add_argument("--no-heap-freeze", action="store_true",
@@ -603,6 +631,21 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--model", default=None,
                    help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     m.set_defaults(func=cmd_model_dir)
+    u = sub.add_parser("update-weights", help="have a running server serve new weights, in place (admin)",
+                       description="Send DIR to a running server, which reads it (config.json and *.safetensors "
+                                   "under transformers' names; its own tokenizer stays), checks every tensor "
+                                   "against the served model and swaps the weights in between two engine steps. "
+                                   "Until then no new request joins the batch; running ones finish on the old "
+                                   "weights for up to the server's --weight-update-wait seconds, then end with "
+                                   "finish_reason abort (\"ended by a weight update\"). Prints the new weight "
+                                   "version, model fingerprint and duration. A refused update changes nothing: "
+                                   "the server's message is printed and the exit status is 2.")
+    u.add_argument("dir", metavar="DIR",
+                   help="the checkpoint directory as the server sees it (a path on the server's machine; a "
+                        "relative one is taken from the server's working directory)")
+    u.add_argument("--server", default="127.0.0.1:50051", metavar="HOST:PORT", help="the server's gRPC address")
+    _admin_token_arg(u, "required")
+    u.set_defaults(func=cmd_update_weights)
     h = sub.add_parser("health", help="check a running server's health (exit 0 only when SERVING)")
     h.add_argument("--server", default="127.0.0.1:50051", metavar="HOST:PORT")
     h.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the answer")

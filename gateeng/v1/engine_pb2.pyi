@@ -231,7 +231,7 @@ class Reproducibility(_message.Message):
     def __init__(self, engine_version: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., device_kind: _Optional[str] = ..., kernel_plan: _Optional[str] = ..., self_check_passed: _Optional[bool] = ..., self_check: _Optional[str] = ..., seed: _Optional[int] = ..., seeded: _Optional[bool] = ..., device_name: _Optional[str] = ..., isa: _Optional[str] = ..., torch_version: _Optional[str] = ..., triton_version: _Optional[str] = ..., cuda_version: _Optional[str] = ..., num_threads: _Optional[int] = ..., fingerprint: _Optional[str] = ..., reference: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class CompleteResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "determinism", "reproducibility", "logprobs", "prompt_logprobs", "prompt_token_ids", "sampling")
+    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "determinism", "reproducibility", "logprobs", "prompt_logprobs", "prompt_token_ids", "sampling", "finish_detail")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -243,6 +243,7 @@ class CompleteResponse(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    FINISH_DETAIL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -254,7 +255,8 @@ class CompleteResponse(_message.Message):
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[Logprobs]
     prompt_token_ids: TokenIds
     sampling: SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., determinism: _Optional[_Union[DeterminismReport, _Mapping]] = ..., reproducibility: _Optional[_Union[Reproducibility, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[Logprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[Logprobs, _Mapping]]] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    finish_detail: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., determinism: _Optional[_Union[DeterminismReport, _Mapping]] = ..., reproducibility: _Optional[_Union[Reproducibility, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[Logprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[Logprobs, _Mapping]]] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., finish_detail: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("chunk", "rollback", "complete")
@@ -283,7 +285,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("source", "fingerprint", "dtype", "vocab_size", "max_model_len", "num_layers", "hidden_size", "eos_token_ids", "architecture", "has_chat_template", "name")
+    __slots__ = ("source", "fingerprint", "dtype", "vocab_size", "max_model_len", "num_layers", "hidden_size", "eos_token_ids", "architecture", "has_chat_template", "name", "weight_version")
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -295,6 +297,7 @@ class ModelInfo(_message.Message):
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     source: str
     fingerprint: str
     dtype: str
@@ -306,7 +309,8 @@ class ModelInfo(_message.Message):
     architecture: str
     has_chat_template: bool
     name: str
-    def __init__(self, source: _Optional[str] = ..., fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., architecture: _Optional[str] = ..., has_chat_template: _Optional[bool] = ..., name: _Optional[str] = ...) -> None: ...
+    weight_version: int
+    def __init__(self, source: _Optional[str] = ..., fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., architecture: _Optional[str] = ..., has_chat_template: _Optional[bool] = ..., name: _Optional[str] = ..., weight_version: _Optional[int] = ...) -> None: ...
 
 class GetServerInfoRequest(_message.Message):
     __slots__ = ()
@@ -353,3 +357,21 @@ class UpdateGateConfigRequest(_message.Message):
     margin_threshold: float
     max_window: int
     def __init__(self, margin_threshold: _Optional[float] = ..., max_window: _Optional[int] = ...) -> None: ...
+
+class UpdateWeightsRequest(_message.Message):
+    __slots__ = ("path",)
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    def __init__(self, path: _Optional[str] = ...) -> None: ...
+
+class UpdateWeightsResponse(_message.Message):
+    __slots__ = ("model_fingerprint", "weight_version", "seconds", "requests_ended")
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_ENDED_FIELD_NUMBER: _ClassVar[int]
+    model_fingerprint: str
+    weight_version: int
+    seconds: float
+    requests_ended: int
+    def __init__(self, model_fingerprint: _Optional[str] = ..., weight_version: _Optional[int] = ..., seconds: _Optional[float] = ..., requests_ended: _Optional[int] = ...) -> None: ...

@@ -64,6 +64,11 @@ class EngineStub:
                 request_serializer=gateeng_dot_v1_dot_engine__pb2.UpdateGateConfigRequest.SerializeToString,
                 response_deserializer=gateeng_dot_v1_dot_engine__pb2.GateConfig.FromString,
                 _registered_method=True)
+        self.UpdateWeights = channel.unary_unary(
+                '/gateeng.v1.Engine/UpdateWeights',
+                request_serializer=gateeng_dot_v1_dot_engine__pb2.UpdateWeightsRequest.SerializeToString,
+                response_deserializer=gateeng_dot_v1_dot_engine__pb2.UpdateWeightsResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServicer:
@@ -107,6 +112,20 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UpdateWeights(self, request, context):
+        """Admin (the same token): serve the checkpoint in a directory on the server from
+        the next step boundary on. Every tensor is checked against the served model
+        first; a broken checkpoint is refused (INVALID_ARGUMENT, naming the tensor or
+        file) and changes nothing. No new request joins the batch until the swap;
+        running ones finish on the old weights for up to --weight-update-wait seconds,
+        then end with finish_reason ABORT (finish_detail says why), as do preempted ones
+        that produced output: no answer mixes two weight versions. FAILED_PRECONDITION
+        where the server cannot swap in place (tensor parallelism, CUDA).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -139,6 +158,11 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.UpdateGateConfig,
                     request_deserializer=gateeng_dot_v1_dot_engine__pb2.UpdateGateConfigRequest.FromString,
                     response_serializer=gateeng_dot_v1_dot_engine__pb2.GateConfig.SerializeToString,
+            ),
+            'UpdateWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateWeights,
+                    request_deserializer=gateeng_dot_v1_dot_engine__pb2.UpdateWeightsRequest.FromString,
+                    response_serializer=gateeng_dot_v1_dot_engine__pb2.UpdateWeightsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -303,6 +327,33 @@ class Engine:
             '/gateeng.v1.Engine/UpdateGateConfig',
             gateeng_dot_v1_dot_engine__pb2.UpdateGateConfigRequest.SerializeToString,
             gateeng_dot_v1_dot_engine__pb2.GateConfig.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gateeng.v1.Engine/UpdateWeights',
+            gateeng_dot_v1_dot_engine__pb2.UpdateWeightsRequest.SerializeToString,
+            gateeng_dot_v1_dot_engine__pb2.UpdateWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,92 @@
+"""Weights in place on the embedded model: how long Engine.update_weights takes
+against what the engine spends packing the weights at start-up.
+
+The embedded SmolLM2-135M is saved once as a bf16 Hugging Face directory (its
+cached float32 conversion rounded to bf16) and a second one with every weight
+nudged (another fingerprint). An engine starts on the first; each round times
+plans.factory.build on a freshly loaded copy (the start-up packing, as EngineCore
+runs it) and then one idle update to the other directory (read, check and
+fingerprint, build and pack, swap), alternating the two directories. The numbers
+are medians over the rounds; the engine's log line of each update gives its parts.
+
+Usage: python bench/weight_update.py [--rounds 5] [--threads N]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent.parent))
+
+
+def save_bf16_dirs(root: Path) -> tuple:
+    """(the embedded model as a bf16 HF directory, the same with every weight nudged)."""
+    from safetensors.torch import load_file, save_file
+
+    from gateeng.model.loader import default_model_path, ensure_hf_dir
+    src = ensure_hf_dir(default_model_path())
+    tensors = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors.update({k: v.to(torch.bfloat16) for k, v in load_file(str(f)).items()})
+    config = json.loads((src / "config.json").read_text())
+    config["dtype"] = "bfloat16"
+    out = []
+    for name, scale in (("a", 0.0), ("b", 1e-3)):
+        d = root / name
+        d.mkdir()
+        gen = torch.Generator().manual_seed(1)
+        nudged = {k: (v.float() + scale * torch.randn(v.shape, generator=gen)).to(torch.bfloat16) if scale else v
+                  for k, v in tensors.items()}
+        save_file(nudged, str(d / "model.safetensors"), metadata={"format": "pt"})
+        (d / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+        for tok in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            if (src / tok).is_file() and name == "a":
+                shutil.copy(src / tok, d / tok)   # the start reads a tokenizer; an update needs none
+        out.append(d)
+    return tuple(out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args()
+
+    from gateeng.config import EngineConfig
+    from gateeng.engine.client import Engine
+    from gateeng.model.loader import DTYPES, load
+    from gateeng.plans import factory
+
+    with tempfile.TemporaryDirectory() as tmp:
+        a, b = save_bf16_dirs(Path(tmp))
+        cfg = EngineConfig(model=str(a), num_threads=args.threads)
+        engine = Engine(cfg)
+        packs, updates = [], []
+        for i in range(args.rounds):
+            loaded = load(str(a), cfg.dtype)
+            t0 = time.perf_counter()
+            plans = factory.build(cfg, loaded.model, loaded.config, DTYPES[cfg.dtype], owned=True)
+            packs.append(time.perf_counter() - t0)
+            plans.release_threads()
+            del plans, loaded
+            result = engine.update_weights(b if i % 2 == 0 else a)
+            updates.append(result.seconds)
+        engine.shutdown()
+    pack, update = statistics.median(packs), statistics.median(updates)
+    print(f"start-up packing (plans.factory.build): median {pack:.3f} s over {len(packs)} "
+          f"({', '.join(f'{s:.3f}' for s in packs)})")
+    print(f"update_weights, idle engine:          median {update:.3f} s over {len(updates)} "
+          f"({', '.join(f'{s:.3f}' for s in updates)}); {update / pack:.2f}x packing")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,230 @@
+"""Weights in place: a new checkpoint for a running engine, read, checked and built
+aside, on the caller's thread.
+
+`prepare` touches nothing the engine serves. It reads a directory as `--model` does
+(config.json and *.safetensors under transformers' names; the tokenizer stays the
+server's, so none is read) and checks it against the served model: the same
+ModelConfig; every tensor the model reads present, none extra, none in two files;
+each with the served shape, a floating dtype, and finite values, also once rounded
+to the served dtype. Then it builds the new model and its plans through
+plans.factory, as a fresh start on that directory would (packed weights included),
+and fingerprints the checkpoint as the loader does. Any failure raises
+WeightsRefused naming the tensor or file; the old weights keep serving, untouched.
+EngineCore.apply_weight_update swaps the result in between two steps.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+
+from gateeng.config import EngineConfig, ModelConfig
+from gateeng.engine.errors import WeightsRefused, WeightUpdateUnavailable
+from gateeng.model.fingerprint import model_fingerprint
+from gateeng.model.llama import LlamaModel
+from gateeng.model.loader import DTYPES, read_model_config, weight_files
+from gateeng.plans import factory
+
+# Checkpoint dtypes (safetensors' names) that convert to a served dtype as `--model`
+# converts them: floating types of 16 bits or more. Integer, boolean and 8-bit
+# float tensors are refused.
+FLOATING = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
+# A refusal names at most this many problems (and how many more there are).
+SHOWN = 8
+# What a request ended by an update carries beside finish_reason abort.
+ENDED = "ended by a weight update"
+
+
+@dataclass(frozen=True)
+class WeightUpdate:
+    """What an applied update reports."""
+    model_fingerprint: str
+    weight_version: int
+    seconds: float          # from the call to the swap, the wait for requests in flight included
+    requests_ended: int     # requests ended (finish_reason abort) so that none mixes two versions
+
+
+@dataclass
+class Prepared:
+    """A new model with its plans, built aside and ready to swap in."""
+    model: LlamaModel
+    plans: factory.Plans
+    fingerprint: str
+    read_seconds: float     # reading, checking and fingerprinting the checkpoint
+    build_seconds: float    # the model and its plans (packing)
+
+
+def expected_shapes(cfg: ModelConfig) -> dict:
+    """Every tensor LlamaModel.load_hf_state_dict reads for `cfg`, by transformers'
+    name, with its shape. A tied lm_head is not among them (the embedding serves)."""
+    h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    nq, nkv = cfg.num_heads * d, cfg.num_kv_heads * d
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+    for i in range(cfg.num_layers):
+        pre = f"model.layers.{i}."
+        shapes[pre + "input_layernorm.weight"] = (h,)
+        shapes[pre + "post_attention_layernorm.weight"] = (h,)
+        for n, rows in (("q", nq), ("k", nkv), ("v", nkv)):
+            shapes[pre + f"self_attn.{n}_proj.weight"] = (rows, h)
+            if cfg.qkv_bias:
+                shapes[pre + f"self_attn.{n}_proj.bias"] = (rows,)
+        shapes[pre + "self_attn.o_proj.weight"] = (h, nq)
+        if cfg.o_bias:
+            shapes[pre + "self_attn.o_proj.bias"] = (h,)
+        if cfg.qk_norm:
+            shapes[pre + "self_attn.q_norm.weight"] = (d,)
+            shapes[pre + "self_attn.k_norm.weight"] = (d,)
+        shapes[pre + "mlp.gate_proj.weight"] = (inter, h)
+        shapes[pre + "mlp.up_proj.weight"] = (inter, h)
+        shapes[pre + "mlp.down_proj.weight"] = (h, inter)
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    return shapes
+
+
+def refuse_unless_supported(cfg: EngineConfig, tensor_parallel: bool) -> None:
+    """Fail closed where swapping weights is not built: the tensor-parallel workers
+    hold their own shards, and no CUDA engine has been proved to swap correctly."""
+    if tensor_parallel:
+        raise WeightUpdateUnavailable(
+            f"weights cannot be updated in place at --tensor-parallel-size {cfg.tensor_parallel_size}: each "
+            f"rank holds its own shard; restart the server on the new weights")
+    if cfg.device != "cpu":
+        raise WeightUpdateUnavailable(f"weights cannot be updated in place on {cfg.device}: restart the server "
+                                      f"on the new weights")
+
+
+def prepare(cfg: EngineConfig, served: ModelConfig, path) -> Prepared:
+    """The checkpoint in directory `path`, checked against the served model and built
+    with its plans (see the module doc). Raises WeightsRefused."""
+    t0 = time.perf_counter()
+    if not str(path or ""):
+        raise WeightsRefused("no path given: name a directory on the server")
+    hf_dir = Path(path)
+    if not hf_dir.is_dir():
+        raise WeightsRefused(f"{path}: not a directory (a Hugging Face directory with config.json and "
+                             f"*.safetensors is expected)")
+    try:
+        new = read_model_config(hf_dir)
+    except (OSError, ValueError, TypeError, AttributeError) as exc:   # missing, not JSON, fields absent
+        raise WeightsRefused(f"{hf_dir / 'config.json'}: {exc}") from None
+    differs = [f"{f.name} {getattr(served, f.name)!r} expected, got {getattr(new, f.name)!r}"
+               for f in fields(ModelConfig) if getattr(served, f.name) != getattr(new, f.name)]
+    if differs:
+        raise WeightsRefused(f"{hf_dir / 'config.json'}: not the served model's architecture: " + "; ".join(differs))
+    try:
+        files = weight_files(hf_dir)
+    except OSError as exc:   # none there, or the directory is unreadable
+        raise WeightsRefused(f"{hf_dir}: {exc}") from None
+    dtype = DTYPES[cfg.dtype]
+    raw, converted = _read_checked(files, served, dtype)
+    # The loader's fingerprint over the checkpoint as stored, hashed while the model
+    # is built and packed (hashlib lets the GIL go on large buffers).
+    fingerprint: list = []
+    hashing = threading.Thread(target=lambda: fingerprint.append(model_fingerprint(new, raw)),
+                               name="gateeng-fingerprint", daemon=True)
+    hashing.start()
+    read_seconds = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    model = LlamaModel(served, dtype, cfg.device)
+    model.load_hf_state_dict(converted)
+    del converted
+    plans = factory.build(cfg, model, served, dtype, owned=True)
+    plans.release_threads()   # this thread's OpenMP pool; the engine thread has its own
+    build_seconds = time.perf_counter() - t1
+    hashing.join()
+    if not fingerprint:
+        raise RuntimeError("fingerprinting the new checkpoint failed")
+    return Prepared(model, plans, fingerprint[0], read_seconds, build_seconds)
+
+
+def _shape(shape) -> str:
+    return "[" + ", ".join(str(int(s)) for s in shape) + "]"
+
+
+def _values(n: int) -> str:
+    return "1 value is" if n == 1 else f"{n} values are"
+
+
+def _refuse(problems: list) -> None:
+    if problems:
+        more = f"; and {len(problems) - SHOWN} more" if len(problems) > SHOWN else ""
+        raise WeightsRefused("; ".join(problems[:SHOWN]) + more)
+
+
+def _non_finite(t: torch.Tensor) -> int:
+    """How many values of t are NaN or Inf. A finite sum means every value is finite
+    (IEEE addition carries a NaN or an Inf to the end), so one reduction without a
+    mask decides the usual case; the count is made only where the sum is not finite
+    (a value is not, or the sum overflowed)."""
+    if t.numel() == 0 or bool(torch.isfinite(t.sum())):
+        return 0
+    return int(t.numel() - torch.isfinite(t).sum())
+
+
+def _read_checked(files: list, served: ModelConfig, dtype) -> tuple:
+    """(every tensor as stored, by name; the ones the model reads, in `dtype`), each
+    checked. Names, shapes and dtypes are checked from the files' headers before
+    any value is read."""
+    from safetensors import SafetensorError, safe_open
+    expected = expected_shapes(served)
+    handles, where, problems = {}, {}, []
+    for f in files:
+        try:
+            handle = safe_open(str(f), framework="pt")
+            names = list(handle.keys())
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise WeightsRefused(f"unreadable file {f}: {exc}") from None
+        handles[f] = handle
+        for name in names:
+            if name in where:
+                problems.append(f"{name}: in both {where[name].name} and {f.name}")
+            where[name] = f
+    tied = "lm_head.weight" if served.tie_word_embeddings else None
+    for name in expected:
+        if name not in where:
+            problems.append(f"missing tensor {name}")
+    for name in where:
+        if name not in expected and name != tied:
+            problems.append(f"extra tensor {name}: the served model has no such weight")
+    for name, f in where.items():
+        want = expected.get(name) or (expected["model.embed_tokens.weight"] if name == tied else None)
+        if want is None:
+            continue
+        try:
+            meta = handles[f].get_slice(name)
+            shape, kind = tuple(meta.get_shape()), meta.get_dtype()
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise WeightsRefused(f"unreadable file {f}: {name}: {exc}") from None
+        if shape != tuple(want):
+            problems.append(f"{name}: shape {_shape(want)} expected, got {_shape(shape)}")
+        if kind not in FLOATING:
+            problems.append(f"{name}: dtype {kind} cannot be served as {str(dtype).removeprefix('torch.')} "
+                            f"(one of {', '.join(FLOATING)} expected)")
+    _refuse(problems)
+    raw, converted = {}, {}
+    for name in sorted(where):
+        f = where[name]
+        try:
+            t = handles[f].get_tensor(name)
+        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+            raise WeightsRefused(f"unreadable file {f}: {name}: {exc}") from None
+        raw[name] = t
+        bad = _non_finite(t)
+        if bad:
+            problems.append(f"{name}: {_values(bad)} NaN or Inf")
+            continue
+        c = t.to(dtype)
+        if c is not t:
+            over = _non_finite(c)
+            if over:
+                problems.append(f"{name}: {_values(over)} beyond {str(dtype).removeprefix('torch.')}'s range")
+        converted[name] = c
+    if tied in converted and not torch.equal(converted[tied], converted["model.embed_tokens.weight"]):
+        problems.append(f"{tied}: config.json ties it to model.embed_tokens.weight, but the values differ")
+    _refuse(problems)
+    return raw, converted
+
