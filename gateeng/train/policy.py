@@ -80,6 +80,9 @@ class Policy(torch.nn.Module):
         the temperature 1, untruncated ones (temperature 0 means the same). All
         sequences run in one forward, each row on its own keys, so packing changes no
         bit. Differentiable: backward() fills .grad of the parameters."""
+        if self.model.embed.device.type != "cpu":
+            raise RuntimeError("the policy's forward runs the CPU reference kernels: keep it on the CPU (the "
+                               "Triton reference is not wired into the policy)")
         seqs = [list(map(int, s)) for s in sequences]
         lens = [int(n) for n in prompt_lens]
         self._check(seqs, lens, temperature, top_p, top_k)
