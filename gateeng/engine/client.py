@@ -158,7 +158,7 @@ class Engine:
             result = weights.WeightUpdate(self.loaded.fingerprint, self.weight_version, seconds, ended[0])
             log(f"weights from {path} in place: version {result.weight_version}, fingerprint "
                 f"{result.model_fingerprint[:16]}, {seconds:.2f} s (read and checked {prepared.read_seconds:.2f} s, "
-                f"built and packed {prepared.build_seconds:.2f} s, to the step boundary "
+                f"built, packed and fingerprinted {prepared.build_seconds:.2f} s, to the step boundary "
                 f"{seconds - (built - t0):.2f} s); {result.requests_ended} requests ended")
             del prepared
             trim_heap()   # the old weights' memory goes back to the OS

@@ -53,8 +53,8 @@ class Prepared:
     model: LlamaModel
     plans: factory.Plans
     fingerprint: str
-    read_seconds: float     # reading, checking and fingerprinting the checkpoint
-    build_seconds: float    # the model and its plans (packing)
+    read_seconds: float     # reading and checking the checkpoint
+    build_seconds: float    # the model and its plans (packing), and the fingerprint's end
 
 
 def expected_shapes(cfg: ModelConfig) -> dict:
@@ -134,8 +134,8 @@ def prepare(cfg: EngineConfig, served: ModelConfig, path) -> Prepared:
     del converted
     plans = factory.build(cfg, model, served, dtype, owned=True)
     plans.release_threads()   # this thread's OpenMP pool; the engine thread has its own
-    build_seconds = time.perf_counter() - t1
     hashing.join()
+    build_seconds = time.perf_counter() - t1
     if not fingerprint:
         raise RuntimeError("fingerprinting the new checkpoint failed")
     return Prepared(model, plans, fingerprint[0], read_seconds, build_seconds)
