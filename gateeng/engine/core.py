@@ -315,9 +315,10 @@ class EngineCore:
     def apply_weight_update(self) -> int:
         """Between two steps: end every request whose answer holds anything the old
         weights computed (those still running, and preempted ones with output or
-        prompt logprobs; one preempted before either starts over), then swap the model and its plans in, drop the prefix cache (the KV cache's
-        shapes stay) and admit again. No answer mixes two weight versions: those
-        ended keep their old Reproducibility record, every later one gets the new
+        prompt logprobs; one preempted before either starts over), then swap the
+        model and its plans in, drop the prefix cache (the KV cache's shapes stay)
+        and admit again. No answer mixes two weight versions: those ended keep
+        their old Reproducibility record, every later one gets the new
         fingerprint. Returns the number of requests ended."""
         prepared, self._weight_update = self._weight_update, None
         sch = self.scheduler
