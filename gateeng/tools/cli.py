@@ -441,7 +441,7 @@ def cmd_update_weights(args) -> int:
         return 2
     with Client(args.server, admin_token=token) as c:
         try:
-            res = c.update_weights(args.dir)
+            res = c.update_weights(os.path.abspath(args.dir))
         except grpc.RpcError as e:
             print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
             return 2
@@ -641,8 +641,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "version, model fingerprint and duration. A refused update changes nothing: "
                                    "the server's message is printed and the exit status is 2.")
     u.add_argument("dir", metavar="DIR",
-                   help="the checkpoint directory as the server sees it (a path on the server's machine; a "
-                        "relative one is taken from the server's working directory)")
+                   help="the checkpoint directory, on the server's machine (a relative path is taken from "
+                        "this command's working directory)")
     u.add_argument("--server", default="127.0.0.1:50051", metavar="HOST:PORT", help="the server's gRPC address")
     _admin_token_arg(u, "required")
     u.set_defaults(func=cmd_update_weights)
