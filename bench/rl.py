@@ -97,12 +97,13 @@ class Server:
                 "tokens": replay["token_ids"], "logprobs": [c.logprob for c in res.choices[0].logprobs.content],
                 "fingerprint": res.system_fingerprint}
 
-    def update(self, directory: Path) -> float:
+    def update(self, directory: Path) -> tuple:
+        """(the command's wall time, the server's own time for the update)."""
         t0 = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "gateeng.tools.cli", "update-weights", "--server",
-                        f"127.0.0.1:{self.grpc}", str(directory), "--admin-token-file", str(self.token)],
-                       check=True, capture_output=True, text=True)
-        return time.perf_counter() - t0
+        out = subprocess.run([sys.executable, "-m", "gateeng.tools.cli", "update-weights", "--server",
+                              f"127.0.0.1:{self.grpc}", str(directory), "--admin-token-file", str(self.token)],
+                             check=True, capture_output=True, text=True).stdout
+        return time.perf_counter() - t0, float(re.search(r", ([0-9.]+) s, ", out).group(1))
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -193,16 +194,18 @@ def main() -> int:
             t0 = time.perf_counter()
             policy.save(work / f"step{step}")
             save_s = time.perf_counter() - t0
-            update_s = server.update(work / f"step{step}")
+            update_s, server_update_s = server.update(work / f"step{step}")
             fingerprints = {r["fingerprint"] for r in verified}
             steps.append({"step": step, "reward": sum(rewards) / len(rewards), "gateeng": ours, "off": off,
                           "transformers": tf, "rollout_s": rollout_s, "train_s": train_s,
                           "transformers_s": transformers_s, "save_s": save_s, "update_s": update_s,
+                          "server_update_s": server_update_s,
                           "fingerprints": sorted(fingerprints)})
             print(f"  step {step}: reward {steps[-1]['reward']:.2f}  gateeng max|d| {ours['max_abs_diff']:.3g} "
                   f"ratio [{ours['ratio_min']:.6f}, {ours['ratio_max']:.6f}]  off max|d| {off['max_abs_diff']:.3g}  "
                   f"transformers max|d| {tf['max_abs_diff']:.3g}  rollout {rollout_s:.1f} s, train {train_s:.1f} s, "
-                  f"save {save_s:.1f} s, update {update_s:.1f} s", file=sys.stderr, flush=True)
+                  f"save {save_s:.1f} s, update {update_s:.1f} s (server {server_update_s:.2f} s)", file=sys.stderr,
+                  flush=True)
     finally:
         server.stop()
     report(args, steps)
@@ -223,7 +226,7 @@ def report(args, steps: list) -> None:
               "args": vars(args), "steps": steps}
     (OUT / "rl.json").write_text(json.dumps(result, indent=1))
     xs = [st["step"] for st in steps]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(18, 4.5))
     axes[0].plot(xs, [st["reward"] for st in steps], marker="o")
     axes[0].set(title="mean reward", xlabel="step", ylim=(-0.05, 1.05))
     for key, label in (("gateeng", "gateeng trainer, VERIFIED rollouts"), ("off", "gateeng trainer, OFF rollouts"),
@@ -235,18 +238,18 @@ def report(args, steps: list) -> None:
     axes[1].set_yscale("symlog", linthresh=1e-6)
     axes[2].set(title="ratio exp(logp_trainer - logp_rollout)", xlabel="step")
     axes[1].legend(fontsize=7)
-    axes[2].legend(fontsize=6)
+    axes[2].legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.suptitle(f"bench/rl.py at {commit}: {machine()}", fontsize=8)
     fig.tight_layout()
     fig.savefig(OUT / "rl.png", dpi=110)
     print("| step | reward | gateeng max abs diff | gateeng ratio | OFF max abs diff | OFF ratio "
-          "| transformers max abs diff | transformers ratio | update s |")
+          "| transformers max abs diff | transformers ratio | update s (command / server) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for st in steps:
         g, o, t = st["gateeng"], st["off"], st["transformers"]
         print(f"| {st['step']} | {st['reward']:.2f} | {g['max_abs_diff']:.3g} | {g['ratio_min']:.4f}-{g['ratio_max']:.4f} "
               f"| {o['max_abs_diff']:.3g} | {o['ratio_min']:.4f}-{o['ratio_max']:.4f} | {t['max_abs_diff']:.3g} "
-              f"| {t['ratio_min']:.4f}-{t['ratio_max']:.4f} | {st['update_s']:.2f} |")
+              f"| {t['ratio_min']:.4f}-{t['ratio_max']:.4f} | {st['update_s']:.2f} / {st['server_update_s']:.2f} |")
     total = sum(st["gateeng"]["tokens"] for st in steps)
     differing = sum(st["gateeng"]["tokens_differing"] for st in steps)
     print(f"\ngateeng trainer vs VERIFIED rollouts: {differing} of {total} tokens differ over the run")
