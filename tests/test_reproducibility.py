@@ -49,3 +49,17 @@ def test_the_fingerprint_leaves_out_the_self_checks_wording_but_not_its_verdict(
     failed = dataclasses.replace(a, self_check_passed=False)
     assert failed.fingerprint() != a.fingerprint()
     assert dataclasses.replace(a, model_fingerprint="abd").fingerprint() != a.fingerprint()
+
+
+def test_two_starts_of_one_model_give_one_fingerprint():
+    from gateeng.config import EngineConfig
+    from gateeng.engine.core import EngineCore
+    from tiny import tiny_loaded
+    cfg = EngineConfig(dtype="bfloat16", num_kv_blocks=32, max_model_len=64, block_size=4, verified_route="direct")
+    first, second = (EngineCore(cfg, loaded=tiny_loaded("bfloat16")) for _ in range(2))
+    try:
+        assert first.reproducibility.fingerprint() == second.reproducibility.fingerprint()
+        assert first.reproducibility.self_check_passed
+    finally:
+        first.close()
+        second.close()
