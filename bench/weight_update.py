@@ -12,7 +12,13 @@ the rounds; the engine's log line of each update gives its parts too. On a share
 machine, other processes' load swings both numbers by up to 50x (OpenMP waits for
 its descheduled workers); --threads 1 is steadier there.
 
-Usage: python bench/weight_update.py [--rounds 5] [--threads N]
+With --under-load N (a second phase), N OFF streams decode back to back on the
+engine while one update runs: their tokens/s in the seconds before the update, while
+it is prepared and swapped, and after it, and the longest gap between two decode
+steps' tokens (the update's pause: running requests finish on the old weights, then
+the swap).
+
+Usage: python bench/weight_update.py [--rounds 5] [--threads N] [--under-load 8]
 """
 from __future__ import annotations
 
@@ -84,10 +90,56 @@ def update_parts(cfg, served, path: Path) -> dict:
     return out
 
 
+def under_load(engine, path: Path, streams: int, seconds: float = 10.0) -> dict:
+    """OFF throughput before, during and after one update, with `streams` clients."""
+    import threading
+
+    from gateeng.outputs import Chunk, Completion
+    from gateeng.request import SamplingParams
+    events, stop = [], threading.Event()
+
+    def client(i: int) -> None:
+        while not stop.is_set():
+            done = threading.Event()
+
+            def sink(ev):
+                if isinstance(ev, Chunk) and ev.token_ids:
+                    events.append((time.perf_counter(), len(ev.token_ids)))
+                elif isinstance(ev, Completion):
+                    done.set()
+            engine.submit(f"Tell me a story about the number {i}.", SamplingParams(max_tokens=48, ignore_eos=True,
+                                                                                   temperature=0.8), sink=sink)
+            done.wait()
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(streams)]
+    for t in threads:
+        t.start()
+    time.sleep(2.0)                               # warm-up
+    t0 = time.perf_counter()
+    time.sleep(seconds)
+    t1 = time.perf_counter()
+    result = engine.update_weights(path)
+    t2 = time.perf_counter()
+    time.sleep(seconds)
+    t3 = time.perf_counter()
+    stop.set()
+    for t in threads:
+        t.join(60)
+
+    def rate(a: float, b: float) -> float:
+        return sum(n for t, n in events if a <= t < b) / (b - a)
+    stamps = sorted(t for t, _ in events if t1 - 1 <= t <= t2 + 1)
+    gap = max((b - a for a, b in zip(stamps, stamps[1:])), default=0.0)
+    return {"streams": streams, "before_tok_s": rate(t0, t1), "during_tok_s": rate(t1, t2),
+            "after_tok_s": rate(t2, t3), "update_s": result.seconds, "requests_ended": result.requests_ended,
+            "longest_gap_s": gap}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--under-load", type=int, default=0, metavar="N",
+                    help="also time one update while N OFF streams decode (0: skip)")
     args = ap.parse_args()
 
     from gateeng.config import EngineConfig
@@ -110,6 +162,7 @@ def main() -> int:
             result = engine.update_weights(b if i % 2 == 0 else a)
             updates.append(result.seconds)
             parts.append(update_parts(cfg, engine.model_config, b))
+        loaded_run = under_load(engine, b if args.rounds % 2 == 0 else a, args.under_load) if args.under_load else None
         engine.shutdown()
     for name in parts[0]:
         print(f"  {name}: median {statistics.median(p[name] for p in parts):.3f} s (one after another, no overlap)")
@@ -119,6 +172,12 @@ def main() -> int:
     print(f"update_weights, idle engine:          median {update:.3f} s, fastest {min(updates):.3f} s over "
           f"{len(updates)} ({', '.join(f'{s:.3f}' for s in updates)}); {update / pack:.2f}x packing "
           f"(fastest: {min(updates) / min(packs):.2f}x)")
+    if loaded_run:
+        r = loaded_run
+        print(f"under load ({r['streams']} OFF streams): {r['before_tok_s']:.1f} tok/s before, {r['during_tok_s']:.1f} "
+              f"while the update ran ({r['update_s']:.2f} s, {r['requests_ended']} requests ended), "
+              f"{r['after_tok_s']:.1f} after ({r['after_tok_s'] / r['before_tok_s']:.2f}x before); longest gap "
+              f"between tokens {r['longest_gap_s']:.2f} s")
     return 0
 
 
