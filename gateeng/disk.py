@@ -7,6 +7,7 @@ import hashlib
 import os
 import shutil
 from pathlib import Path
+from typing import Optional
 
 # What a full disk or an exhausted quota looks like where it arrives as text instead of
 # an OSError: a compiler's or ninja's output, safetensors' Rust I/O error.
@@ -65,3 +66,15 @@ def sha256_file(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 22), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def file_differs(path: Path, size, sha256) -> Optional[str]:
+    """Why the file at `path` is not the one recorded with this size and sha256, or
+    None when it is."""
+    if not path.is_file():
+        return f"{path.name} is missing"
+    if path.stat().st_size != size:
+        return f"{path.name} has {path.stat().st_size} bytes, expected {size}"
+    if sha256_file(path) != sha256:
+        return f"{path.name} does not match its recorded sha256"
+    return None

@@ -27,9 +27,9 @@ def tiny_config(**kw):
 class Running:
     """A Server on its own thread and event loop, as `gateeng serve` runs it."""
 
-    def __init__(self, config, drain_seconds=30.0, loaded=None, settings=None):
+    def __init__(self, config, drain_seconds=30.0, loaded=None, settings=None, admin_token=None):
         settings = settings or ServerConfig(port=0, metrics_port=None, drain_seconds=drain_seconds)
-        self.server = Server(config, settings, loaded=loaded or tiny_loaded("float32"))
+        self.server = Server(config, settings, loaded=loaded or tiny_loaded("float32"), admin_token=admin_token)
         self.exit_code = None
         self.loop = None
         self.thread = threading.Thread(target=self._main, daemon=True)

@@ -4,7 +4,6 @@ server answers VERIFIED requests bit for bit as a fresh server started on the ne
 weights; a broken checkpoint is refused naming the tensor and changes nothing;
 the RPC needs the admin token; requests in flight finish on the old weights or
 end (abort) without ever mixing two versions; the metrics and the CLI follow."""
-import asyncio
 import json
 import shutil
 import struct
@@ -25,10 +24,9 @@ from gateeng.model import loader
 from gateeng.plans import reference_ops
 from gateeng.request import DeterminismParams, FinishReason, Mode, SamplingParams
 from gateeng.serving.client import Client
-from gateeng.serving.server import Server
 from gateeng.tools import cli
 from gateeng.v1 import engine_pb2 as pb
-from test_server_async import SERVING, wait_for
+from test_server_async import Running
 from tiny import ByteTokenizer, hf_tiny, tiny_loaded
 
 TOKEN = "weights-t0ken"
@@ -51,29 +49,13 @@ def reference_runs():
         pytest.skip("no build of the reference runs here")
 
 
-class Served:
-    """A Server with an admin token (and the HTTP front) on its own thread and loop."""
+class Served(Running):
+    """A Server with an admin token and the HTTP front, on its own thread and loop."""
 
     def __init__(self, cfg, loaded, token=TOKEN):
-        settings = ServerConfig(port=0, metrics_port=None, http_port=0)
-        self.server = Server(cfg, settings, admin_token=token, loaded=loaded)
-        self.thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
-        self.thread.start()
-        deadline = time.time() + 60
-        while self.server.gateway.engine is None or self.server.port == 0:
-            assert time.time() < deadline and self.thread.is_alive(), "server did not start"
-            time.sleep(0.05)
-        self.target = f"127.0.0.1:{self.server.port}"
+        super().__init__(cfg, loaded=loaded, settings=ServerConfig(port=0, metrics_port=None, http_port=0),
+                         admin_token=token)
         self.http = f"http://127.0.0.1:{self.server.http.port}"
-        wait_for(self.target, SERVING)
-
-    async def _main(self):
-        self.loop = asyncio.get_running_loop()
-        return await self.server.run()
-
-    def stop(self):
-        self.loop.call_soon_threadsafe(self.server.request_stop)
-        self.thread.join(60)
 
     def metric(self, name, **labels):
         return self.server.metrics.registry.get_sample_value(name, labels or None)

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from gateeng.config import cache_root
-from gateeng.disk import is_no_space, no_space, sha256_file, tree_size
+from gateeng.disk import file_differs, is_no_space, no_space, sha256_file, tree_size
 from gateeng.logs import log
 
 MANIFEST = "gateeng.json"
@@ -58,13 +58,9 @@ def check(target: Path) -> Optional[str]:
     except (ValueError, TypeError) as exc:
         return f"{MANIFEST} is unreadable ({type(exc).__name__})"
     for name, entry in want.items():
-        path = target / name
-        if not path.is_file():
-            return f"{name} is missing"
-        if path.stat().st_size != entry.get("size"):
-            return f"{name} has {path.stat().st_size} bytes, expected {entry.get('size')}"
-        if sha256_file(path) != entry.get("sha256"):
-            return f"{name} does not match its recorded sha256"
+        why = file_differs(target / name, entry.get("size"), entry.get("sha256"))
+        if why:
+            return why
     return None
 
 

@@ -47,7 +47,7 @@ from typing import Optional
 
 from gateeng.config import cache_root
 from gateeng.logs import log
-from gateeng.disk import NoSpace, is_no_space, no_space, sha256_file, tree_size
+from gateeng.disk import NoSpace, file_differs, is_no_space, no_space, sha256_file, tree_size
 
 RECORD = "built.json"
 TORCH_LOCK = "lock"   # torch's FileBaton, present while (or after a kill during) its build
@@ -126,13 +126,7 @@ def check(final: Path) -> Optional[str]:
         return "no record"
     except (ValueError, TypeError, KeyError) as exc:
         return f"{RECORD} is unreadable ({type(exc).__name__})"
-    if not so.is_file():
-        return f"{so.name} is missing"
-    if so.stat().st_size != record.get("size"):
-        return f"{so.name} has {so.stat().st_size} bytes, expected {record.get('size')}"
-    if sha256_file(so) != record.get("sha256"):
-        return f"{so.name} does not match its recorded sha256"
-    return None
+    return file_differs(so, record.get("size"), record.get("sha256"))
 
 
 def _adopt(final: Path) -> bool:
