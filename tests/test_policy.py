@@ -2,6 +2,8 @@
 bit for bit (greedy and sampled, packed or alone, on another reference build or a
 tensor-parallel server); its gradients are those of plain float32 arithmetic within
 the bf16 rounding of the forward; a saved policy serves its own bits."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -189,3 +191,20 @@ def test_embedded_model_16_prompts_x_64_tokens_equal_verified_and_a_saved_step_s
     got = policy.logprobs([p + r.token_ids for p, r in zip(prompts[:4], res)], [len(p) for p in prompts[:4]],
                           temperature=0.9)
     assert [bits(g.tolist()) for g in got] == [bits(e.logprob for e in r.logprobs) for r in res]
+
+
+@pytest.mark.kernels
+def test_the_triton_reference_gives_the_policy_the_same_bits(llama):
+    """The Triton kernels (the CUDA reference), here in the interpreter on CPU tensors."""
+    pytest.importorskip("triton")
+    hf, engine, _ = llama
+    params = SAMPLINGS["t1_top_p"]
+    prompts = PROMPTS[:2]
+    params = dataclasses.replace(params, max_tokens=6)
+    res = [engine.generate(p, params, VERIFIED) for p in prompts]
+    policy = Policy(tiny_loaded("float32", hf), kernels="triton")
+    got = policy.logprobs([p + r.token_ids for p, r in zip(prompts, res)], [len(p) for p in prompts],
+                          **policy_args(params))
+    assert [bits(g.tolist()) for g in got] == [bits(e.logprob for e in r.logprobs) for r in res]
+    sum(g.sum() for g in got).backward()
+    assert all(p.grad is not None for p in policy.parameters())

@@ -23,7 +23,6 @@ plan hands the layer's rotated keys and values from one to the other.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -78,9 +77,9 @@ class _Linear(torch.autograd.Function):
     (2^-8 relative, once per weight) stays local to that weight's gradient."""
 
     @staticmethod
-    def forward(ctx, x, w, packed, ops, logits):
+    def forward(ctx, x, w, prepared, kernels, logits):
         ctx.save_for_backward(x, w)
-        out = ops.linear(x.to(BF16), packed.data, packed.n, logits)
+        out = kernels.linear(x.to(BF16), prepared, logits)
         return out if logits else out.float()
 
     @staticmethod
@@ -114,25 +113,26 @@ class TrainMeta:
 class TrainKV:
     """A bf16 paged KV cache the reference kernels write and read, one forward long."""
 
-    def __init__(self, cfg, num_blocks: int, block_size: int):
+    def __init__(self, cfg, num_blocks: int, block_size: int, device):
         shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=BF16)
-        self.v = torch.zeros(shape, dtype=BF16)
+        self.k = torch.zeros(shape, dtype=BF16, device=device)
+        self.v = torch.zeros(shape, dtype=BF16, device=device)
         self.block_size = block_size
 
 
 class TrainingPlan:
-    """The plan protocol LlamaModel.forward calls, on the reference kernels `ops`,
-    for one forward over the masters of `model` (their bf16 roundings packed once)."""
+    """The plan protocol LlamaModel.forward calls, on the reference kernels `kernels`
+    (train/kernels.py), for one forward over the masters of `model` (their bf16
+    roundings prepared for the kernels' matmul once)."""
 
-    def __init__(self, model, ops):
-        self.ops = ops
+    def __init__(self, model, kernels):
+        self.ops = kernels
         self._rounded: dict = {}      # id(master) -> its bf16 rounding in float32 (autograd)
-        self._packed: dict = {}       # id(master) -> the reference's packed copy of that rounding
+        self._packed: dict = {}       # id(master) -> that rounding as the kernels' matmul takes it
         self._pending = None          # (k, v) of the layer whose rope_store ran last
         self.lm_head = model.lm_head
         for w in model.projections() + [model.lm_head]:
-            self._packed[id(w)] = _Packed(ops.pack(w.detach().to(BF16)), w.shape[0])
+            self._packed[id(w)] = kernels.prepare(w.detach().to(BF16))
 
     def weight(self, master: torch.Tensor) -> torch.Tensor:
         """The master's bf16 rounding, widened, made once per forward."""
@@ -228,12 +228,6 @@ class TrainingPlan:
         return self._op(kernel, plain, q, k, v)
 
 
-@dataclass(frozen=True)
-class _Packed:
-    data: torch.Tensor
-    n: int
-
-
 class _TokenLogprobs(torch.autograd.Function):
     """Each row's log-probability of its token: the reference's scores (logits / T
     with top-k and top-p; the logits themselves for `greedy`) and log_softmax, as a
@@ -242,7 +236,10 @@ class _TokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, tokens, ops, temperature, top_k, top_p, greedy):
-        rows = logits.shape[0]
+        # `ops`: a CPU build of the reference, which also samples for a CUDA server
+        # (plans.gpu.host_sampler): the logits go to the host, the gradient back.
+        rows, device = logits.shape[0], logits.device
+        logits = logits.cpu()
         out = torch.empty(rows, dtype=torch.float32)
         scores = torch.empty_like(logits)
         for i in range(rows):
@@ -252,14 +249,15 @@ class _TokenLogprobs(torch.autograd.Function):
             out[i] = ops.log_softmax(s)[tokens[i]]
         ctx.save_for_backward(scores, tokens)
         ctx.scale = 1.0 if greedy else 1.0 / temperature
-        return out
+        ctx.device = device
+        return out.to(device)
 
     @staticmethod
     def backward(ctx, g):
         scores, tokens = ctx.saved_tensors
         grad = -torch.softmax(scores, dim=-1)                # dropped ids (-inf) get exactly 0
         grad[torch.arange(len(tokens)), tokens] += 1.0
-        return grad * (g[:, None] * ctx.scale), None, None, None, None, None, None
+        return (grad * (g.cpu()[:, None] * ctx.scale)).to(ctx.device), None, None, None, None, None, None
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, ops, temperature: float, top_k: int, top_p: float,
@@ -285,8 +283,3 @@ def spans_meta(lengths: list, block_size: int) -> tuple:
         block, row = block + nblocks, row + n
     meta = TrainMeta(torch.tensor(tables, dtype=torch.int64), torch.tensor(counts, dtype=torch.int64), spans)
     return positions, slots, meta, block
-
-
-def check_finite_scale(scale: float) -> None:
-    if not math.isfinite(scale):
-        raise ValueError("attention scale must be finite")

@@ -25,6 +25,7 @@ import torch
 from gateeng.model import loader
 from gateeng.model.rope import tables
 from gateeng.plans import reference_ops
+from gateeng.train.kernels import CpuReference, TritonReference
 from gateeng.train.plan import TrainingPlan, TrainKV, spans_meta, token_logprobs
 
 # The KV cache's block size of a policy forward. The reference's bits do not depend on
@@ -40,7 +41,8 @@ class Policy(torch.nn.Module):
     """The model as float32 master weights (`self.model`, the same LlamaModel the
     server runs, its parameters trainable) with the reference's forward."""
 
-    def __init__(self, loaded: loader.LoadedModel, hf_dir: Optional[Path] = None, isa: Optional[str] = None):
+    def __init__(self, loaded: loader.LoadedModel, hf_dir: Optional[Path] = None, isa: Optional[str] = None,
+                 kernels: Optional[str] = None):
         super().__init__()
         if loaded.model.dtype != torch.float32:
             raise ValueError("a Policy holds float32 master weights: load the model with dtype float32")
@@ -52,24 +54,46 @@ class Policy(torch.nn.Module):
         self.model.cos, self.model.sin = tables(loaded.config, torch.bfloat16)
         self.config, self.tokenizer, self.source = loaded.config, loaded.tokenizer, loaded.source
         self.hf_dir = hf_dir
+        if kernels not in (None, "cpu", "triton"):
+            raise ValueError(f"kernels must be cpu or triton, got {kernels!r}")
+        self._kernels_asked = kernels
         try:
+            # A CPU build: the forward's kernels on the CPU, and on any device the token
+            # choice's arithmetic (scores, log_softmax), as the server's sampler runs it.
             self.ops = reference_ops.load(isa)
         except reference_ops.ReferenceUnavailable as exc:
             raise RuntimeError(f"the policy computes the reference, and no build of it runs here: {exc}") from None
+        self._cpu = CpuReference(self.ops)
+        self._triton = None
 
     @classmethod
-    def load(cls, path: Optional[str] = None, isa: Optional[str] = None) -> "Policy":
+    def load(cls, path: Optional[str] = None, isa: Optional[str] = None, kernels: Optional[str] = None) -> "Policy":
         """What `gateeng serve --model path` serves (the embedded model when None): a
-        Hugging Face directory or a GGUF file. `isa` forces a build of the reference
-        (avx512_bf16, avx2, scalar; default: GATEENG_CPU_ISA, else the best here)."""
+        Hugging Face directory or a GGUF file. `isa` forces a CPU build of the
+        reference (avx512_bf16, avx2, scalar; default: GATEENG_CPU_ISA, else the best
+        here). `kernels`: "cpu" or "triton" (the reference's Triton kernels); by
+        default the CPU build on the CPU and Triton on CUDA (`policy.cuda()`)."""
         loaded = loader.load(path, dtype="float32")
         hf_dir = loader.ensure_hf_dir(Path(path) if path else loader.default_model_path())
-        return cls(loaded, hf_dir, isa)
+        return cls(loaded, hf_dir, isa, kernels)
 
     @property
     def isa(self) -> str:
-        """The reference build this policy computes on (information: every build gives the same bits)."""
+        """The CPU build this policy computes on (information: every build gives the same bits)."""
         return getattr(self.ops, "isa", "?")
+
+    def kernels(self):
+        """The reference's kernels for the parameters' device (train/kernels.py)."""
+        device = self.model.embed.device.type
+        use = self._kernels_asked or ("triton" if device == "cuda" else "cpu")
+        if use == "cpu":
+            if device != "cpu":
+                raise RuntimeError(f"the CPU build of the reference runs on CPU tensors; the policy is on {device}: "
+                                   f"use kernels='triton'")
+            return self._cpu
+        if self._triton is None:
+            self._triton = TritonReference()
+        return self._triton
 
     def logprobs(self, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int], temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = 0) -> list:
@@ -80,25 +104,26 @@ class Policy(torch.nn.Module):
         the temperature 1, untruncated ones (temperature 0 means the same). All
         sequences run in one forward, each row on its own keys, so packing changes no
         bit. Differentiable: backward() fills .grad of the parameters."""
-        if self.model.embed.device.type != "cpu":
-            raise RuntimeError("the policy's forward runs the CPU reference kernels: keep it on the CPU (the "
-                               "Triton reference is not wired into the policy)")
+        kernels = self.kernels()
+        device = self.model.embed.device
         seqs = [list(map(int, s)) for s in sequences]
         lens = [int(n) for n in prompt_lens]
         self._check(seqs, lens, temperature, top_p, top_k)
         greedy = temperature == 0 or (temperature == 1.0 and top_p == 1.0 and top_k == 0)
         positions, slots, meta, blocks = spans_meta([len(s) for s in seqs], BLOCK_SIZE)
-        ids = torch.tensor([t for s in seqs for t in s], dtype=torch.int64)
-        plan = TrainingPlan(self.model, self.ops)
-        kv = TrainKV(self.config, blocks, BLOCK_SIZE)
-        hidden = self.model(ids, torch.tensor(positions), torch.tensor(slots), meta, kv, plan)
+        ids = torch.tensor([t for s in seqs for t in s], dtype=torch.int64, device=device)
+        meta.tables, meta.key_counts = meta.tables.to(device), meta.key_counts.to(device)
+        plan = TrainingPlan(self.model, kernels)
+        kv = TrainKV(self.config, blocks, BLOCK_SIZE, device)
+        hidden = self.model(ids, torch.tensor(positions, device=device), torch.tensor(slots, device=device), meta, kv,
+                            plan)
         # Row p predicts token p + 1: a completion's tokens come from rows prompt_len-1 .. len-2.
         rows, targets, sizes = [], [], []
         for (start, _), s, n in zip(meta.spans, seqs, lens):
             rows.extend(range(start + n - 1, start + len(s) - 1))
             targets.extend(s[n:])
             sizes.append(len(s) - n)
-        logits = plan.logits(hidden[torch.tensor(rows, dtype=torch.int64)])
+        logits = plan.logits(hidden[torch.tensor(rows, dtype=torch.int64, device=device)])
         out = token_logprobs(logits, torch.tensor(targets, dtype=torch.int64), self.ops,
                              float(temperature) if not greedy else 1.0, int(top_k), float(top_p), greedy)
         return list(out.split(sizes))
