@@ -255,9 +255,37 @@ def check_end_to_end(dev):
         f"{results['VERIFIED'][1] / results['fast'][1]:.2f}x; {results['invariant'][1] / results['fast'][1]:.2f}x")
 
 
+def check_policy(dev):
+    """The trainer's policy on the device (its forward on the Triton reference): each
+    sampled token's logprob equal, bit for bit, to a VERIFIED answer of the CPU
+    server on the same tiny model; its backward runs."""
+    sys.path.append(str(ROOT))
+    from gateeng.config import EngineConfig
+    from gateeng.engine.client import Engine
+    from gateeng.request import DeterminismParams, Mode, SamplingParams
+    from gateeng.train import Policy
+    from tests.tiny import hf_family, tiny_loaded
+    hf = hf_family("llama")
+    prompts = [[7, 3, 9, 11, 200, 13], [5, 6, 7], [100, 20, 30, 40, 50, 60, 70, 80, 90]]
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=3, max_tokens=24, ignore_eos=True, logprobs=0)
+    engine = Engine(EngineConfig(dtype="bfloat16", num_kv_blocks=128, max_model_len=256, block_size=4),
+                    loaded=tiny_loaded("bfloat16", hf))
+    res = [engine.generate(p, params, DeterminismParams(Mode.VERIFIED)) for p in prompts]
+    engine.shutdown()
+    policy = Policy(tiny_loaded("float32", hf)).to(dev)
+    got = policy.logprobs([p + r.token_ids for p, r in zip(prompts, res)], [len(p) for p in prompts],
+                          temperature=1.0, top_p=0.9)
+    same = [g.cpu().tolist() for g in got] == [[e.logprob for e in r.logprobs] for r in res]
+    row("policy", "Triton forward on the device: logprobs == the CPU server's VERIFIED (3 x 24 tokens)", str(same),
+        "ok" if same else "FAIL")
+    sum(g.sum() for g in got).backward()
+    grads = all(p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in policy.parameters())
+    row("policy", "backward on the device: every parameter's gradient finite", str(grads), "ok" if grads else "FAIL")
+
+
 CHECKS = {"matmul": check_matmul, "rmsnorm": check_rmsnorm, "attention": check_attention,
           "sampling": check_sampling, "reference": check_reference, "golden": check_golden,
-          "end_to_end": check_end_to_end}
+          "policy": check_policy, "end_to_end": check_end_to_end}
 
 
 def main() -> int:
