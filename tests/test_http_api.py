@@ -140,3 +140,21 @@ def test_streamed_completion_logprobs_equal_the_unary_answers(served):
             offsets += lp.text_offset
     assert (tokens, logprobs, tops, offsets) == (whole.tokens, whole.token_logprobs, whole.top_logprobs,
                                                  whole.text_offset)
+
+
+def test_model_by_id_metrics_and_unknown_paths(served):
+    _, base, api = served
+    assert api.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError) as ei:
+        api.models.retrieve("gpt-4")
+    assert "not served here" in ei.value.body["message"]
+    text = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
+    assert "gateeng_requests_running" in text
+    with pytest.raises(urllib.error.HTTPError) as ei:
+        urllib.request.urlopen(base + "/v1/embeddings", timeout=10)
+    body = json.loads(ei.value.read())
+    assert ei.value.code == 404 and "no route /v1/embeddings" in body["error"]["message"]
+    assert body["error"]["type"] == "not_found_error"
+    with pytest.raises(urllib.error.HTTPError) as ei:
+        urllib.request.urlopen(base + "/v1/completions", timeout=10)   # GET on a POST route
+    assert ei.value.code == 405 and "GET is not allowed" in json.loads(ei.value.read())["error"]["message"]

@@ -1,7 +1,8 @@
 """An OpenAI-compatible HTTP front (Starlette on uvicorn), on its own thread and event loop.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (streaming over SSE),
-GET /v1/models, GET /health. It is the gRPC front's peer over the same serving
+GET /v1/models, GET /v1/models/{id}, GET /health, GET /metrics (Prometheus); any
+other path is a 404 in OpenAI's error shape. It is the gRPC front's peer over the same serving
 gateway (gateway.py): the same bounds, determinism checks (checks.py) and
 refusals (refusals.py). Per-request determinism rides in an extension field:
 
@@ -38,6 +39,7 @@ import secrets
 import time
 from typing import Optional
 
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
@@ -96,9 +98,11 @@ class OpenAIFront:
         self.app = Starlette(routes=[
             Route("/health", self.health, methods=["GET"]),
             Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
             Route("/v1/completions", self._guarded(self.completions, "cmpl-"), methods=["POST"]),
             Route("/v1/chat/completions", self._guarded(self.chat_completions, "chatcmpl-"), methods=["POST"]),
-        ])
+        ], exception_handlers={404: self._not_found, 405: self._not_allowed})
 
     # ---- plumbing ---------------------------------------------------------------
     @property
@@ -242,13 +246,39 @@ class OpenAIFront:
             return error_response(r)
         return JSONResponse({"status": "serving"})
 
-    async def models(self, request: HttpRequest):
+    def _model_card(self) -> dict:
         model = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "gateeng"}
         engine = self.gateway.engine
         if engine is not None:    # what `gateeng replay --openai` checks before it decodes
             model["reproducibility"] = record_json(engine.reproducibility)
             model["weight_version"] = engine.weight_version   # 0 at start, +1 per applied weight update
-        return JSONResponse({"object": "list", "data": [model]})
+        return model
+
+    async def metrics(self, request: HttpRequest):
+        """The same registry as --metrics-port serves, on the API port too, where vLLM's
+        clients (aiperf) look for it."""
+        return Response(generate_latest(self.gateway.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def models(self, request: HttpRequest):
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: HttpRequest):
+        """GET /v1/models/{id}: the served model's card, or OpenAI's 404."""
+        model_id = request.path_params["model_id"]
+        if model_id != self.model_name:
+            return error_response(Refusal(Kind.NOT_FOUND, f"model {model_id!r} is not served here; this server "
+                                                          f"serves {self.model_name!r}", param="model",
+                                          code="model_not_found"))
+        return JSONResponse(self._model_card())
+
+    async def _not_found(self, request: HttpRequest, exc) -> Response:
+        return error_response(Refusal(Kind.NOT_FOUND, f"no route {request.url.path}; this server answers "
+                                                      f"/v1/completions, /v1/chat/completions, /v1/models, /health "
+                                                      f"and /metrics"))
+
+    async def _not_allowed(self, request: HttpRequest, exc) -> Response:
+        r = Refusal(Kind.INVALID, f"{request.method} is not allowed on {request.url.path}")
+        return Response(json.dumps(error_body(r)), status_code=405, media_type="application/json")
 
     async def completions(self, request: HttpRequest, request_id: str):
         body = await self._body(request, COMPLETION_FIELDS)
