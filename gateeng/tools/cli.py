@@ -510,7 +510,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--metrics-port", type=int, default=SERVER.metrics_port, help="Prometheus /metrics port (-1: off)")
     s.add_argument("--http-port", type=int, default=SERVER.http_port,
                    help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
-                        "/v1/models, /health) on this port too (default: off)")
+                        "/v1/models, /health, /metrics) on this port too (default: off)")
     s.add_argument("--http-default-mode", choices=["off", "verified"], default=SERVER.http_default_mode,
                    help="determinism of HTTP requests that set none: `verified` makes every lm-eval or openai "
                         "client request VERIFIED without an extension field")
