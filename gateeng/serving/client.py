@@ -4,14 +4,19 @@
         res = c.complete("Hello", SamplingParams(max_tokens=32), DeterminismParams(Mode.VERIFIED))
         print(res.text, res.determinism.rollbacks)
         chat = c.complete([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+
+A server started with an API key needs it on every call: `Client(..., api_key=KEY)`,
+or $GATEENG_API_KEY.
 """
 from __future__ import annotations
 
+import os
 from typing import Iterator, Optional, Union
 
 import grpc
 
 from gateeng.request import DeterminismParams, Mode, SamplingParams, StreamPolicy
+from gateeng.serving.credentials import API_KEY_ENV
 from gateeng.v1 import engine_pb2 as pb
 from gateeng.v1 import engine_pb2_grpc as pb_grpc
 
@@ -54,10 +59,14 @@ def to_proto(prompt: Union[str, list], params: Optional[SamplingParams] = None,
 
 
 class Client:
-    def __init__(self, target: str, admin_token: Optional[str] = None):
+    def __init__(self, target: str, admin_token: Optional[str] = None, api_key: Optional[str] = None):
+        """`api_key` goes with every call; None takes $GATEENG_API_KEY, "" sends none.
+        `admin_token` goes with the admin calls only."""
         self.channel = grpc.insecure_channel(target)
         self.stub = pb_grpc.EngineStub(self.channel)
         self.admin_token = admin_token
+        self.api_key = os.environ.get(API_KEY_ENV) if api_key is None else api_key
+        self.metadata = [("authorization", f"Bearer {self.api_key}")] if self.api_key else []
 
     def __enter__(self):
         return self
@@ -69,20 +78,22 @@ class Client:
         self.channel.close()
 
     def complete(self, prompt, params=None, det=None, chat=False, request_id="", timeout=None) -> pb.CompleteResponse:
-        return self.stub.Complete(to_proto(prompt, params, det, chat, request_id), timeout=timeout)
+        return self.stub.Complete(to_proto(prompt, params, det, chat, request_id), timeout=timeout,
+                                  metadata=self.metadata)
 
     def generate(self, prompt, params=None, det=None, chat=False, request_id="",
                  timeout=None) -> Iterator[pb.GenerateResponse]:
-        return self.stub.Generate(to_proto(prompt, params, det, chat, request_id), timeout=timeout)
+        return self.stub.Generate(to_proto(prompt, params, det, chat, request_id), timeout=timeout,
+                                  metadata=self.metadata)
 
     def abort(self, request_id: str) -> bool:
-        return self.stub.Abort(pb.AbortRequest(request_id=request_id)).found
+        return self.stub.Abort(pb.AbortRequest(request_id=request_id), metadata=self.metadata).found
 
     def server_info(self) -> pb.ServerInfo:
-        return self.stub.GetServerInfo(pb.GetServerInfoRequest())
+        return self.stub.GetServerInfo(pb.GetServerInfoRequest(), metadata=self.metadata)
 
     def model_info(self) -> pb.ModelInfo:
-        return self.stub.GetModelInfo(pb.GetModelInfoRequest())
+        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=self.metadata)
 
     def update_gate_config(self, margin_threshold=None, max_window=None) -> pb.GateConfig:
         req = pb.UpdateGateConfigRequest()
@@ -99,4 +110,5 @@ class Client:
                                        timeout=timeout)
 
     def _admin_metadata(self) -> list:
-        return [("authorization", f"Bearer {self.admin_token}")] if self.admin_token else []
+        """The API key's entry and the admin token's: a server with both needs both."""
+        return self.metadata + ([("authorization", f"Bearer {self.admin_token}")] if self.admin_token else [])

@@ -11,8 +11,9 @@ fields), ALREADY_EXISTS (a request_id this connection has in flight),
 RESOURCE_EXHAUSTED (queue full; trailing metadata `grpc-retry-pushback-ms` says
 when to retry), FAILED_PRECONDITION (VERIFIED where the self-check failed; weights
 in place where the server cannot swap them),
-UNAUTHENTICATED / PERMISSION_DENIED (admin), UNAVAILABLE (loading, draining, or
-the engine stopped; retry on another replica), INTERNAL (an engine failure).
+UNAUTHENTICATED (no API key where the server needs one, auth.py; admin),
+PERMISSION_DENIED (admin), UNAVAILABLE (loading, draining, or the engine stopped;
+retry on another replica), INTERNAL (an engine failure).
 
 Ownership: a request belongs to the connection (gRPC peer) that submitted it.
 Abort finds only that connection's requests, and request ids are namespaced per
@@ -26,7 +27,6 @@ deadline pass, aborts its request and frees its KV blocks.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import secrets
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
@@ -44,7 +44,7 @@ from gateeng.logs import LOGGER
 from gateeng.outputs import Chunk, Completion, Rollback
 from gateeng.reproducibility import Reproducibility
 from gateeng.request import FinishReason
-from gateeng.serving import edge, refusals
+from gateeng.serving import auth, edge, refusals
 from gateeng.serving.client import sampling_proto
 from gateeng.serving.refusals import Kind, Refusal, internal_error
 from gateeng.serving.gateway import REQUEST_ID_HEADER, Gateway
@@ -251,8 +251,9 @@ class EngineService:
         if not self.admin_token:
             await self._refuse(context, Refusal(Kind.DENIED, "admin RPCs are disabled: start the server with "
                                                              "GATEENG_ADMIN_TOKEN or --admin-token-file"))
-        md = dict(context.invocation_metadata())
-        if not hmac.compare_digest(md.get("authorization", "").encode(), f"Bearer {self.admin_token}".encode()):
+        # With an API key set, the call carries it too, in another `authorization` entry (auth.py).
+        values = [v for k, v in context.invocation_metadata() if k == "authorization"]
+        if not auth.bearer_matches(values, self.admin_token):
             await self._refuse(context, Refusal(Kind.UNAUTHENTICATED,
                                                 "admin RPC needs metadata `authorization: Bearer <admin token>`"))
 
@@ -315,12 +316,15 @@ class EngineService:
 
 class GrpcFront:
     """The gRPC server: the Engine service, health (NOT_SERVING until the gateway
-    says otherwise) and reflection, on one port."""
+    says otherwise) and reflection, on one port. With `api_key`, every Engine call
+    needs it (auth.py); health and reflection stay open."""
 
-    def __init__(self, gateway: Gateway, host: str, port: int, admin_token: Optional[str] = None):
+    def __init__(self, gateway: Gateway, host: str, port: int, admin_token: Optional[str] = None,
+                 api_key: Optional[str] = None):
         self.service = EngineService(gateway, admin_token)
         self.health = health_aio.HealthServicer()
-        self.server = grpc.aio.server(options=grpc_options())
+        interceptors = [auth.GrpcApiKey(api_key, SERVICE, lambda r: gateway.count(r, "grpc"))] if api_key else []
+        self.server = grpc.aio.server(options=grpc_options(), interceptors=interceptors)
         self.server.add_generic_rpc_handlers((self.service.handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)

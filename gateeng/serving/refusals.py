@@ -25,7 +25,7 @@ class Kind(enum.Enum):
     BUSY = (grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error")
     NO_VERIFIED = (grpc.StatusCode.FAILED_PRECONDITION, 400, "invalid_request_error")
     NOT_HERE = (grpc.StatusCode.FAILED_PRECONDITION, 409, "invalid_request_error")   # not on this server's setup
-    UNAUTHENTICATED = (grpc.StatusCode.UNAUTHENTICATED, 401, "authentication_error")
+    UNAUTHENTICATED = (grpc.StatusCode.UNAUTHENTICATED, 401, "invalid_request_error")   # OpenAI's, for a bad key
     DENIED = (grpc.StatusCode.PERMISSION_DENIED, 403, "permission_error")
     UNAVAILABLE = (grpc.StatusCode.UNAVAILABLE, 503, "server_error")
     INTERNAL = (grpc.StatusCode.INTERNAL, 500, "server_error")
