@@ -29,6 +29,7 @@ import asyncio
 import json
 import multiprocessing as mp
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -108,12 +109,13 @@ def wait_serving(target: str, proc=None, timeout: float = 600) -> None:
 
 
 def scrape(metrics_port: int) -> dict:
+    """Sample values by name and labels, the model_name every gateeng_ series carries left out."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
     values = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):
             name, _, value = line.rpartition(" ")
-            values[name] = float(value)
+            values[re.sub(r'model_name="[^"]*",?', "", name).replace(",}", "}").replace("{}", "")] = float(value)
     return values
 
 

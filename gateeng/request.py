@@ -180,6 +180,9 @@ class Request:
     tau: float = 0.0            # effective margin threshold
     window: int = 1             # effective max window
     seed: int = 0               # effective sampling seed
+    # The engine's clock (time.monotonic on the driving thread): the scheduler stamps the
+    # first admission, the output processor the first token sent.
+    first_scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None
     num_preemptions: int = 0
     # The output's text, decoded incrementally (detokenizer.IncrementalText); None

@@ -21,7 +21,9 @@ def expressions() -> dict:
     dash = json.loads((DEPLOY / "grafana" / "gateeng.json").read_text())
     for panel in dash["panels"]:
         for t in panel["targets"]:
-            out[f"dashboard:{panel['title']}:{t['refId']}"] = t["expr"].replace("$__rate_interval", "1m")
+            # Grafana's values for its variables: the "All" of the model_name variable is ".*".
+            expr = t["expr"].replace("$__rate_interval", "1m").replace("$model_name", ".*")
+            out[f"dashboard:{panel['title']}:{t['refId']}"] = expr
     readme = (ROOT / "README.md").read_text()
     for i, block in enumerate(re.findall(r"```promql\n(.*?)```", readme, re.S)):
         out[f"README:block{i}"] = " ".join(block.split())

@@ -50,7 +50,7 @@ def exported_names() -> set:
     engine = Engine(EngineConfig(dtype="float32", num_kv_blocks=32, max_model_len=128, block_size=4,
                                  attention_split=8, max_num_batched_tokens=64), loaded=tiny_loaded())
     metrics = Metrics()
-    metrics.attach(engine)
+    metrics.attach(engine, "tiny")
     engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=6, ignore_eos=True),
                     [DeterminismParams(Mode.VERIFIED), None])
     engine.shutdown()

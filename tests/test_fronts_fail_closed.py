@@ -145,7 +145,7 @@ def served():
 
 
 def errors(srv, code: str) -> float:
-    return srv.server.metrics.registry.get_sample_value("gateeng_rpc_errors_total", {"code": code}) or 0.0
+    return srv.server.metrics.value("gateeng_rpc_errors_total", code=code) or 0.0
 
 
 def post_raw(base: str, path: str, data: bytes, headers=None):
@@ -263,8 +263,8 @@ def wait_until(predicate, timeout):
 ])
 def test_closing_the_socket_of_a_plain_request_aborts_it_within_a_second(served, path, body):
     srv, base, _ = served
-    aborts = srv.server.metrics.registry.get_sample_value
-    before = aborts("gateeng_request_success_total", {"finish_reason": "abort"}) or 0.0
+    aborts = srv.server.metrics.value
+    before = aborts("gateeng_request_success_total", finish_reason="abort") or 0.0
     data = json.dumps(dict(body, max_tokens=CONTEXT - 64, ignore_eos=True)).encode()
     s = socket.create_connection(("127.0.0.1", srv.server.http.port), timeout=30)
     s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -272,7 +272,7 @@ def test_closing_the_socket_of_a_plain_request_aborts_it_within_a_second(served,
     assert wait_until(lambda: srv.server.gateway.engine.counts.running == 1, 30)
     s.close()
     assert wait_until(lambda: idle(srv), 1.0), srv.server.gateway.engine.counts
-    assert aborts("gateeng_request_success_total", {"finish_reason": "abort"}) == before + 1
+    assert aborts("gateeng_request_success_total", finish_reason="abort") == before + 1
 
 
 def test_the_drain_answers_503_with_retry_after_and_cuts_streams_with_an_error_event():

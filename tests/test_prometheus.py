@@ -88,6 +88,12 @@ def stack(tmp_path_factory):
         yield s
 
 
+def served_name(target) -> str:
+    """The model's name as the server shows it (GetModelInfo): every series' model_name."""
+    with Client(target) as c:
+        return c.model_info().name
+
+
 def run_verified(target, n, params):
     """n VERIFIED requests at once; their DeterminismReports."""
     reports = [None] * n
@@ -120,11 +126,13 @@ def test_readme_trigger_rate_answers_under_the_default_route(tmp_path):
         assert steps + direct > 0
         got = query(base, readme_trigger_rate())
         assert len(got) == 1, got
+        name = served_name(target)
         if steps == 0:       # every VERIFIED decode went direct: the explicit answer, not NaN
-            assert got[0]["metric"] == {"gate": "all_direct"} and float(got[0]["value"][1]) == 0.0
+            assert got[0]["metric"] == {"model_name": name, "gate": "all_direct"}
+            assert float(got[0]["value"][1]) == 0.0
         else:
             triggers = sum(r.triggers_margin + r.triggers_window + r.triggers_finish for r in reports)
-            assert got[0]["metric"] == {}
+            assert got[0]["metric"] == {"model_name": name}
             assert float(got[0]["value"][1]) == pytest.approx(triggers / steps, rel=0.02)
         routes = {r["metric"]["route"]: float(r["value"][1]) for r in
                   query(base, 'sum by (route) (rate(gateeng_decode_steps_total{determinism="verified"}[5m]))')}
@@ -140,7 +148,8 @@ def test_readme_trigger_rate_says_all_direct_when_no_step_reaches_the_gate(tmp_p
         assert sum(r.decode_steps for r in reports) == 0 and sum(r.direct_steps for r in reports) > 0
         wait_for(lambda: scalar(base, "sum(gateeng_request_success_total)") == 2, what="the requests to be scraped")
         got = wait_for(lambda: query(base, readme_trigger_rate()), what="the trigger rate to answer")
-        assert [(r["metric"], float(r["value"][1])) for r in got] == [({"gate": "all_direct"}, 0.0)]
+        assert [(r["metric"], float(r["value"][1])) for r in got] == [
+            ({"model_name": served_name(target), "gate": "all_direct"}, 0.0)]
 
 
 def test_readme_trigger_rate_in_prometheus_equals_the_reports(stack):

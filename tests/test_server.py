@@ -1,6 +1,7 @@
 """End-to-end: a real `gateeng serve` process on loopback, real gRPC, real /metrics."""
 import itertools
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -78,12 +79,13 @@ def client(server):
 
 
 def scrape(mport):
+    """Sample values by name and labels, the model_name every gateeng_ series carries left out."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=10).read().decode()
     values = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):
             name, _, value = line.rpartition(" ")
-            values[name] = float(value)
+            values[re.sub(r'model_name="[^"]*",?', "", name).replace(",}", "}").replace("{}", "")] = float(value)
     return values
 
 

@@ -58,7 +58,7 @@ class Served(Running):
         self.http = f"http://127.0.0.1:{self.server.http.port}"
 
     def metric(self, name, **labels):
-        return self.server.metrics.registry.get_sample_value(name, labels or None)
+        return self.server.metrics.value(name, **labels)
 
     def models(self):
         return json.loads(urllib.request.urlopen(self.http + "/v1/models", timeout=10).read())["data"][0]

@@ -28,7 +28,7 @@ from gateeng.engine.block_manager import BlockManager
 from gateeng.engine.detokenizer import IncrementalText
 from gateeng.engine.errors import DeterminismUnavailable, QueueFull
 from gateeng.engine.output_processor import OutputProcessor, RequestHandle
-from gateeng.engine.records import Counts, SeqRecord, StepRecord
+from gateeng.engine.records import Counts, PrefixLookup, RequestTimes, SeqRecord, StepRecord
 from gateeng.engine.route import RoutePolicy
 from gateeng.engine.scheduler import Scheduler
 from gateeng.engine.stopping import StopChecker
@@ -73,7 +73,9 @@ class Observer:
     def on_first_token(self, mode: Mode, seconds: float) -> None: ...
     def on_tokens(self, mode: Mode, count: int, seconds_per_token: float) -> None: ...
     def on_retraction(self, mode: Mode) -> None: ...
-    def on_finish(self, completion: Completion, seconds: float) -> None: ...
+    # A request finished; called before its caller gets the Completion, so what the
+    # caller holds is already counted.
+    def on_finish(self, completion: Completion, times: RequestTimes) -> None: ...
     # A weight update applied or refused (called on the updating thread).
     def on_weight_update(self, applied: bool, seconds: float, weight_version: int) -> None: ...
 
@@ -388,9 +390,13 @@ class EngineCore:
             margin = out.margins[-1] if out is not None and out.margins and seq.sample_rows else None
             seqs.append(SeqRecord(req.request_id, req.mode, seq.kind.value, seq.replay, seq.decode, margin,
                                   seq.route))
+        sch = self.scheduler
+        lookups = tuple(PrefixLookup(r.mode, r.num_prompt, r.num_cached_tokens) for r in sch.admitted
+                        if sch.looks_up(r))
+        sch.admitted.clear()
         self.counts = self._counts()
         return StepRecord(tuple(seqs), counted, mismatches,
-                          {k.value: v for k, v in self.runner.last_seconds.items()}, self.counts)
+                          {k.value: v for k, v in self.runner.last_seconds.items()}, self.counts, lookups)
 
     def _counts(self) -> Counts:
         sch = self.scheduler
@@ -415,6 +421,7 @@ class EngineCore:
         if h is None:
             return
         c = h.completion = self.outputs.finish(req, h)
+        self.observer.on_finish(c, RequestTimes.between(req.arrival, req.first_scheduled_time,
+                                                        req.first_token_time, time.monotonic()))
         h.put(c)
         h.done.set()
-        self.observer.on_finish(c, time.monotonic() - req.arrival)

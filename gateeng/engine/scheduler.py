@@ -19,8 +19,9 @@ replay, planned at once). Rollback is truncating `tokens` and the block table.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
-from typing import Optional
+from typing import Callable, Optional
 
 from gateeng.engine.block_manager import BlockManager
 from gateeng.config import KERNEL_PREFILL_WORK
@@ -32,8 +33,10 @@ from gateeng.step import DIRECT, SPECULATIVE, Kind, ScheduledSeq, StepPlan
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 route: Optional[RoutePolicy] = None, max_verify_delay: int = 0, prefill_chunk: int = 0):
+                 route: Optional[RoutePolicy] = None, max_verify_delay: int = 0, prefill_chunk: int = 0,
+                 clock: Callable[[], float] = time.monotonic):
         self.blocks = blocks
+        self.clock = clock   # stamps first admissions: the engine's clock, the one Request.arrival is on
         self.prefill_chunk = prefill_chunk   # 0 = no cap beyond the token budget
         self._prefill_left = 0
         # A margin-triggered replay may wait this many steps for an invariant pass to
@@ -47,6 +50,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.finished: list[Request] = []   # drained by the engine after each step
+        # Requests admitted for the first time this step (their queue time ends, their
+        # prompt's prefix-cache lookup counts); drained by the engine after each step.
+        self.admitted: list[Request] = []
         self.num_preemptions = 0
         # False while a weight update waits for the running requests: nothing new
         # (nor a preempted request) joins the batch on the weights about to go.
@@ -112,6 +118,9 @@ class Scheduler:
                 break   # FCFS: wait for blocks to come back
             self.waiting.popleft()
             req.status = Status.RUNNING
+            if req.first_scheduled_time is None:   # a preempted request comes back: not a new admission
+                req.first_scheduled_time = self.clock()
+                self.admitted.append(req)
             self.running.append(req)
             plan.seqs.append(seq)
             budget -= seq.num_tokens
@@ -211,8 +220,7 @@ class Scheduler:
     def _match_prefix(self, req: Request) -> None:
         bs = self.blocks.block_size
         # Leave at least one position to compute: its logits give the next token.
-        # Prompt logprobs need every prompt position computed: no prefix reuse.
-        max_blocks = (len(req.tokens) - 1) // bs if req.params.prompt_logprobs is None else 0
+        max_blocks = (len(req.tokens) - 1) // bs if self.looks_up(req) else 0
         matched = self.blocks.match_prefix(req.tokens, max_blocks, canonical_only=req.mode is not Mode.OFF)
         req.block_table = matched
         req.num_computed = len(matched) * bs
@@ -220,6 +228,11 @@ class Scheduler:
         req.prefill_target = len(req.tokens)
         if req.num_preemptions == 0:
             req.num_cached_tokens = min(req.num_computed, req.num_prompt)
+
+    def looks_up(self, req: Request) -> bool:
+        """Whether the prefix cache may serve `req`: it is on, and the request asks for no
+        prompt logprobs (those need every prompt position computed)."""
+        return self.blocks.enable_prefix_caching and req.params.prompt_logprobs is None
 
     def _unmatch(self, req: Request) -> None:
         self.blocks.release_all(req.block_table)

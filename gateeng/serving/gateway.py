@@ -52,12 +52,14 @@ class Gateway:
             return "the server is shutting down; retry on another replica"
         return None
 
-    def model_name(self) -> Optional[str]:
-        """The model's name as both fronts show it: --served-model-name, else
-        model_name(source); None while the model loads and none is set."""
+    def model_name(self, engine: Optional[Engine] = None) -> Optional[str]:
+        """The model's name as both fronts and the metrics show it: --served-model-name,
+        else model_name(source) of `engine` (by default the gateway's); None while the
+        model loads and none is set."""
         if self.settings.served_model_name:
             return self.settings.served_model_name
-        return None if self.engine is None else model_name(self.engine.loaded.source)
+        engine = engine or self.engine
+        return None if engine is None else model_name(engine.loaded.source)
 
     def ready_engine(self) -> Engine:
         """The engine, or a Refusal (UNAVAILABLE, with a retry hint) saying why there
@@ -104,7 +106,7 @@ class Gateway:
         """A refusal in gateeng_rpc_errors_total: labelled by its gRPC status name on
         the gRPC front ("grpc"), by HTTP_<status> on the HTTP front ("http")."""
         kind = refusal.kind
-        self.metrics.errors.labels(kind.grpc_code.name if front == "grpc" else f"HTTP_{kind.http_status}").inc()
+        self.metrics.count_error(kind.grpc_code.name if front == "grpc" else f"HTTP_{kind.http_status}")
 
     def close(self) -> None:
         self.tokenize_pool.shutdown(wait=False)

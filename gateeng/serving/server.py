@@ -96,7 +96,7 @@ class Server:
             # collected.
             gc.collect()
             gc.freeze()
-        self.metrics.attach(engine)
+        self.metrics.attach(engine, self.gateway.model_name(engine))
         self.gateway.engine = engine
         log.info(engine.selfcheck.describe())
         if not self._stop.is_set():
