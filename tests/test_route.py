@@ -47,6 +47,33 @@ def test_one_stalled_pass_barely_moves_a_trained_cost_model_but_a_real_change_co
     assert m.cost(20) == pytest.approx(0.040, rel=0.15)
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_online_refinement_never_leaves_a_negative_base_or_per_row_cost(seed):
+    """Traffic on a shared host: stalls, passes that get cheaper with rows, long runs of
+    one row count. Whatever comes, both parameters stay >= 0 after every pass."""
+    rng = random.Random(seed)
+    for model in (CostModel(0.02, 0.001), CostModel(0.0, 0.0)):
+        for i in range(400):
+            phase = i // 100
+            rows = 20 if phase == 1 else rng.choice((1, 2, 4, 8, 16, 32, 64))
+            seconds = 0.012 + 0.0008 * rows
+            if phase == 2:
+                seconds = 0.060 - 0.0009 * rows   # reversed: more rows, fewer seconds
+            if rng.random() < 0.05:
+                seconds *= rng.choice((4, 10, 0.1))   # a stall, or a pass timed across a clock step
+            model.observe(rows, seconds)
+            assert model.theta[0] >= 0 and model.theta[1] >= 0, (i, model.describe())
+
+
+def test_passes_that_get_cheaper_with_rows_leave_a_flat_cost_not_a_falling_one():
+    m = CostModel(0.02, 0.001)
+    for _ in range(100):
+        m.observe(1, 0.030)
+        m.observe(32, 0.010)   # least squares alone: 30.6 ms - 0.65 ms per row
+    assert m.theta[1] == 0 and m.cost(1) == m.cost(64)
+    assert 0.010 <= m.cost(32) <= 0.030
+
+
 def test_a_lone_verified_decode_stays_speculative():
     # 19 OFF rows + 1 VERIFIED on the fast plan, no invariant pass this step: going
     # direct would add a whole invariant pass for one row.

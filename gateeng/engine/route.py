@@ -42,7 +42,8 @@ class CostModel:
     rows wrong for many steps. Once `WARM_UP` passes are in (the prior may be far
     off), a pass's residual is therefore bounded by `CLIP` of its predicted cost
     (Huber-style; the same outlier then leaves 6 ms + 1.1 ms per row); a real
-    change of cost still comes through, over a few more passes."""
+    change of cost still comes through, over a few more passes. And every update
+    keeps base >= 0 and per_row >= 0 (`_nonnegative`)."""
 
     WARM_UP = 8
     CLIP = 0.25
@@ -76,11 +77,29 @@ class CostModel:
         if self.seen > self.WARM_UP:
             bound = self.CLIP * max(abs(predicted), 1.0)   # at least 1 ms: the unit of the fit
             err = min(max(err, -bound), bound)
-        self.theta = [self.theta[0] + k[0] * err, self.theta[1] + k[1] * err]
+        self.theta = _nonnegative([self.theta[0] + k[0] * err, self.theta[1] + k[1] * err], x[1])
         self.p = [[(p[i][j] - k[i] * px[j]) / lam for j in range(2)] for i in range(2)]
         # Bound the covariance: with constant row counts one direction is never
         # excited, and forgetting would otherwise blow it up.
         self.p = [[min(max(v, -1e4), 1e4) for v in row] for row in self.p]
+
+
+def _nonnegative(theta: list, rows: float) -> list:
+    """theta with base >= 0 and per_row >= 0, the invariant every update of a CostModel
+    keeps: a pass never costs less than nothing, nor less for more rows. Least squares
+    over a few steady row counts can leave it (a stall, then one row count for a
+    while, had fitted -32 ms + 3.1 ms per row), and a plan priced below its cost at
+    small row counts draws work it cannot do for as long as traffic keeps away the
+    row counts that would correct it. Where it is left, the fit's cost at the rows
+    just observed, where the evidence is, is kept and carried by the other parameter
+    alone."""
+    base, per_row = theta
+    if base >= 0 and per_row >= 0:
+        return theta
+    here = max(0.0, base + per_row * rows)
+    if per_row < 0 or rows <= 0:
+        return [here, 0.0]
+    return [0.0, here / rows]
 
 
 class GroupCost:
@@ -124,7 +143,7 @@ class GroupCost:
     def observe(self, rows: int, seconds: float) -> None:
         if rows > 0:
             self.seen += 1
-            per = seconds / self.groups(rows)
+            per = seconds / self.groups(rows)   # >= 0: an average of these never goes negative
             self.per_group = per if self.per_group is None else self.per_group + self.weight * (per - self.per_group)
 
 
