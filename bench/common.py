@@ -34,15 +34,10 @@ def timed(fn):
     return r, time.perf_counter() - t0
 
 
-# The settings that make this machine run as a smaller one (the AVX2 emulation:
-# kernels built for x86-64-v3, torch and oneDNN capped at AVX2).
-ISA_CAPS = ("GATEENG_CPU_ISA", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
-
-
 def machine() -> str:
     """The CPU model and its ISA flags first: AVX2-only and AMX machines give different
     bits and very different bf16 costs, so a number means little without them."""
-    from gateeng.reproducibility import cpu_model_and_isa
+    from gateeng.reproducibility import ISA_CAPS, cpu_model_and_isa
     model, isa = cpu_model_and_isa()
     capped = [f"{k}={os.environ[k]}" for k in ISA_CAPS if os.environ.get(k)]
     return (f"{model} [{isa}], {os.cpu_count()} cores, torch {torch.__version__}, "

@@ -1,10 +1,12 @@
-"""The disk facts the caches share (converted models, compiled kernels): what a full
-disk or an exhausted quota looks like, the one-line error that says so, file hashes."""
+"""The disk facts the caches share (converted models, compiled kernels, route costs):
+what a full disk or an exhausted quota looks like, the one-line error that says so,
+file hashes, a file written whole."""
 from __future__ import annotations
 
 import errno
 import hashlib
 import os
+import secrets
 import shutil
 from pathlib import Path
 from typing import Optional
@@ -58,6 +60,23 @@ def no_space(folder: Path, doing: str, written: int, needed: str = "",
     need = f"; {needed}" if needed else ""
     return NoSpace(errno.ENOSPC, f"no space left on the disk of {folder} while {doing} "
                                  f"({written / 2 ** 20:.1f} MiB written when it failed, {free} free now{need}): {advice}")
+
+
+def write_whole(path: Path, text: str) -> None:
+    """`text` into `path` whole: written to a temporary file beside it, flushed to the
+    disk and renamed into place, so a reader, or a start after a crash, finds the old
+    file or the new one and never a part of either. The temporary file goes whatever
+    stops the write."""
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def sha256_file(path: Path) -> str:

@@ -34,6 +34,9 @@ class Plans:
     fast_matmul: str             # what the fast plan multiplies with, in words (logs, calibrate)
     release_threads: Callable    # lets the calling thread's OpenMP pool go (cpu_ops.cpp)
     unavailable: str = ""        # why VERIFIED cannot be served here ('' when it can)
+    # The kernel builds the plans run, by name and digest (source, compiler, flags,
+    # torch): with the CPU, the model and the settings, what a pass's cost depends on.
+    builds: str = ""
 
 
 def build(cfg: EngineConfig, model, model_config, dtype, owned: bool = False) -> Plans:
@@ -64,10 +67,13 @@ def build(cfg: EngineConfig, model, model_config, dtype, owned: bool = False) ->
         + (f"; one packed copy of the weights serves both ({freed / 2 ** 20:.0f} MiB of plain weights freed)"
            if freed else ""))
     release = kernels.release_idle_threads if kernels is not None else (lambda: None)
+    builds = ", ".join([f"cpu_ops {kernels.digest}" if kernels is not None else "torch ops"]
+                       + ([f"{kernel_names.REFERENCE} {reference.ops.isa} {reference.ops.digest}"]
+                          if reference is not None else []))
     if reference is not None:
         chosen = sampler.Sampler(reference.ops)
-        return Plans(fast, invariant, chosen.sample, chosen.logprobs, fast_matmul, release)
-    return Plans(fast, invariant, sampler.sample, sampler.logprobs, fast_matmul, release, unavailable)
+        return Plans(fast, invariant, chosen.sample, chosen.logprobs, fast_matmul, release, builds=builds)
+    return Plans(fast, invariant, sampler.sample, sampler.logprobs, fast_matmul, release, unavailable, builds)
 
 
 def _reference_ops(model) -> tuple:
@@ -111,6 +117,9 @@ def _cuda_plans(cfg: EngineConfig, model, mc, dtype) -> Plans:
     matmul = "torch matmuls (cuBLAS)"
     if ops is not None:
         sample, logprobs = host_sampler(ops)
-        return Plans(fast, TritonReferencePlan(cfg.block_size), sample, logprobs, matmul, lambda: None)
-    return Plans(fast, TritonInvariantPlan(cfg.attention_split), gpu_sample, sampler.logprobs, matmul, lambda: None,
-                 unavailable)
+        invariant = TritonReferencePlan(cfg.block_size)
+        return Plans(fast, invariant, sample, logprobs, matmul, lambda: None,
+                     builds=f"{type(fast).__name__}, {type(invariant).__name__}, {ops.isa} {ops.digest}")
+    invariant = TritonInvariantPlan(cfg.attention_split)
+    return Plans(fast, invariant, gpu_sample, sampler.logprobs, matmul, lambda: None, unavailable,
+                 f"{type(fast).__name__}, {type(invariant).__name__}")
