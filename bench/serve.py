@@ -77,7 +77,7 @@ class ServerProcess:
     def __init__(self, *extra: str):
         self.port, self.metrics_port = free_port(), free_port()
         cmd = [sys.executable, "-m", "gateeng.tools.cli", "serve", "--port", str(self.port),
-               "--metrics-port", str(self.metrics_port), "--log-level", "warning", *extra]
+               "--metrics-port", str(self.metrics_port), "--http-port", "-1", "--log-level", "warning", *extra]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self.target = f"127.0.0.1:{self.port}"
         wait_serving(self.target, self.proc)

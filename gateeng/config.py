@@ -253,6 +253,13 @@ class GateBounds:
 # An HTTP body may exceed --max-prompt-bytes by this much (the other fields, JSON
 # escapes); past it the body is refused by its Content-Length, unparsed.
 HTTP_BODY_SLACK_BYTES = 64 * 1024
+# An HTTP request's choices: `n` per prompt, and prompts x n in all. Each choice is
+# a request of the engine's own; a request that could never fit the queue is
+# refused at once rather than with a 429 that no retry could cure.
+HTTP_MAX_N = 16
+HTTP_MAX_CHOICES = 64
+# The OpenAI front's port (vLLM's); `--http-port -1` turns the front off.
+HTTP_PORT = 8000
 
 
 @dataclass(frozen=True)
@@ -291,7 +298,7 @@ class ServerConfig:
     drain_seconds: float = 30.0            # SIGTERM: how long in-flight requests may finish
     max_prompt_bytes: int = 0              # 0: 32 bytes per context position
     bounds: GateBounds = field(default_factory=GateBounds)
-    http_port: Optional[int] = None        # the OpenAI-compatible HTTP front; None: off
+    http_port: Optional[int] = HTTP_PORT   # the OpenAI-compatible HTTP front; None: off
     served_model_name: Optional[str] = None   # the model's name on both fronts; None: gateway.model_name(source)
     # GetModelInfo.source: the model's path on this machine, shown to any client
     # only when the operator asks; otherwise clients get its name and fingerprint.

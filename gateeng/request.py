@@ -45,6 +45,17 @@ GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20    # top alternatives a request may ask for per token
 # The one default for max_tokens: engine API, gRPC server, Python client and CLI.
 DEFAULT_MAX_TOKENS = 128
+# 2^64 over the golden ratio: the seeds of a request's choices (choice_seed) lie far apart.
+CHOICE_SEED_STRIDE = 0x9E3779B97F4A7C15
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` of a request that asks for several choices (OpenAI's
+    `n`) with `seed`: seed + index * CHOICE_SEED_STRIDE mod 2^64. Choice 0 keeps the
+    request's seed, so n=1 is the plain request, and every choice is a request of its
+    own with this seed: a single request with it gives the same choice (bit for bit,
+    VERIFIED) and replays it."""
+    return (seed + index * CHOICE_SEED_STRIDE) % 2**64
 
 
 @dataclass

@@ -168,7 +168,7 @@ async def storm(target, calls: int, seed: int) -> dict:
 
 def test_a_storm_of_cancels_and_short_deadlines_leaves_no_request_behind():
     srv = Running(small_config(), loaded=long_context_loaded(SlowTokenizer(0.003)),
-                  settings=ServerConfig(port=0, metrics_port=None, drain_seconds=0))
+                  settings=ServerConfig(port=0, metrics_port=None, http_port=None, drain_seconds=0))
     try:
         engine = srv.server.gateway.engine
         outcomes = asyncio.run(storm(srv.target, 200, seed=7))

@@ -73,7 +73,7 @@ CASES = [
     Case("determinism mode []", "is not known", {"prompt": "hi", "determinism": {"mode": []}}),
     Case("chat logprobs 'yes'", "logprobs must be true or false",
          {"messages": [{"role": "user", "content": "hi"}], "logprobs": "yes"}, path="/v1/chat/completions"),
-    Case("n true", "`n` = True is not supported", {"prompt": "hi", "n": True}),
+    Case("n true", "n must be an integer, got True", {"prompt": "hi", "n": True}),
     Case("max_tokens 10^9", "max_tokens 1000000000 exceeds the context (4096 tokens",
          {"prompt": "hi", "max_tokens": 10 ** 9}, text("hi", max_tokens=10 ** 9)),
     Case("max_tokens 10^30", "exceeds the context", {"prompt": "hi", "max_tokens": 10 ** 30}),
@@ -84,7 +84,7 @@ CASES = [
     # The gRPC bad-input table, and its HTTP spelling.
     Case("empty prompt", "empty", {"prompt": ""}, pb.GenerateRequest(text="")),
     Case("no input", "`text`, `token_ids` or `messages`", None, pb.GenerateRequest()),
-    Case("no prompt", "prompt must be a string or a list of token ids", {"max_tokens": 2}),
+    Case("no prompt", "prompt must be a string, a list of token ids", {"max_tokens": 2}),
     Case("unknown token ids", "vocabulary", {"prompt": [1, 99999]},
          pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 99999]))),
     Case("NaN threshold", "margin_threshold", raw('{"prompt": "hi", "determinism": {"mode": "verified", '

@@ -79,7 +79,7 @@ def test_echo_gives_prompt_logprobs_like_lm_eval_asks(served):
 
 
 @pytest.mark.parametrize("kwargs, status, words", [
-    (dict(n=2), 400, "`n` = 2 is not supported"),
+    (dict(n=17), 400, "`n` must be in [1, 16]"),
     (dict(extra_body={"frobnicate": 1}), 400, "unknown field `frobnicate`"),
     (dict(extra_body={"determinism": {"mode": "bitwise"}}), 400, "known: off, verified"),
     (dict(extra_body={"determinism": {"mode": "verified", "stream_policy": "eager"}}), 400, "rollback"),

@@ -180,4 +180,4 @@ def test_the_open_file_limit_is_raised_for_the_connection_limits_or_the_start_re
                 ensure_descriptors(hard + 1)
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-    assert ServerConfig(http_port=0).descriptors_needed() > ServerConfig().descriptors_needed()
+    assert ServerConfig(http_port=0).descriptors_needed() > ServerConfig(http_port=None).descriptors_needed()

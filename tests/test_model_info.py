@@ -39,14 +39,14 @@ def model_info(settings: ServerConfig) -> tuple:
 
 
 def test_model_info_gives_the_name_and_fingerprint_but_not_the_path_by_default():
-    info, raw, fingerprint = model_info(ServerConfig(port=0, metrics_port=None))
+    info, raw, fingerprint = model_info(ServerConfig(port=0, metrics_port=None, http_port=None))
     assert info.name == "tiny-llama" and info.fingerprint == fingerprint
     assert info.source == ""
     assert b"private-models" not in raw and b"/srv" not in raw
 
 
 def test_expose_model_path_shows_the_path_and_served_model_name_renames():
-    info, _, fingerprint = model_info(ServerConfig(port=0, metrics_port=None, expose_model_path=True,
+    info, _, fingerprint = model_info(ServerConfig(port=0, metrics_port=None, http_port=None, expose_model_path=True,
                                                    served_model_name="house-model"))
     assert (info.source, info.name, info.fingerprint) == (PATH, "house-model", fingerprint)
 

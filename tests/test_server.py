@@ -34,6 +34,8 @@ def free_port():
 
 def start_server(*extra):
     port, mport = free_port(), free_port()
+    if "--http-port" not in extra:
+        extra = ("--http-port", "-1", *extra)
     cmd = [sys.executable, "-m", "gateeng.tools.cli", "serve", "--port", str(port), "--metrics-port", str(mport),
            "--max-queue", "48", *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -470,3 +472,30 @@ def test_verified_top5_logprobs_over_http_are_bitwise_the_same_alone_and_among_3
     # The same values as over gRPC (float32, carried exactly by JSON's float64).
     g = client.complete("List three colours:", SamplingParams(max_tokens=16, ignore_eos=True, logprobs=5), VERIFIED)
     assert a.token_logprobs == [lp.logprob for lp in g.logprobs]
+
+
+def readme_block(heading: str, first_line: str) -> str:
+    """The README's fenced code block, in the section `heading`, whose first line is
+    `first_line`: the tests run what the README prints."""
+    text = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    section = text[text.index(heading):]
+    for block in re.findall(r"```(?:python|sh)\n(.*?)```", section, re.S):
+        if block.startswith(first_line):
+            return block
+    raise AssertionError(f"README's {heading!r} has no block starting {first_line!r}")
+
+
+@pytest.mark.parametrize("heading, first, default, port", [
+    ("## OpenAI-compatible HTTP", "import openai", "127.0.0.1:8000", 4),
+    ("## First example", "from gateeng.serving.client import Client", "127.0.0.1:50051", 1),
+])
+def test_the_readme_python_examples_run_as_printed(server, heading, first, default, port):
+    """Each example against the served embedded model, its default address replaced by
+    the test server's; it prints a non-empty answer."""
+    target = server[port] if port == 1 else f"127.0.0.1:{server[port]}"
+    code = readme_block(heading, first)
+    assert default in code
+    run = subprocess.run([sys.executable, "-c", code.replace(default, target)], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip(), run.stderr

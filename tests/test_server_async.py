@@ -28,7 +28,7 @@ class Running:
     """A Server on its own thread and event loop, as `gateeng serve` runs it."""
 
     def __init__(self, config, drain_seconds=30.0, loaded=None, settings=None, admin_token=None):
-        settings = settings or ServerConfig(port=0, metrics_port=None, drain_seconds=drain_seconds)
+        settings = settings or ServerConfig(port=0, metrics_port=None, http_port=None, drain_seconds=drain_seconds)
         self.server = Server(config, settings, loaded=loaded or tiny_loaded("float32"), admin_token=admin_token)
         self.exit_code = None
         self.loop = None
@@ -208,7 +208,7 @@ def test_a_server_that_owns_its_process_freezes_the_start_up_heap_once_the_engin
     froze = []
     # The real gc.freeze would exempt this test process's objects for good.
     monkeypatch.setattr(gc, "freeze", lambda: froze.append(True))
-    srv = Running(tiny_config(), settings=ServerConfig(port=0, metrics_port=None, freeze_heap=True))
+    srv = Running(tiny_config(), settings=ServerConfig(port=0, metrics_port=None, http_port=None, freeze_heap=True))
     try:
         assert froze == [True]
         stub = pb_grpc.EngineStub(channel(srv.target))

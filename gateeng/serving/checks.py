@@ -84,8 +84,10 @@ def token_ids(value, field: str = "prompt") -> list:
 
 
 def messages(value, field: str = "messages") -> list:
-    """A list of {"role", "content"} objects whose values are strings ("name" is
-    accepted and dropped). Which roles are known is the engine's to say."""
+    """A list of {"role", "content"} objects ("name" is accepted and dropped). A
+    content is a string or a list of text parts ({"type": "text", "text": ...}),
+    which are joined with newlines, as vLLM joins them; a part of another type is
+    refused by name. Which roles are known is the engine's to say."""
     if not isinstance(value, list) or not all(isinstance(m, dict) for m in value):
         raise BadRequest(f"{field} must be a list of {{role, content}} objects", param=field)
     out = []
@@ -97,8 +99,26 @@ def messages(value, field: str = "messages") -> list:
             if key not in m:
                 raise BadRequest(f"{field}[{i}] has no `{key}`", param=field)
         out.append({"role": text(m["role"], f"{field}[{i}].role"),
-                    "content": text(m["content"], f"{field}[{i}].content")})
+                    "content": content(m["content"], f"{field}[{i}].content")})
     return out
+
+
+def content(value, field: str) -> str:
+    """A message's content: a string, or a list of text parts joined with newlines."""
+    if not isinstance(value, list):
+        return text(value, field)
+    texts = []
+    for j, part in enumerate(value):
+        where = f"{field}[{j}]"
+        if not isinstance(part, dict) or "type" not in part:
+            raise BadRequest(f"{where} must be a {{type, text}} object", param=field)
+        if part["type"] != "text":
+            raise BadRequest(f"{where} is of type {part['type']!r}; this server reads only text parts", param=field)
+        extra = set(part) - {"type", "text"}
+        if extra or "text" not in part:
+            raise BadRequest(f"{where}: a text part has exactly `type` and `text`", param=field)
+        texts.append(text(part["text"], f"{where}.text"))
+    return "\n".join(texts)
 
 
 def strings(value, field: str) -> tuple:

@@ -9,6 +9,7 @@ set once (`engine`), a flag (`draining`) or thread-safe (metrics, the pool).
 """
 from __future__ import annotations
 
+import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import AsyncIterator, Optional
@@ -93,6 +94,17 @@ class Gateway:
             raise refusals.from_engine(exc) from None
         self.metrics.count_overrides(determinism)
         return stream
+
+    async def encode(self, prompt, chat: bool = False) -> list:
+        """A prompt's token ids as a request would have them, its size checked first
+        and the tokenizing done on the pool (as `start` does)."""
+        engine = self.ready_engine()
+        try:
+            checks.prompt_size(prompt, self.settings.prompt_bytes(engine.max_model_len), engine.max_model_len)
+        except checks.BadRequest as exc:
+            raise refusals.from_engine(exc) from None
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.tokenize_pool, engine.encode, prompt, chat)
 
     def cut_by_drain(self, completion) -> Optional[Refusal]:
         """A request aborted because the server is shutting down is refused, not

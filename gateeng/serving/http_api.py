@@ -1,8 +1,9 @@
 """An OpenAI-compatible HTTP front (Starlette on uvicorn), on its own thread and event loop.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (streaming over SSE),
-GET /v1/models, GET /v1/models/{id}, GET /health, GET /metrics (Prometheus); any
-other path is a 404 in OpenAI's error shape. It is the gRPC front's peer over the same serving
+GET /v1/models, GET /v1/models/{id}, POST /tokenize, POST /detokenize (vLLM's
+shapes), GET /version, GET /health, GET /metrics (Prometheus); any other path is
+a 404 in OpenAI's error shape. It is the gRPC front's peer over the same serving
 gateway (gateway.py): the same bounds, determinism checks (checks.py) and
 refusals (refusals.py). Per-request determinism rides in an extension field:
 
@@ -15,9 +16,14 @@ again: the prompt's token ids (after the chat template), the output's token ids
 and the sampling parameters as run (the drawn seed filled in). GET /v1/models
 shows the server's record, so a replay can refuse a server before it decodes.
 Defaults follow the OpenAI API (temperature 1, max_tokens 16 for
-completions). Fail closed: an unknown field, an option we do not
-implement (n > 1, penalties, logit_bias, ...), a field of the wrong type or an
-unknown determinism mode is a 400, never ignored or coerced. Errors are
+completions). Each choice of a request (`n` per prompt, and one per prompt of a
+prompt list) is a request of the engine's own, with the seed
+request.choice_seed gives it; a single choice's fields (reproducibility,
+determinism, replay) are the response's own where there is one choice, and
+each choice's where there are several. Fail closed: an unknown field, an
+option we do not implement (penalties, logit_bias, a response_format other
+than text, ...), a field of the wrong type or an unknown determinism mode is a
+400, never ignored or coerced. Errors are
 OpenAI-style JSON: {"error": {"message", "type", "param", "code"}}, with
 Retry-After where retrying helps; no request content reaches a bare 500.
 
@@ -46,12 +52,13 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from gateeng.config import HTTP_BODY_SLACK_BYTES
+from gateeng import __version__
+from gateeng.config import HTTP_BODY_SLACK_BYTES, HTTP_MAX_CHOICES, HTTP_MAX_N
 from gateeng.engine.client import Engine
 from gateeng.engine.errors import EngineDead
 from gateeng.logs import LOGGER
 from gateeng.outputs import Chunk, Completion
-from gateeng.request import DeterminismParams, FinishReason, Mode, SamplingParams, StreamPolicy
+from gateeng.request import DeterminismParams, FinishReason, Mode, SamplingParams, StreamPolicy, choice_seed
 from gateeng.serving import checks, refusals
 from gateeng.serving.refusals import Kind, Refusal
 from gateeng.serving.gateway import REQUEST_ID_HEADER, Gateway
@@ -63,15 +70,16 @@ FINISH = {FinishReason.STOP: "stop", FinishReason.EOS: "stop", FinishReason.LENG
 # gets the 413 rather than a reset connection; past it, the connection closes.
 DISCARD_BYTES = 16 * 1024 * 1024
 # Accepted, and ignored because they change nothing here.
-HARMLESS = {"user", "stream_options"}
+HARMLESS = {"user"}
 # OpenAI options we do not implement: accepted only at the value that means "off".
-OFF_VALUES = {"n": 1, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None,
-              "suffix": None, "tools": None, "tool_choice": None, "response_format": None,
-              "parallel_tool_calls": None}
-COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "determinism",
-          "ignore_eos"}
+OFF_VALUES = {"best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None,
+              "suffix": None, "tools": None, "tool_choice": None, "parallel_tool_calls": None}
+COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "stream_options",
+          "determinism", "ignore_eos", "n"}
 COMPLETION_FIELDS = COMMON | {"prompt", "logprobs", "echo"}
-CHAT_FIELDS = COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
+CHAT_FIELDS = COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "response_format"}
+TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt"}
+DETOKENIZE_FIELDS = {"model", "tokens"}
 
 
 def error_body(r: Refusal) -> dict:
@@ -100,6 +108,9 @@ class OpenAIFront:
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
+            Route("/version", self.version, methods=["GET"]),
+            Route("/tokenize", self._guarded(self.tokenize, "tokenize-"), methods=["POST"]),
+            Route("/detokenize", self._guarded(self.detokenize, "detokenize-"), methods=["POST"]),
             Route("/v1/completions", self._guarded(self.completions, "cmpl-"), methods=["POST"]),
             Route("/v1/chat/completions", self._guarded(self.chat_completions, "chatcmpl-"), methods=["POST"]),
         ], exception_handlers={404: self._not_found, 405: self._not_allowed})
@@ -273,81 +284,151 @@ class OpenAIFront:
 
     async def _not_found(self, request: HttpRequest, exc) -> Response:
         return error_response(Refusal(Kind.NOT_FOUND, f"no route {request.url.path}; this server answers "
-                                                      f"/v1/completions, /v1/chat/completions, /v1/models, /health "
-                                                      f"and /metrics"))
+                                                      f"/v1/completions, /v1/chat/completions, /v1/models, /tokenize, "
+                                                      f"/detokenize, /version, /health and /metrics"))
 
     async def _not_allowed(self, request: HttpRequest, exc) -> Response:
         r = Refusal(Kind.INVALID, f"{request.method} is not allowed on {request.url.path}")
         return Response(json.dumps(error_body(r)), status_code=405, media_type="application/json")
 
+    async def version(self, request: HttpRequest):
+        return JSONResponse({"version": __version__})
+
+    async def tokenize(self, request: HttpRequest, request_id: str):
+        """vLLM's /tokenize: the ids the completions route (`prompt`) or the chat route
+        (`messages`, rendered with the chat template) would decode from."""
+        body = await self._body(request, TOKENIZE_FIELDS)
+        if ("prompt" in body) == ("messages" in body):
+            raise Refusal(Kind.INVALID, "send `prompt` (text) or `messages`, one of them", param="prompt")
+        if "messages" in body:
+            if checks.boolean(body.get("add_generation_prompt"), "add_generation_prompt") is False:
+                raise Refusal(Kind.INVALID, "`add_generation_prompt` false is not supported: the chat route always "
+                                            "opens the assistant's turn", param="add_generation_prompt")
+            prompt, chat = checks.messages(body["messages"]), True
+        else:
+            prompt, chat = body["prompt"], False
+            if not isinstance(prompt, str):
+                raise Refusal(Kind.INVALID, "`prompt` must be a string", param="prompt")
+        # The completions route adds no special tokens to a text prompt; asking for
+        # them here would count ids that route never decodes from.
+        if checks.boolean(body.get("add_special_tokens"), "add_special_tokens"):
+            raise Refusal(Kind.INVALID, "`add_special_tokens` true is not supported: /v1/completions adds none to "
+                                        "a text prompt", param="add_special_tokens")
+        ids = await self.gateway.encode(prompt, chat)
+        return JSONResponse({"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids,
+                             "token_strs": None})
+
+    async def detokenize(self, request: HttpRequest, request_id: str):
+        """vLLM's /detokenize: the text of a list of token ids."""
+        body = await self._body(request, DETOKENIZE_FIELDS)
+        ids = checks.token_ids(body.get("tokens"), "tokens")
+        vocab = self.engine.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise Refusal(Kind.INVALID, f"token ids {bad[:8]} are outside the vocabulary [0, {vocab})",
+                          param="tokens")
+        return JSONResponse({"prompt": self.engine.tokenizer.decode(ids)})
+
     async def completions(self, request: HttpRequest, request_id: str):
         body = await self._body(request, COMPLETION_FIELDS)
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]                # a batch of one prompt
-        if isinstance(prompt, list):
-            prompt = checks.token_ids(prompt, "prompt")
-        elif not isinstance(prompt, str):        # text is checked with its size, in Gateway.start
-            raise Refusal(Kind.INVALID, "prompt must be a string or a list of token ids (one prompt per request)",
-                          param="prompt")
+        prompts = _prompts(body.get("prompt"))
         k = checks.integer(body.get("logprobs"), "logprobs")
         echo = checks.boolean(body.get("echo"), "echo") or False
-        stream = checks.boolean(body.get("stream"), "stream") or False
+        stream, usage = _stream(body)
         if echo and stream:
             raise Refusal(Kind.INVALID, "`echo` is not served on a stream (the prompt's logprobs come with the "
                                         "whole answer); ask without `stream`", param="echo")
         params = self._sampling(body, 16, logprobs=k, prompt_logprobs=k if echo and k is not None else None)
         det = self._determinism(body)
-        events = await self.gateway.start(prompt, params, det, request_id)
-        return await self._respond(request, request_id, events, stream, "text_completion",
-                                   self._completion_chunks(),
-                                   lambda final: self._completion_json(request_id, final, echo, k))
+        n = _n(body, len(prompts))
+        runs = await self._start(prompts, n, params, det, request_id)
+        return await self._respond(request, request_id, runs, n, stream, usage, self._completion_chunks(),
+                                   lambda finals: self._completion_json(request_id, finals, n, echo, k))
 
     async def chat_completions(self, request: HttpRequest, request_id: str):
         body = await self._body(request, CHAT_FIELDS)
         messages = checks.messages(body.get("messages"))
+        fmt = body.get("response_format")
+        if fmt is not None and fmt != {"type": "text"}:
+            kind = fmt.get("type") if isinstance(fmt, dict) else fmt
+            raise Refusal(Kind.INVALID, f"response_format {kind!r} is not supported; only {{\"type\": \"text\"}}",
+                          param="response_format")
         k = None
         if checks.boolean(body.get("logprobs"), "logprobs"):
             k = checks.integer(body.get("top_logprobs"), "top_logprobs") or 0
         elif body.get("top_logprobs") is not None:
             raise Refusal(Kind.INVALID, "`top_logprobs` needs `logprobs: true`", param="top_logprobs")
-        stream = checks.boolean(body.get("stream"), "stream") or False
+        stream, usage = _stream(body)
         params = self._sampling(body, max(1, self.engine.max_model_len // 2), logprobs=k)
         det = self._determinism(body)
-        events = await self.gateway.start(messages, params, det, request_id)
-        return await self._respond(request, request_id, events, stream, "chat.completion.chunk", self._chat_chunk,
-                                   lambda final: self._chat_json(request_id, final, k))
+        n = _n(body, 1)
+        runs = await self._start([messages], n, params, det, request_id)
+        return await self._respond(request, request_id, runs, n, stream, usage, self._chat_chunk,
+                                   lambda finals: self._chat_json(request_id, finals, n, k))
 
-    async def _respond(self, request: HttpRequest, request_id: str, events, stream: bool, kind: str, chunk_shape,
-                       whole_shape) -> Response:
-        """An SSE stream of chunk_shape events, or the one JSON answer whole_shape makes."""
+    async def _start(self, prompts: list, n: int, params: SamplingParams, det: DeterminismParams,
+                     request_id: str) -> list:
+        """Submit every choice: prompt p's choice i is index p * n + i (as OpenAI
+        numbers them), with the seed choice_seed(seed, i). All or none: a refusal
+        part-way aborts the choices already queued."""
+        total = len(prompts) * n
+        capacity = self.engine.config.max_queue + self.engine.config.max_num_seqs
+        if total > capacity:
+            raise Refusal(Kind.INVALID, f"this request asks for {total} choices; this server holds at most "
+                                        f"{capacity} requests at once: send fewer", param="n")
+        runs = []
+        try:
+            for prompt in prompts:
+                for i in range(n):
+                    choice = params if params.seed is None else dataclasses.replace(
+                        params, seed=choice_seed(params.seed, i))
+                    rid = request_id if total == 1 else f"{request_id}-{len(runs)}"
+                    runs.append(await self.gateway.start(prompt, choice, det, rid))
+        except BaseException:
+            for events in runs:
+                await events.aclose()          # aborts the request
+            raise
+        return runs
+
+    async def _respond(self, request: HttpRequest, request_id: str, runs: list, n: int, stream: bool, usage: bool,
+                       chunk_shape, whole_shape) -> Response:
+        """An SSE stream of chunk_shape events, or the one JSON answer whole_shape
+        makes of the choices' Completions."""
         if stream:
-            return self._sse(events, request_id, kind, chunk_shape)
-        final = await self._final(request, events)
-        if final is None:
+            return self._sse(runs, request_id, n, usage, chunk_shape)
+        finals = await self._finals(request, runs)
+        if finals is None:
             return Response(status_code=400)   # the client is gone: nobody reads this
-        return JSONResponse(whole_shape(final))
+        return JSONResponse(whole_shape(finals))
 
-    async def _final(self, request: HttpRequest, events) -> Optional[Completion]:
-        """The request's Completion; None if the client closed its connection first,
-        which aborts the request (its KV freed, counted as finish_reason abort).
-        A request the drain cut is a 503 with Retry-After, for the client to retry."""
-        answer = asyncio.ensure_future(_completion(events))
+    async def _finals(self, request: HttpRequest, runs: list) -> Optional[list]:
+        """Every choice's Completion; None if the client closed its connection first,
+        which aborts them all (their KV freed, counted as finish_reason abort). A
+        choice that fails ends the others. A request the drain cut is a 503 with
+        Retry-After, for the client to retry."""
+        answers = [asyncio.ensure_future(_completion(events)) for events in runs]
+        whole = asyncio.gather(*answers)
         gone = asyncio.ensure_future(_disconnect(request))
         try:
-            await asyncio.wait((answer, gone), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait((whole, gone), return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for task in (answer, gone):
-                task.cancel()              # a cancelled `answer` closes `events`: the abort
-            await asyncio.gather(answer, gone, return_exceptions=True)
-        if answer.cancelled():
+            for task in (*answers, gone):
+                task.cancel()              # a cancelled answer closes its events: the abort
+            await asyncio.gather(whole, gone, return_exceptions=True)
+        # Answers are cancelled only once the client has gone (or all are done), so a
+        # cancellation in `whole` means the client left; any other error is raised.
+        error = asyncio.CancelledError() if whole.cancelled() else whole.exception()
+        if isinstance(error, asyncio.CancelledError):
             log.debug("a client went away before its request finished; aborted")
             return None
-        final = answer.result()
-        cut = self.gateway.cut_by_drain(final)
-        if cut is not None:
-            raise cut
-        return final
+        if error is not None:
+            raise error
+        finals = whole.result()
+        for final in finals:
+            cut = self.gateway.cut_by_drain(final)
+            if cut is not None:
+                raise cut
+        return finals
 
     # ---- response shapes ----------------------------------------------------------
     def _legacy_logprobs(self, items: list, pos: int = 0) -> dict:
@@ -368,7 +449,7 @@ class OpenAIFront:
             pos += len(text)
         return out
 
-    def _completion_json(self, request_id: str, c: Completion, echo: bool, k: Optional[int]) -> dict:
+    def _completion_choice(self, index: int, c: Completion, echo: bool, k: Optional[int]) -> dict:
         text = c.text
         logprobs = None
         if echo:
@@ -379,11 +460,24 @@ class OpenAIFront:
                 items = [(c.prompt_ids[0], None, None)] + [(e.token, e.logprob, e.top)
                                                             for e in c.prompt_logprobs] + items
             logprobs = self._legacy_logprobs(items)
-        return {"id": request_id, "object": "text_completion", "created": int(time.time()),
-                "model": self.model_name,
-                "choices": [{"index": 0, "text": text, "logprobs": logprobs,
-                             "finish_reason": FINISH[c.finish_reason]}],
-                "usage": _usage(c), **self._extension(c)}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": FINISH[c.finish_reason]}
+
+    def _completion_json(self, request_id: str, finals: list, n: int, echo: bool, k: Optional[int]) -> dict:
+        return self._whole(request_id, "text_completion", finals, n,
+                           [self._completion_choice(i, c, echo, k) for i, c in enumerate(finals)])
+
+    def _whole(self, request_id: str, kind: str, finals: list, n: int, choices: list) -> dict:
+        """A whole answer. One choice's own fields (reproducibility, determinism,
+        replay) go in the answer itself; with several, in each choice."""
+        body = {"id": request_id, "object": kind, "created": int(time.time()), "model": self.model_name,
+                "choices": choices, "usage": _usage(finals, n)}
+        if len(finals) == 1:
+            body.update(self._extension(finals[0]))
+        else:
+            body["system_fingerprint"] = finals[0].reproducibility.fingerprint()
+            for choice, c in zip(choices, finals):
+                choice.update(self._extension(c))
+        return body
 
     def _chat_logprobs(self, entries: list) -> dict:
         def item(t, v):
@@ -392,55 +486,56 @@ class OpenAIFront:
         return {"content": [dict(item(e.token, e.logprob), top_logprobs=[item(t, v) for t, v in e.top])
                             for e in entries]}
 
-    def _chat_json(self, request_id: str, c: Completion, k: Optional[int]) -> dict:
-        return {"id": request_id, "object": "chat.completion", "created": int(time.time()),
-                "model": self.model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": c.text},
-                             "logprobs": self._chat_logprobs(c.logprobs) if k is not None else None,
-                             "finish_reason": FINISH[c.finish_reason]}],
-                "usage": _usage(c), **self._extension(c)}
+    def _chat_json(self, request_id: str, finals: list, n: int, k: Optional[int]) -> dict:
+        return self._whole(request_id, "chat.completion", finals, n, [
+            {"index": i, "message": {"role": "assistant", "content": c.text},
+             "logprobs": self._chat_logprobs(c.logprobs) if k is not None else None,
+             "finish_reason": FINISH[c.finish_reason]} for i, c in enumerate(finals)])
 
     def _completion_chunks(self):
         """The shape of one stream's completion chunks. A chunk's logprobs are its
-        tokens' (as OpenAI streams them), their text offsets counted over the stream."""
-        offset = 0
+        tokens' (as OpenAI streams them), their text offsets counted over its choice."""
+        offsets: dict = {}
 
-        def shape(request_id: str, ev, first: bool) -> dict:
-            nonlocal offset
-            choice = {"index": 0, "text": ev.text if isinstance(ev, Chunk) else "", "logprobs": None,
+        def shape(request_id: str, index: int, ev, first: bool) -> dict:
+            choice = {"index": index, "text": ev.text if isinstance(ev, Chunk) else "", "logprobs": None,
                       "finish_reason": None if isinstance(ev, Chunk) else FINISH[ev.finish_reason]}
             if isinstance(ev, Chunk) and ev.logprobs:
                 choice["logprobs"] = lp = self._legacy_logprobs([(e.token, e.logprob, e.top) for e in ev.logprobs],
-                                                                offset)
-                offset += sum(len(t) for t in lp["tokens"])
+                                                                offsets.get(index, 0))
+                offsets[index] = offsets.get(index, 0) + sum(len(t) for t in lp["tokens"])
             return {"id": request_id, "object": "text_completion", "created": int(time.time()),
                     "model": self.model_name, "choices": [choice]}
         return shape
 
-    def _chat_chunk(self, request_id: str, ev, first: bool) -> dict:
+    def _chat_chunk(self, request_id: str, index: int, ev, first: bool) -> dict:
         delta = {"role": "assistant"} if first else {}
         if isinstance(ev, Chunk):
             delta["content"] = ev.text
-        choice = {"index": 0, "delta": delta, "logprobs": None,
+        choice = {"index": index, "delta": delta, "logprobs": None,
                   "finish_reason": None if isinstance(ev, Chunk) else FINISH[ev.finish_reason]}
         if isinstance(ev, Chunk) and ev.logprobs:
             choice["logprobs"] = self._chat_logprobs(ev.logprobs)
         return {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": self.model_name, "choices": [choice]}
 
-    def _sse(self, events, request_id: str, kind: str, shape) -> StreamingResponse:
-        """Server-sent events, ending with `data: [DONE]` only when the request
-        finished. A request cut by the drain, an engine failure or an unexpected
-        error ends with an error event instead (counted as the unary answer's
-        status would be), so no client takes a cut answer for a whole one."""
+    def _sse(self, runs: list, request_id: str, n: int, usage: bool, shape) -> StreamingResponse:
+        """Server-sent events, one choice per chunk, ending with `data: [DONE]` only
+        when every choice finished. A choice's last chunk carries its finish_reason
+        and its own fields (reproducibility, determinism, replay). With
+        `stream_options.include_usage`, every chunk has `usage: null` and a last
+        chunk with no choices has the usage (as OpenAI streams it). A request cut by
+        the drain, an engine failure or an unexpected error ends with an error event
+        instead (counted as the unary answer's status would be), so no client takes
+        a cut answer for a whole one."""
         def error_event(r: Refusal) -> str:
             self.gateway.count(r, "http")
             return "data: " + json.dumps(error_body(r)) + "\n\n"
 
         async def stream():
-            first = True
+            started, finals = set(), [None] * len(runs)
             try:
-                async for ev in events:
+                async for index, ev in _merged(runs):
                     if not isinstance(ev, (Chunk, Completion)):
                         continue                      # Rollback: VERIFIED_ONLY streams send none
                     if isinstance(ev, Chunk) and not ev.text and not ev.token_ids:
@@ -450,20 +545,62 @@ class OpenAIFront:
                         if cut is not None:
                             yield error_event(cut)
                             return
-                    payload = shape(request_id, ev, first)
-                    first = False
+                        finals[index] = ev
+                    payload = shape(request_id, index, ev, index not in started)
+                    started.add(index)
                     if isinstance(ev, Completion):
-                        payload.update(usage=_usage(ev), **self._extension(ev))
+                        payload.update(self._extension(ev))
+                    if usage:
+                        payload["usage"] = None
                     yield f"data: {json.dumps(payload)}\n\n"
+                if usage:
+                    last = {"id": request_id, "object": payload["object"], "created": int(time.time()),
+                            "model": self.model_name, "choices": [], "usage": _usage(finals, n)}
+                    yield f"data: {json.dumps(last)}\n\n"
                 yield "data: [DONE]\n\n"
             except EngineDead as e:
                 yield error_event(refusals.from_engine(e, submitted=True))
             except Exception:
                 log.exception("request %s (stream) failed", request_id)
                 yield error_event(refusals.internal_error(request_id))
-            finally:
-                await events.aclose()                 # a client that went away aborts its request
         return StreamingResponse(stream(), media_type="text/event-stream")
+
+
+_END = object()
+
+
+async def _merged(runs: list):
+    """(choice index, event) from every choice's events, as they come. Leaving it
+    (the stream done, or its client gone) closes every choice's events, which
+    aborts the choices still decoding."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, events) -> None:
+        try:
+            async for ev in events:
+                queue.put_nowait((index, ev))
+        except Exception as e:                 # raised where the stream reads it
+            queue.put_nowait((index, e))
+        finally:
+            queue.put_nowait((index, _END))
+
+    tasks = [asyncio.ensure_future(pump(i, events)) for i, events in enumerate(runs)]
+    try:
+        left = len(tasks)
+        while left:
+            index, ev = await queue.get()
+            if ev is _END:
+                left -= 1
+            elif isinstance(ev, Exception):
+                raise ev
+            else:
+                yield index, ev
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for events in runs:
+            await events.aclose()
 
 
 async def _completion(events) -> Completion:
@@ -490,10 +627,58 @@ def record_json(r) -> dict:
     return {**dataclasses.asdict(r), "fingerprint": r.fingerprint()}
 
 
-def _usage(c: Completion) -> dict:
-    return {"prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
-            "total_tokens": c.prompt_tokens + c.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": c.cached_tokens}}
+def _usage(finals: list, n: int) -> dict:
+    """The usage of a request's choices: each prompt's tokens once (its first
+    choice's), every choice's output tokens."""
+    firsts = finals[::n]
+    prompt, cached = sum(c.prompt_tokens for c in firsts), sum(c.cached_tokens for c in firsts)
+    completion = sum(c.completion_tokens for c in finals)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _prompts(value) -> list:
+    """The prompts of a completions request: a string, a list of token ids, or a
+    list of either (one choice each, as OpenAI serves a batch)."""
+    if isinstance(value, str) or (isinstance(value, list) and value and not isinstance(value[0], (str, list))):
+        value = [value]
+    if not isinstance(value, list) or not value:
+        raise Refusal(Kind.INVALID, "prompt must be a string, a list of token ids, or a non-empty list of either",
+                      param="prompt")
+    prompts = []
+    for i, p in enumerate(value):
+        if isinstance(p, list):
+            prompts.append(checks.token_ids(p, f"prompt[{i}]" if len(value) > 1 else "prompt"))
+        elif isinstance(p, str):   # text is checked with its size, in Gateway.start
+            prompts.append(p)
+        else:
+            raise Refusal(Kind.INVALID, f"prompt[{i}] must be a string or a list of token ids", param="prompt")
+    return prompts
+
+
+def _n(body: dict, prompts: int) -> int:
+    """OpenAI's `n`: choices per prompt, 1 to HTTP_MAX_N, and HTTP_MAX_CHOICES in all."""
+    n = checks.integer(body.get("n"), "n")
+    n = 1 if n is None else n
+    if not 1 <= n <= HTTP_MAX_N:
+        raise Refusal(Kind.INVALID, f"`n` must be in [1, {HTTP_MAX_N}], got {n}", param="n")
+    if prompts * n > HTTP_MAX_CHOICES:
+        raise Refusal(Kind.INVALID, f"{prompts} prompts x n={n} is {prompts * n} choices; at most "
+                                    f"{HTTP_MAX_CHOICES} per request: split it", param="n")
+    return n
+
+
+def _stream(body: dict) -> tuple:
+    """(stream, include_usage). stream_options needs a stream (as OpenAI)."""
+    stream = checks.boolean(body.get("stream"), "stream") or False
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not stream:
+        raise Refusal(Kind.INVALID, "`stream_options` is only allowed with `stream: true`", param="stream_options")
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise Refusal(Kind.INVALID, "`stream_options` supports only `include_usage`", param="stream_options")
+    return True, bool(checks.boolean(options.get("include_usage"), "stream_options.include_usage"))
 
 
 def json_logprob(v: float):

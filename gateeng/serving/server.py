@@ -101,7 +101,8 @@ class Server:
         log.info(engine.selfcheck.describe())
         if not self._stop.is_set():
             await front.set_serving(True)
-            log.info("serving %s on port %d, metrics on %s", engine.loaded.source, self.port,
+            log.info("serving %s: gRPC on port %d, OpenAI API on %s, metrics on %s", engine.loaded.source, self.port,
+                     f"http://{self.host}:{self.http.port}/v1" if self.http is not None else "off",
                      f"http://{self.host}:{self.metrics_port}/metrics" if self.metrics_port else "off")
         await self._stop.wait()
         await front.set_serving(False)

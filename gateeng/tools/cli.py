@@ -326,7 +326,8 @@ def server_config(args) -> ServerConfig:
     return ServerConfig(host=args.host, port=args.port,
                         metrics_port=None if args.metrics_port < 0 else args.metrics_port,
                         drain_seconds=args.drain_seconds, max_prompt_bytes=args.max_prompt_bytes,
-                        http_port=args.http_port, served_model_name=args.served_model_name,
+                        http_port=None if args.http_port < 0 else args.http_port,
+                        served_model_name=args.served_model_name,
                         expose_model_path=args.expose_model_path,
                         http_default_mode=args.http_default_mode, freeze_heap=not args.no_heap_freeze,
                         bounds=GateBounds(args.request_tau_max, args.request_window_min, args.request_window_max),
@@ -509,8 +510,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=SERVER.port, help="gRPC port")
     s.add_argument("--metrics-port", type=int, default=SERVER.metrics_port, help="Prometheus /metrics port (-1: off)")
     s.add_argument("--http-port", type=int, default=SERVER.http_port,
-                   help="serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
-                        "/v1/models, /health, /metrics) on this port too (default: off)")
+                   help="port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+                        "/v1/models, /tokenize, /detokenize, /version, /health, /metrics), served beside gRPC "
+                        f"(default {SERVER.http_port}; -1: off)")
     s.add_argument("--http-default-mode", choices=["off", "verified"], default=SERVER.http_default_mode,
                    help="determinism of HTTP requests that set none: `verified` makes every lm-eval or openai "
                         "client request VERIFIED without an extension field")

@@ -90,7 +90,7 @@ def read(path: Path) -> list:
                 except json.JSONDecodeError as e:
                     objects.append((f"{path.name}:{n}", Unreplayable(f"not JSON: {e}")))
     out = []
-    for label, obj in objects:
+    for label, obj in [one for label, obj in objects for one in each_choice(label, obj)]:
         if isinstance(obj, Unreplayable):
             out.append((label, obj))
             continue
@@ -101,10 +101,34 @@ def read(path: Path) -> list:
     return out
 
 
+def each_choice(label: str, obj) -> list:
+    """(label, response) per choice: an HTTP answer with several choices (`n`, a
+    prompt list) carries each choice's replay fields in the choice, and each is
+    replayed as a response of its own."""
+    choices = obj.get("choices") if isinstance(obj, dict) else None
+    if obj_kind(obj) is None or not isinstance(choices, list) or len(choices) < 2:
+        return [(label, obj)]
+    out = []
+    for i, choice in enumerate(choices):
+        if not isinstance(choice, dict):
+            out.append((f"{label} choice {i}", Unreplayable("a choice is a JSON object")))
+            continue
+        own = {key: choice[key] for key in ("replay", "reproducibility", "determinism") if key in choice}
+        out.append((f"{label} choice {choice.get('index', i)}",
+                    {"object": obj["object"], "id": obj.get("id", ""), "choices": [choice], **own}))
+    return out
+
+
+def obj_kind(obj) -> Optional[str]:
+    """The HTTP answer's object kind, or None for anything else."""
+    kind = obj.get("object") if isinstance(obj, dict) else None
+    return kind if kind in ("text_completion", "chat.completion") else None
+
+
 def parse(obj, label: str) -> Stored:
     if not isinstance(obj, dict):
         raise Unreplayable(f"a response is a JSON object, got {type(obj).__name__}")
-    if obj.get("object") in ("text_completion", "chat.completion"):
+    if obj_kind(obj) is not None:
         return _parse_http(obj, label)
     try:
         msg = json_format.ParseDict(obj, pb.CompleteResponse())
