@@ -2,6 +2,7 @@
 --http-port, the OpenAI-compatible HTTP front over it, and the /metrics endpoint.
 The HTTP front and /metrics are bounded listeners (http_server.py); the open-file
 limit is raised at start so that they at their limits leave gRPC and health theirs.
+With an API key, both fronts refuse calls without it (auth.py).
 
 Lifetime: the fronts listen (health NOT_SERVING) while the model loads and the
 self-check runs; then health turns SERVING. SIGTERM / SIGINT drain: health turns
@@ -21,6 +22,7 @@ from prometheus_client import make_asgi_app
 from gateeng.config import EngineConfig, ServerConfig
 from gateeng.engine.client import Engine
 from gateeng.logs import LOGGER
+from gateeng.serving.auth import HttpApiKey
 from gateeng.serving.gateway import REQUEST_ID_HEADER, Gateway
 from gateeng.serving.grpc_api import GrpcFront
 from gateeng.serving.http_server import HttpServer, ensure_descriptors
@@ -35,8 +37,8 @@ class Server:
     `run()` returns the process exit code: 0 after a drain, 1 if the engine died."""
 
     def __init__(self, config: EngineConfig, settings: Optional[ServerConfig] = None,
-                 admin_token: Optional[str] = None, loaded=None):
-        self.config, self.loaded, self.admin_token = config, loaded, admin_token
+                 admin_token: Optional[str] = None, loaded=None, api_key: Optional[str] = None):
+        self.config, self.loaded, self.admin_token, self.api_key = config, loaded, admin_token, api_key
         self.settings = settings = settings or ServerConfig()
         settings.validate()
         settings.bounds.check(config.margin_threshold, config.max_window, what="the server default")
@@ -65,7 +67,7 @@ class Server:
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        self.grpc = front = GrpcFront(self.gateway, self.host, self.port, self.admin_token)
+        self.grpc = front = GrpcFront(self.gateway, self.host, self.port, self.admin_token, self.api_key)
         self.port = front.port
         for sig in (signal.SIGTERM, signal.SIGINT):
             try:
@@ -74,10 +76,14 @@ class Server:
                 pass
         await front.start()
         log.info("listening on port %d (health NOT_SERVING while the model loads)", self.port)
+        if self.api_key:
+            log.info("API key required on every gRPC Engine call and HTTP path but /health and /metrics")
         if self.settings.http_port is not None:
             from gateeng.serving.http_api import OpenAIFront
-            self.http = HttpServer(OpenAIFront(self.gateway).app, self.host,
-                                   self.settings.http_port, self.settings.http_limits, "http")
+            app = OpenAIFront(self.gateway).app
+            if self.api_key:
+                app = HttpApiKey(app, self.api_key, lambda r: self.gateway.count(r, "http"))
+            self.http = HttpServer(app, self.host, self.settings.http_port, self.settings.http_limits, "http")
             self.http.start()
             log.info("OpenAI-compatible HTTP on port %d", self.http.port)
         try:

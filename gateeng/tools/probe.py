@@ -63,10 +63,10 @@ class OpenAISender:
     """POST /v1/completions (or /v1/chat/completions) with the extension fields."""
 
     def __init__(self, url: str, max_tokens: int, extra: dict, chat: bool, model: Optional[str],
-                 seed: Optional[int]):
-        self.base = openai_base(url)
+                 seed: Optional[int], api_key: Optional[str] = None):
+        self.base, self.api_key = openai_base(url), api_key
         self.name = self.base
-        self.model = model or http_json(f"{self.base}/models", timeout=30)["data"][0]["id"]
+        self.model = model or http_json(f"{self.base}/models", timeout=30, api_key=api_key)["data"][0]["id"]
         self.max_tokens, self.extra, self.chat, self.seed = max_tokens, extra, chat, seed
 
     def __call__(self, prompt: str) -> Output:
@@ -74,20 +74,21 @@ class OpenAISender:
                 **({"seed": self.seed} if self.seed is not None else {}), **self.extra}
         if self.chat:
             res = http_json(f"{self.base}/chat/completions",
-                            {**body, "messages": [{"role": "user", "content": prompt}]})
+                            {**body, "messages": [{"role": "user", "content": prompt}]}, api_key=self.api_key)
             text = res["choices"][0]["message"]["content"] or ""
         else:
-            res = http_json(f"{self.base}/completions", {**body, "prompt": prompt})
+            res = http_json(f"{self.base}/completions", {**body, "prompt": prompt}, api_key=self.api_key)
             text = res["choices"][0]["text"]
         ids = (res.get("replay") or {}).get("token_ids")
         return Output(text, tuple(ids) if ids is not None else None)
 
 
 class GrpcSender:
-    def __init__(self, address: str, max_tokens: int, verified: bool, chat: bool, seed: Optional[int]):
+    def __init__(self, address: str, max_tokens: int, verified: bool, chat: bool, seed: Optional[int],
+                 api_key: Optional[str] = None):
         from gateeng.request import DeterminismParams, Mode, SamplingParams
         from gateeng.serving.client import Client
-        self.client, self.name, self.chat = Client(address), address, chat
+        self.client, self.name, self.chat = Client(address, api_key=api_key), address, chat
         self.params = SamplingParams(max_tokens=max_tokens, temperature=0.0 if seed is None else 1.0, seed=seed)
         self.det = DeterminismParams(Mode.VERIFIED if verified else Mode.OFF)
 

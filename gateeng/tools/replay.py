@@ -253,8 +253,8 @@ def _threaded(items: list, one: Callable) -> Iterator:
 
 
 class GrpcTarget:
-    def __init__(self, address: str):
-        self.client, self.name = Client(address), address
+    def __init__(self, address: str, api_key: Optional[str] = None):
+        self.client, self.name = Client(address, api_key=api_key), address
 
     def record(self) -> dict:
         r = self.client.server_info().reproducibility
@@ -281,10 +281,14 @@ def openai_base(url: str) -> str:
     return url if url.endswith("/v1") else url + "/v1"
 
 
-def http_json(url: str, body: Optional[dict] = None, timeout: float = 3600):
-    """GET (body None) or POST JSON; an HTTP error raises with the server's message."""
+def http_json(url: str, body: Optional[dict] = None, timeout: float = 3600, api_key: Optional[str] = None):
+    """GET (body None) or POST JSON, with `Authorization: Bearer <api_key>` where a key
+    is given; an HTTP error raises with the server's message."""
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    req = urllib.request.Request(url, data=data, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return json.loads(r.read())
@@ -300,10 +304,10 @@ def http_json(url: str, body: Optional[dict] = None, timeout: float = 3600):
 class OpenAITarget:
     """A gateeng HTTP front: /v1/models shows its record, /v1/completions decodes."""
 
-    def __init__(self, url: str):
-        self.base = openai_base(url)
+    def __init__(self, url: str, api_key: Optional[str] = None):
+        self.base, self.api_key = openai_base(url), api_key
         self.name = self.base
-        self.model = http_json(f"{self.base}/models", timeout=30)["data"][0]
+        self.model = http_json(f"{self.base}/models", timeout=30, api_key=api_key)["data"][0]
 
     def record(self) -> dict:
         record = self.model.get("reproducibility")
@@ -325,7 +329,7 @@ class OpenAITarget:
                     "ignore_eos": p.ignore_eos, "logprobs": p.logprobs, "determinism": {"mode": "verified"}}
             if p.seed is not None:
                 body["seed"] = p.seed
-            res = http_json(f"{self.base}/completions", body)
+            res = http_json(f"{self.base}/completions", body, api_key=self.api_key)
             lp = res["choices"][0]["logprobs"]
             return Replayed(list(res["replay"]["token_ids"]),
                             [Logprob(v, tuple(top.items()), t) for v, top, t in
