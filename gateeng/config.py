@@ -150,6 +150,10 @@ class EngineConfig:
     max_window: int = 32
     # VERIFIED decode route: adaptive (per step, from measured plan costs) | speculative | direct.
     verified_route: str = ADAPTIVE
+    # The adaptive route's plan costs are timed once per machine, build, model and
+    # settings and kept in $GATEENG_CACHE (engine/route_costs.py); True times them
+    # again at start-up and replaces what is kept.
+    recalibrate_route: bool = False
     # Steps a margin-triggered replay may wait for an invariant pass to join (0 = at once).
     max_verify_delay: int = 8
     max_queue: int = 256

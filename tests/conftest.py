@@ -28,3 +28,15 @@ def cpu_kernels():
     from gateeng.plans import cpu_ops, reference_ops
     reference_ops.load()
     return cpu_ops.load()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def route_costs_in_tmp(tmp_path_factory):
+    """Engines in this process keep their route costs in a folder of this session's own
+    (server subprocesses use $GATEENG_CACHE, as a deployment does): a test never
+    reads costs an earlier session timed."""
+    from gateeng.engine import route_costs
+    folder = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(route_costs, "cache_root", lambda: folder)
+        yield folder

@@ -6,6 +6,7 @@ import pytest
 from gateeng.config import EngineConfig
 from gateeng.engine.client import Engine
 from gateeng.request import DeterminismParams, Mode, SamplingParams
+from gateeng.engine import pricing, route_costs
 from gateeng.engine.pricing import PRICE_ROWS, REPEATS, price_plans
 from gateeng.engine.route import RoutePolicy
 from gateeng.step import Kind
@@ -27,13 +28,10 @@ def fake_timer(steady: dict, calls: list):
 
 
 def test_pricing_fits_the_steady_cost_of_both_plans_without_set_up_or_stalls():
-    policy, calls, observed = RoutePolicy(group_rows=0), [], []
-
-    def observe(kind, rows, seconds):
-        observed.append((kind, rows, seconds))
-        policy.observe_pass(kind, rows, seconds)
-
-    price_plans(observe, fake_timer(STEADY, calls))
+    policy, calls = RoutePolicy(group_rows=0), []
+    observed = price_plans(fake_timer(STEADY, calls))
+    for measured in observed:
+        policy.observe_pass(*measured)
     assert len(calls) == len(PRICE_ROWS) * 2 * (1 + REPEATS)
     assert len(observed) == len(PRICE_ROWS) * 2
     assert all(seconds < STALL for _, _, seconds in observed)
@@ -56,11 +54,26 @@ def test_a_priced_policy_keeps_a_verified_minority_speculative_where_the_fast_pl
     for _ in range(3):
         unpriced.observe_pass("invariant", 20, 0.138)
     priced = RoutePolicy(group_rows=0, replay_delay=8)
-    price_plans(priced.observe_pass, fake_timer(steady, []))
+    for measured in price_plans(fake_timer(steady, [])):
+        priced.observe_pass(*measured)
     assert priced.fast.cost(20) < priced.invariant.cost(20) < unpriced.fast.cost(20)
     step = dict(fast_rows=20, inv_rows=0, direct_rows=[1, 1], budget=100, off_rows=(1,) * 18)
     assert unpriced.choose(**step) == [True, True]
     assert priced.choose(**step) == [False, False]
+
+
+@pytest.fixture
+def timed(tmp_path, monkeypatch) -> list:
+    """The (plan, rows) of every decode pass an engine times at start-up, with no route
+    costs kept from before."""
+    monkeypatch.setattr(route_costs, "cache_root", lambda: tmp_path)
+    calls, timer = [], pricing.decode_pass_timer
+
+    def counting_timer(*args, **kwargs):
+        time_pass = timer(*args, **kwargs)
+        return lambda kind, rows: calls.append((kind.value, rows)) or time_pass(kind, rows)
+    monkeypatch.setattr(pricing, "decode_pass_timer", counting_timer)
+    return calls
 
 
 def engine_with(**overrides):
@@ -68,10 +81,12 @@ def engine_with(**overrides):
     return Engine(cfg, tiny_loaded())
 
 
-def test_the_engine_prices_both_plans_at_start_up_and_leaves_the_kv_cache_as_it_was():
+def test_the_engine_prices_both_plans_at_start_up_and_leaves_the_kv_cache_as_it_was(timed):
     e = engine_with()
-    assert e.core.route.fast.seen == len(PRICE_ROWS)
-    assert e.core.route.invariant.seen == len(PRICE_ROWS)
+    # Whether the tiny model's sub-millisecond timings pass refusal depends on the
+    # host's noise; that passes are timed at each row count does not.
+    assert sorted(set(timed)) == sorted((kind, rows) for kind in ("fast", "invariant") for rows in PRICE_ROWS)
+    assert e.core.route.fast.seen in (0, len(PRICE_ROWS))
     assert e.core.blocks.num_free == e.core.blocks.num_blocks and not e.core.blocks.cache
     e.core.blocks.check_integrity()
     assert all(b.ref_count == 0 for b in e.core.blocks.blocks)
@@ -81,15 +96,14 @@ def test_the_engine_prices_both_plans_at_start_up_and_leaves_the_kv_cache_as_it_
 
 
 @pytest.mark.parametrize("overrides", [{"verified_route": "direct"}, {"plan": "invariant"}])
-def test_engines_that_never_choose_a_route_do_not_price(overrides):
+def test_engines_that_never_choose_a_route_do_not_price(overrides, timed):
     e = engine_with(**overrides)
-    assert e.core.route.fast.seen == 0
+    assert not timed and e.core.route.fast.seen == 0
     e.shutdown()
 
 
-def test_a_small_cache_prices_fewer_rows():
+def test_a_small_cache_prices_fewer_rows(timed):
     e = engine_with(num_kv_blocks=7 + 4)   # 7 shared blocks of 16 for 128 keys, 4 rows
-    assert e.core.route.fast.seen == 2 and e.core.route.fast.cost(1) > 0   # 1 and 4 rows
+    assert {rows for _, rows in timed} == {1, 4} and e.core.route.fast.cost(1) > 0
     assert e.core.blocks.num_free == e.core.blocks.num_blocks
     e.shutdown()
-

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
 import secrets
 import threading
 import time
@@ -118,7 +119,7 @@ class EngineCore:
                                        shape.head_dim, DTYPES[cfg.dtype], cfg.block_size, device=cfg.device,
                                        weights=self.invariant_plan.selfcheck_weights(self.model))
         if cfg.plan == "fast" and cfg.verified_route == ADAPTIVE and self.selfcheck.passed:
-            self._price_plans(cfg)
+            self._price_plans(cfg, plans.builds)
         self.margin_threshold = cfg.margin_threshold
         self.max_window = cfg.max_window
         self.version = __version__
@@ -149,17 +150,32 @@ class EngineCore:
             self_check_passed=self.selfcheck.passed, self_check=self.selfcheck.describe(),
             tensor_parallel_size=cfg.tensor_parallel_size)
 
-    def _price_plans(self, cfg: EngineConfig) -> None:
-        """Seed the route policy's cost models with timed decode passes of both plans
-        (pricing.py says why traffic alone is not enough)."""
+    def _price_plans(self, cfg: EngineConfig, builds: str) -> None:
+        """Seed the route policy's cost models with decode-pass costs of both plans,
+        timed once per machine, build, model and settings and kept (pricing.py says
+        why traffic alone is not enough, route_costs.py where they are kept)."""
         context = min(pricing.CONTEXT, self.max_model_len)
         limit = min(cfg.max_num_seqs, pricing.rows_that_fit(self.blocks, context))
         rows = sorted({min(r, limit) for r in pricing.PRICE_ROWS})
-        t0 = time.perf_counter()
-        pricing.price_plans(self.route.observe_pass, pricing.decode_pass_timer(self.runner, self.blocks, context),
-                            rows)
-        log(f"route costs from decode passes at row counts {'/'.join(map(str, rows))}, {context} keys "
-            f"({time.perf_counter() - t0:.1f} s): {self.route.describe()}")
+        pricing.seed(self.route, pricing.decode_pass_timer(self.runner, self.blocks, context), rows, context,
+                     self._cost_facts(cfg, builds), measure_again=cfg.recalibrate_route)
+
+    def _cost_facts(self, cfg: EngineConfig, builds: str) -> dict:
+        """What a decode pass's cost depends on besides the rows and keys priced: the
+        route-cost cache's key (route_costs.py). The fast plan's start-up choice of
+        matmul by row count (LlamaModel.pack_fast's probe) is left out: it is timed
+        too, and a key that moved with it would time the passes again on a busy host,
+        whose probe is the one that errs; traffic refines the fast plan's costs."""
+        device, isa = reproducibility.device_identity(cfg.device)
+        return {
+            "device": f"{cfg.device}: {device}", "isa": isa, "threads": torch.get_num_threads(),
+            "isa_caps": {name: os.environ.get(name, "") for name in reproducibility.ISA_CAPS},
+            "torch": torch.__version__, "gateeng": __version__, "builds": builds,
+            "invariant_plan": self.invariant_plan.describe(cfg.dtype), "packed_weights": cfg.pack_fast_weights,
+            "model": self.loaded.fingerprint, "dtype": cfg.dtype, "group_rows": self.invariant_plan.group_rows,
+            "block_size": cfg.block_size, "max_num_seqs": cfg.max_num_seqs,
+            "tensor_parallel_size": cfg.tensor_parallel_size, "fast_logit_noise": cfg.fast_logit_noise,
+        }
 
     # ---- requests (any thread) ---------------------------------------------------
     def new_request(self, prompt: Union[str, Sequence[int]], params: Optional[SamplingParams] = None,

@@ -9,31 +9,157 @@ going direct, the fast plan never ran again to correct it. So before serving,
 the engine times decode passes of both plans at a few row counts on throwaway
 sequences, discards each shape's first pass, and feeds the fastest of the rest
 to the cost models; traffic refines them from there.
+
+The passes are timed once per machine, build, model and plan settings and kept
+(route_costs.py): on a busy host timing them took 18-40 s of every start. A set
+of timings whose fit is negative, falls with rows or misses the timings is
+refused (`refusal`): a host's stall had fitted a fast plan at -8.7 ms + 95.48 ms
+per row, which would have steered the route for the server's life. A refused
+set leaves the policy at its priors, both plans priced alike, which sends
+neither plan's work away from it for good: traffic runs and measures both.
 """
 from __future__ import annotations
 
-from typing import Callable
+import math
+import time
+from typing import Callable, Optional
 
+from gateeng.engine import route_costs
+from gateeng.logs import log
 from gateeng.request import DeterminismParams, Request, SamplingParams
 from gateeng.step import Kind, ScheduledSeq, StepPlan
 
 PRICE_ROWS = (1, 8, 32)   # spans the decode batches the fit is asked about
 REPEATS = 3               # timed passes per plan and row count, after the discarded one
 CONTEXT = 128             # keys each priced decode attends: a chat turn's context
+# A timed pass's noise on a quiet host, in seconds: the unit the cost models fit in.
+# Differences within it are no evidence of anything.
+NOISE = 1e-3
+# How far a fit may miss a timing it was fitted to, as a fraction of that timing. A
+# decode pass is not quite linear in its rows: on a quiet host the embedded model's
+# fast passes at 1/8/32 rows missed their line by up to 17%, and a host busy with
+# other work bends the line further without making it wrong about which plan costs
+# more. Half a timing is no longer a price of that pass.
+FIT_TOLERANCE = 0.5
 
 
-def price_plans(observe: Callable[[str, int, float], None], time_pass: Callable[[Kind, int], float],
-                row_counts=PRICE_ROWS, repeats: int = REPEATS) -> None:
-    """observe(kind name, rows, seconds) once per plan and row count, with the fastest
-    of `repeats` timed decode passes; time_pass(kind, rows) runs one and returns its
+def price_plans(time_pass: Callable[[Kind, int], float], row_counts=PRICE_ROWS, repeats: int = REPEATS) -> list:
+    """[(kind name, rows, seconds)], once per plan and row count, with the fastest of
+    `repeats` timed decode passes; time_pass(kind, rows) runs one and returns its
     seconds. A shape's first pass is left out: its one-time set-up is no decode's
     cost. The fastest, because a shared host's noise only ever adds time, and a
     stalled pass here would price a plan wrong until traffic corrects it, which for
-    a plan the policy then avoids is never."""
-    for rows in row_counts:
-        for kind in (Kind.FAST, Kind.INVARIANT):
-            time_pass(kind, rows)
-            observe(kind.value, rows, min(time_pass(kind, rows) for _ in range(repeats)))
+    a plan the policy then avoids is never. The repeats go round the shapes, so that
+    a stall of the host, which lasts a while, lands on one pass of several shapes
+    rather than on every pass of one."""
+    shapes = [(kind, rows) for rows in row_counts for kind in (Kind.FAST, Kind.INVARIANT)]
+    for shape in shapes:
+        time_pass(*shape)
+    best = {shape: math.inf for shape in shapes}
+    for _ in range(repeats):
+        for shape in shapes:
+            best[shape] = min(best[shape], time_pass(*shape))
+    return [(kind.value, rows, best[(kind, rows)]) for kind, rows in shapes]
+
+
+def refusal(measured: list, group_rows: int) -> Optional[str]:
+    """Why the cost models' fit of `measured` ([(kind, rows, seconds)]) is refused, or
+    None when it is sound: each plan's timings must rise with rows, and their least
+    squares fit (seconds per row group where the invariant plan pads to `group_rows`,
+    else base + per row) must be non-negative and within FIT_TOLERANCE (or NOISE) of
+    every timing."""
+    for kind in (Kind.FAST.value, Kind.INVARIANT.value):
+        points = sorted((rows, seconds) for k, rows, seconds in measured if k == kind)
+        if not points:
+            return f"no {kind} pass was timed"
+        bad = [s for _, s in points if not (math.isfinite(s) and s > 0)]
+        if bad:
+            return f"a {kind} pass took {bad[0]!r} s"
+        for (r0, s0), (r1, s1) in zip(points, points[1:]):
+            if s1 < s0 - max(NOISE, FIT_TOLERANCE * s0):
+                return f"the {kind} plan's passes got cheaper with more rows ({_ms(s0)} at {r0}, {_ms(s1)} at {r1})"
+        groups = group_rows if kind == Kind.INVARIANT.value else 0
+        if groups:
+            per_group = _group_fit(points, groups)
+            cost, fit = (lambda r: -(-r // groups) * per_group), f"{_ms(per_group)} per {groups}-row group"
+        else:
+            base, per_row = _line_fit(points)
+            cost, fit = (lambda r: base + per_row * r), f"{_ms(base)} + {_ms(per_row, 2)}/row"
+            if base < -NOISE:
+                return f"the {kind} plan's fit {fit} is negative"
+            if per_row * (points[-1][0] - points[0][0]) < -NOISE:
+                return f"the {kind} plan's fit {fit} falls with rows"
+        for rows, seconds in points:
+            if abs(cost(rows) - seconds) > max(NOISE, FIT_TOLERANCE * seconds):
+                return f"the {kind} plan's fit {fit} gives {_ms(cost(rows))} at {rows} rows, where it took {_ms(seconds)}"
+    return None
+
+
+def seed(route, time_pass: Callable[[Kind, int], float], row_counts: list, context: int, facts: dict,
+         measure_again: bool = False) -> None:
+    """Seeds `route` (a RoutePolicy with nothing observed) with decode-pass costs of both
+    plans: those stored for `facts` and these rows and keys (route_costs), or, where
+    none are or `measure_again`, timed now (time_pass: decode_pass_timer's) and
+    stored. Logs one line that says where the costs came from."""
+    facts = dict(facts, rows=list(row_counts), context=context, repeats=REPEATS)
+    stored = None if measure_again else route_costs.load(facts)
+    if stored is not None:
+        why = refusal(stored.measured, route.group_rows)
+        if why is None:
+            _observe(route, stored.measured)
+            log(f"route costs from {stored.path} (decode passes timed {stored.when}; --recalibrate-route times "
+                f"them again): {route.describe()}")
+            return
+        log(f"the route costs in {stored.path} are refused ({why}); timing them again")
+    t0 = time.perf_counter()
+    measured = price_plans(time_pass, row_counts)
+    took = time.perf_counter() - t0
+    what = f"decode passes at row counts {'/'.join(map(str, row_counts))}, {context} keys ({took:.1f} s)"
+    why = refusal(measured, route.group_rows)
+    if why is not None:
+        log(f"route costs from {what} refused: {why} (timed: {describe(measured)}); both plans are priced "
+            f"alike until traffic measures them: {route.describe()}")
+        return
+    _observe(route, measured)
+    path = route_costs.save(facts, measured)
+    log(f"route costs from {what}{f', kept in {path}' if path else ''}: {route.describe()}")
+
+
+def describe(measured: list) -> str:
+    """'fast 7.9/13.1/30.2 ms at 1/8/32 rows, invariant ...'"""
+    out = []
+    for kind in (Kind.FAST.value, Kind.INVARIANT.value):
+        points = sorted((rows, seconds) for k, rows, seconds in measured if k == kind)
+        out.append(f"{kind} {'/'.join(f'{s * 1e3:.1f}' for _, s in points)} ms at "
+                   f"{'/'.join(str(r) for r, _ in points)} rows")
+    return ", ".join(out)
+
+
+def _observe(route, measured: list) -> None:
+    for kind, rows, seconds in measured:
+        route.observe_pass(kind, rows, seconds)
+
+
+def _line_fit(points: list) -> tuple:
+    """(base, per_row): least squares over (rows, seconds); one row count: all base."""
+    n = len(points)
+    mean_r = sum(r for r, _ in points) / n
+    mean_s = sum(s for _, s in points) / n
+    spread = sum((r - mean_r) ** 2 for r, _ in points)
+    if spread == 0:
+        return mean_s, 0.0
+    per_row = sum((r - mean_r) * (s - mean_s) for r, s in points) / spread
+    return mean_s - per_row * mean_r, per_row
+
+
+def _group_fit(points: list, group_rows: int) -> float:
+    """Seconds per row group: least squares through zero over (groups, seconds)."""
+    groups = [(-(-r // group_rows), s) for r, s in points]
+    return sum(g * s for g, s in groups) / sum(g * g for g, _ in groups)
+
+
+def _ms(seconds: float, digits: int = 1) -> str:
+    return f"{seconds * 1e3:.{digits}f} ms"
 
 
 def decode_pass_timer(runner, blocks, context: int = CONTEXT) -> Callable[[Kind, int], float]:
