@@ -82,15 +82,42 @@ def seeded(time_pass, facts=FACTS, group_rows=0, **kwargs) -> RoutePolicy:
 
 
 @pytest.mark.parametrize("host, fast, why", REFUSED, ids=[r[0] for r in REFUSED])
-def test_a_refused_fit_leaves_both_plans_priced_alike_says_why_and_is_never_kept(host, fast, why, cache, capsys):
-    route = seeded(fake_timer(fast, STEADY_INV, []))
+def test_a_refused_fit_leaves_both_plans_priced_alike_and_says_why(host, fast, why, cache, capsys):
+    calls = []
+    route = seeded(fake_timer(fast, STEADY_INV, calls))
     err = capsys.readouterr().err
     assert "refused" in err and why in err and "fast " + "/".join(f"{ms:.1f}" for ms in fast.values()) in err
+    assert len(calls) == 3 * 2 * (1 + pricing.MAX_REPEATS)   # more rounds were timed, to no avail
     prior = RoutePolicy(group_rows=0)
     assert route.fast.seen == route.invariant.seen == 0
     for rows in (1, 8, 32, 64):
         assert route.fast.cost(rows) == route.invariant.cost(rows) == prior.fast.cost(rows) > 0
-    assert not list(cache.glob("*.json"))
+
+
+def test_a_refusal_is_kept_its_fit_never_used_and_later_starts_time_nothing(cache, capsys):
+    seeded(fake_timer(REFUSED[0][1], STEADY_INV, []))
+    [kept] = cache.glob("*.json")
+    assert json.loads(kept.read_text())["refused"]
+    capsys.readouterr()
+    route = seeded(never_timed)
+    err = capsys.readouterr().err
+    assert "priced alike" in err and "were refused" in err and str(kept) in err
+    assert route.fast.seen == 0 and route.describe() == RoutePolicy(group_rows=0).describe()
+    calls = []
+    route = seeded(fake_timer(STEADY_FAST, STEADY_INV, calls), measure_again=True)
+    assert calls and route.fast.seen == 3 and not json.loads(kept.read_text())["refused"]
+
+
+def test_a_stall_over_the_first_rounds_is_outlasted_by_more_rounds(cache):
+    calls = []
+    steady = fake_timer(STEADY_FAST, STEADY_INV, calls)
+
+    def stalled(kind, rows):   # every 8-row fast pass of the first four rounds stalls
+        seconds = steady(kind, rows)
+        return 0.300 if (kind, rows) == (Kind.FAST, 8) and calls.count((kind, rows)) <= 5 else seconds
+    route = seeded(stalled)
+    assert route.fast.seen == 3 and route.fast.cost(8) == pytest.approx(0.013, rel=0.1)
+    assert len(calls) == 3 * 2 * (1 + 5)   # the set-up pass, then five rounds
 
 
 def test_accepted_noisy_timings_give_non_negative_costs(cache):
@@ -186,7 +213,7 @@ def test_a_second_engine_start_reads_the_costs_and_times_no_pass(cache, monkeypa
     cfg = EngineConfig(dtype="float32", num_kv_blocks=64, invariant_rows=32)
     steady = timings(STEADY_FAST, {1: 20.0, 8: 20.5, 32: 21.0})
     with monkeypatch.context() as m:
-        m.setattr(pricing, "price_plans", lambda time_pass, rows: [t for t in steady if t[1] in rows])
+        m.setattr(pricing, "price_plans", lambda time_pass, rows, **_: [t for t in steady if t[1] in rows])
         first = EngineCore(cfg, tiny_loaded())
     [kept] = cache.glob("*.json")
     assert first.route.fast.seen == 3
@@ -198,6 +225,6 @@ def test_a_second_engine_start_reads_the_costs_and_times_no_pass(cache, monkeypa
     assert second.route.describe() == first.route.describe()
     # Another setting that changes a pass's cost is another key.
     with monkeypatch.context() as m:
-        m.setattr(pricing, "price_plans", lambda time_pass, rows: [t for t in steady if t[1] in rows])
+        m.setattr(pricing, "price_plans", lambda time_pass, rows, **_: [t for t in steady if t[1] in rows])
         EngineCore(dataclasses.replace(cfg, block_size=32), tiny_loaded())
     assert len(list(cache.glob("*.json"))) == 2

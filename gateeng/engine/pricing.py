@@ -16,7 +16,8 @@ of timings whose fit is negative, falls with rows or misses the timings is
 refused (`refusal`): a host's stall had fitted a fast plan at -8.7 ms + 95.48 ms
 per row, which would have steered the route for the server's life. A refused
 set leaves the policy at its priors, both plans priced alike, which sends
-neither plan's work away from it for good: traffic runs and measures both.
+neither plan's work away from it for good: traffic runs and measures both. Its
+fit is never used; the refusal is kept, so later starts take the priors at once.
 """
 from __future__ import annotations
 
@@ -31,6 +32,12 @@ from gateeng.step import Kind, ScheduledSeq, StepPlan
 
 PRICE_ROWS = (1, 8, 32)   # spans the decode batches the fit is asked about
 REPEATS = 3               # timed passes per plan and row count, after the discarded one
+# Where the fit of the fastest passes so far is refused, more rounds are timed (a
+# busy host's stalls only add time, so the fastest of more passes is nearer the
+# cost), up to this many rounds and while the extra rounds have taken less than
+# EXTRA_SECONDS.
+MAX_REPEATS = 12
+EXTRA_SECONDS = 10.0
 CONTEXT = 128             # keys each priced decode attends: a chat turn's context
 # A timed pass's noise on a quiet host, in seconds: the unit the cost models fit in.
 # Differences within it are no evidence of anything.
@@ -43,23 +50,31 @@ NOISE = 1e-3
 FIT_TOLERANCE = 0.5
 
 
-def price_plans(time_pass: Callable[[Kind, int], float], row_counts=PRICE_ROWS, repeats: int = REPEATS) -> list:
+def price_plans(time_pass: Callable[[Kind, int], float], row_counts=PRICE_ROWS, repeats: int = REPEATS,
+                sound: Callable[[list], bool] = lambda measured: True) -> list:
     """[(kind name, rows, seconds)], once per plan and row count, with the fastest of
-    `repeats` timed decode passes; time_pass(kind, rows) runs one and returns its
-    seconds. A shape's first pass is left out: its one-time set-up is no decode's
+    `repeats` timed decode passes, or of more while `sound(measured)` is False (up to
+    MAX_REPEATS rounds and EXTRA_SECONDS); time_pass(kind, rows) runs one and returns
+    its seconds. A shape's first pass is left out: its one-time set-up is no decode's
     cost. The fastest, because a shared host's noise only ever adds time, and a
     stalled pass here would price a plan wrong until traffic corrects it, which for
-    a plan the policy then avoids is never. The repeats go round the shapes, so that
+    a plan the policy then avoids is never. The rounds go round the shapes, so that
     a stall of the host, which lasts a while, lands on one pass of several shapes
     rather than on every pass of one."""
     shapes = [(kind, rows) for rows in row_counts for kind in (Kind.FAST, Kind.INVARIANT)]
     for shape in shapes:
         time_pass(*shape)
     best = {shape: math.inf for shape in shapes}
-    for _ in range(repeats):
+    extra_until = math.inf
+    for done in range(1, max(repeats, MAX_REPEATS) + 1):
         for shape in shapes:
             best[shape] = min(best[shape], time_pass(*shape))
-    return [(kind.value, rows, best[(kind, rows)]) for kind, rows in shapes]
+        measured = [(kind.value, rows, best[(kind, rows)]) for kind, rows in shapes]
+        if done == repeats:
+            extra_until = time.perf_counter() + EXTRA_SECONDS
+        if done >= repeats and (sound(measured) or time.perf_counter() > extra_until):
+            break
+    return measured
 
 
 def refusal(measured: list, group_rows: int) -> Optional[str]:
@@ -98,31 +113,40 @@ def refusal(measured: list, group_rows: int) -> Optional[str]:
 def seed(route, time_pass: Callable[[Kind, int], float], row_counts: list, context: int, facts: dict,
          measure_again: bool = False) -> None:
     """Seeds `route` (a RoutePolicy with nothing observed) with decode-pass costs of both
-    plans: those stored for `facts` and these rows and keys (route_costs), or, where
+    plans: those kept for `facts` and these rows and keys (route_costs), or, where
     none are or `measure_again`, timed now (time_pass: decode_pass_timer's) and
-    stored. Logs one line that says where the costs came from."""
+    kept. Timings that were refused are kept as such, and the policy keeps its
+    priors without timing again: on a host busy enough to refuse them, timing them
+    at every start is what made starts slow. Logs one line that says where the
+    costs came from."""
     facts = dict(facts, rows=list(row_counts), context=context, repeats=REPEATS)
     stored = None if measure_again else route_costs.load(facts)
+    again = "--recalibrate-route times them again"
     if stored is not None:
-        why = refusal(stored.measured, route.group_rows)
+        why = stored.refused or refusal(stored.measured, route.group_rows)
         if why is None:
             _observe(route, stored.measured)
-            log(f"route costs from {stored.path} (decode passes timed {stored.when}; --recalibrate-route times "
-                f"them again): {route.describe()}")
+            log(f"route costs from {stored.path} (decode passes timed {stored.when}; {again}): {route.describe()}")
+            return
+        if stored.refused:
+            log(f"route costs: both plans priced alike until traffic measures them, since the decode passes "
+                f"timed {stored.when} were refused ({why}; {stored.path}; {again}): {route.describe()}")
             return
         log(f"the route costs in {stored.path} are refused ({why}); timing them again")
     t0 = time.perf_counter()
-    measured = price_plans(time_pass, row_counts)
+    measured = price_plans(time_pass, row_counts, sound=lambda m: refusal(m, route.group_rows) is None)
     took = time.perf_counter() - t0
     what = f"decode passes at row counts {'/'.join(map(str, row_counts))}, {context} keys ({took:.1f} s)"
     why = refusal(measured, route.group_rows)
+    if why is None:
+        _observe(route, measured)
+    path = route_costs.save(facts, measured, refused=why or "")
+    kept = f", kept in {path}" if path else ""
     if why is not None:
-        log(f"route costs from {what} refused: {why} (timed: {describe(measured)}); both plans are priced "
-            f"alike until traffic measures them: {route.describe()}")
+        log(f"route costs from {what} refused: {why} (timed: {describe(measured)}{kept}; {again}); both plans "
+            f"are priced alike until traffic measures them: {route.describe()}")
         return
-    _observe(route, measured)
-    path = route_costs.save(facts, measured)
-    log(f"route costs from {what}{f', kept in {path}' if path else ''}: {route.describe()}")
+    log(f"route costs from {what}{kept}: {route.describe()}")
 
 
 def describe(measured: list) -> str:

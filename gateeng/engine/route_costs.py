@@ -11,7 +11,8 @@ for is a miss, so a key's 64 bits never serve another machine's or model's costs
 Invariants:
 - A file is written whole (disk.write_whole): a reader or a later start finds the
   old file, the new one or none, never a part of one.
-- Only measurements that pricing accepted are written (pricing.refusal).
+- Timings that pricing refused (pricing.refusal) are written with why, and are
+  never read back as costs.
 - The cache can only save a start its timing, never stop one: a file that cannot
   be read or parsed is logged, removed and measured again, and one that cannot be
   written (a full disk, a read-only cache) is logged while the start goes on with
@@ -39,6 +40,7 @@ class Stored:
     measured: list   # [(plan kind, rows, seconds)], as pricing.price_plans returned them
     when: str        # when the passes ran (UTC)
     path: Path
+    refused: str = ""   # why pricing refused them ('' where it did not)
 
 
 def path_for(facts: dict) -> Path:
@@ -60,17 +62,17 @@ def load(facts: dict) -> Optional[Stored]:
         if record["format"] != FORMAT or record["facts"] != json.loads(json.dumps(facts)):
             return None
         measured = [(str(kind), int(rows), float(seconds)) for kind, rows, seconds in record["measured"]]
-        return Stored(measured, str(record["measured_at"]), path)
+        return Stored(measured, str(record["measured_at"]), path, str(record.get("refused") or ""))
     except (KeyError, TypeError, ValueError) as exc:
         return _unreadable(path, f"{type(exc).__name__}: {exc}")
 
 
-def save(facts: dict, measured: list) -> Optional[Path]:
-    """Stores `measured` for `facts`; the file's path, or None where it could not be
-    written (logged)."""
+def save(facts: dict, measured: list, refused: str = "") -> Optional[Path]:
+    """Stores `measured` for `facts`, with why they were refused where they were; the
+    file's path, or None where it could not be written (logged)."""
     path = path_for(facts)
     record = {"format": FORMAT, "facts": facts, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-              "measured": [list(m) for m in measured]}
+              "measured": [list(m) for m in measured], "refused": refused}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_whole(path, json.dumps(record, indent=1, sort_keys=True) + "\n")
