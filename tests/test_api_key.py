@@ -17,6 +17,7 @@ from gateeng.request import SamplingParams
 from gateeng.serving import credentials
 from gateeng.serving.client import Client
 from gateeng.serving.server import Server
+from gateeng.tools import cli
 from gateeng.tools.probe import GrpcSender, OpenAISender
 from gateeng.tools.replay import OpenAITarget, Unreplayable
 from gateeng.v1 import engine_pb2 as pb
@@ -135,7 +136,25 @@ def test_admin_calls_need_the_key_and_the_admin_token(served):
         assert c.update_gate_config(max_window=8).max_window == 8
 
 
-# ---- key files ----------------------------------------------------------------------------
+# ---- the command line ----------------------------------------------------------------------
+
+def test_cli_reads_the_key_from_a_file_or_the_environment(served, tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv(credentials.API_KEY_ENV, raising=False)
+    key_file = tmp_path / "key"
+    key_file.write_text(KEY + "\n")
+    os.chmod(key_file, 0o600)
+    argv = ["generate", "--server", served.target, "--max-tokens", "2", "hi"]
+    assert cli.main(argv + ["--api-key-file", str(key_file)]) == 0
+    assert "WARNING" not in capsys.readouterr().err
+    assert cli.main(argv) == 2
+    assert "UNAUTHENTICATED" in capsys.readouterr().err
+    monkeypatch.setenv(credentials.API_KEY_ENV, KEY)
+    assert cli.main(argv) == 0
+    assert cli.main(argv + ["--api-key", "wrong"]) == 2       # the flag wins over the environment
+    monkeypatch.setenv(credentials.API_KEY_ENV, "")
+    assert cli.main(["admin", "gate", "--server", served.target, "--api-key", KEY]) == 0
+    capsys.readouterr()
+
 
 def test_a_key_file_is_checked(tmp_path, capsys):
     path = tmp_path / "key"

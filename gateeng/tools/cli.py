@@ -11,10 +11,11 @@ from gateeng.config import (DIRECT, HTTP_BODY_SLACK_BYTES, KV_POSITIONS_PER_SEQ,
                             ConnectionLimits, GateBounds, ServerConfig)
 from gateeng.plans.kernel_names import ISA_ENV, REFERENCE, REFERENCE_ISAS, TORCH_MM
 from gateeng.request import DEFAULT_MAX_TOKENS
+from gateeng.serving.credentials import ADMIN_TOKEN_ENV as ADMIN_ENV
+from gateeng.serving.credentials import API_KEY_ENV, checked, from_env, read_secret_file
 
 DEFAULTS = EngineConfig()
 SERVER = ServerConfig()
-ADMIN_ENV = "GATEENG_ADMIN_TOKEN"
 
 
 def _model_source_args(p: argparse.ArgumentParser) -> None:
@@ -101,12 +102,36 @@ def _admin_token_arg(p: argparse.ArgumentParser, help: str) -> None:
 def _admin_token(args):
     """The admin token from --admin-token-file, else $GATEENG_ADMIN_TOKEN, else None."""
     if args.admin_token_file:
-        with open(args.admin_token_file) as f:
-            token = f.read().strip()
-        if not token:
-            raise ValueError(f"--admin-token-file {args.admin_token_file} is empty")
-        return token
-    return os.environ.get(ADMIN_ENV) or None
+        return read_secret_file(args.admin_token_file, "--admin-token-file")
+    return from_env(ADMIN_ENV)
+
+
+def _api_key_args(p: argparse.ArgumentParser, help: str) -> None:
+    key = p.add_mutually_exclusive_group()
+    key.add_argument("--api-key", default=None, metavar="KEY",
+                     help=f"{help}. --api-key or --api-key-file wins over ${API_KEY_ENV}, which is read when "
+                          "neither is given; the process list shows --api-key, not the file or the variable")
+    key.add_argument("--api-key-file", default=None, metavar="FILE",
+                     help="--api-key, read from this file (one trailing newline dropped)")
+
+
+def _api_key(args):
+    """--api-key, else --api-key-file, else $GATEENG_API_KEY, else None."""
+    if args.api_key is not None:
+        return checked(args.api_key, "--api-key")
+    if args.api_key_file:
+        return read_secret_file(args.api_key_file, "--api-key-file")
+    return from_env(API_KEY_ENV)
+
+
+def _server_client(args, target: str, admin: bool = False):
+    """A Client for `target` with this command's API key and, for admin calls, its
+    admin token; ValueError / OSError where one is unreadable or the token missing."""
+    from gateeng.serving.client import Client
+    token = _admin_token(args) if admin else None
+    if admin and not token:
+        raise ValueError(f"the admin token is missing: pass --admin-token-file or set ${ADMIN_ENV}")
+    return Client(target, admin_token=token, api_key=_api_key(args) or "")
 
 
 def _engine_config(args):
@@ -121,7 +146,8 @@ def _engine_config(args):
                         num_threads=args.threads, max_queue=getattr(args, "max_queue", DEFAULTS.max_queue),
                         tensor_parallel_size=args.tensor_parallel_size,
                         tensor_parallel_timeout=args.tensor_parallel_timeout,
-                        weight_update_wait=getattr(args, "weight_update_wait", DEFAULTS.weight_update_wait))
+                        weight_update_wait=getattr(args, "weight_update_wait", DEFAULTS.weight_update_wait),
+                        recalibrate_route=getattr(args, "recalibrate_route", DEFAULTS.recalibrate_route))
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -186,7 +212,6 @@ def cmd_generate(args) -> int:
                             logprobs=args.logprobs)
     det = DeterminismParams(mode=Mode.VERIFIED if args.verified else Mode.OFF)
     if getattr(args, "server", None):
-        from gateeng.serving.client import Client
         import grpc
         # The server was set up by its own command line: an engine option here would be
         # silently ignored, so it is refused; tau and W are a request's own to ask for.
@@ -199,7 +224,12 @@ def cmd_generate(args) -> int:
             return 2
         asked = {d: getattr(args, d) for d in REQUEST_GATE_OPTIONS if d in given}
         det = DeterminismParams(det.mode, **asked)
-        with Client(args.server) as client:
+        try:
+            client = _server_client(args, args.server)
+        except (ValueError, OSError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        with client:
             try:
                 res = client.complete(args.prompt, params, det, chat=not args.no_chat)
             except grpc.RpcError as e:
@@ -263,9 +293,9 @@ def cmd_replay(args) -> int:
         return 2
     try:
         if args.server:
-            target = rp.GrpcTarget(args.server)
+            target = rp.GrpcTarget(args.server, _api_key(args) or "")
         elif args.openai:
-            target = rp.OpenAITarget(args.openai)
+            target = rp.OpenAITarget(args.openai, _api_key(args))
         else:
             dtypes = {it.record.get("dtype") for _, it in items if isinstance(it, rp.Stored)}
             dtype = args.dtype or (dtypes.pop() if len(dtypes) == 1 else DEFAULTS.dtype)
@@ -304,9 +334,11 @@ def cmd_probe(args) -> int:
         prompts = (cal.read_prompts(Path(args.prompts))[:args.num_prompts] if args.prompts
                    else pr.default_prompts(args.num_prompts))
         if args.server:
-            send = pr.GrpcSender(args.server, args.max_tokens, args.verified, args.chat, args.seed)
+            send = pr.GrpcSender(args.server, args.max_tokens, args.verified, args.chat, args.seed,
+                                 _api_key(args) or "")
         else:
-            send = pr.OpenAISender(args.openai, args.max_tokens, extra, args.chat, args.model, args.seed)
+            send = pr.OpenAISender(args.openai, args.max_tokens, extra, args.chat, args.model, args.seed,
+                                   _api_key(args))
         reports = pr.probe(prompts, send, levels)
     except (ValueError, OSError) as e:     # an HTTP error, a refused connection, bad options
         print(f"error: {e}", file=sys.stderr)
@@ -350,7 +382,7 @@ def cmd_serve(args) -> int:
         cfg = _engine_config(args)
         cfg.validate()
         settings = server_config(args)
-        server = Server(cfg, settings, admin_token=_admin_token(args))
+        server = Server(cfg, settings, admin_token=_admin_token(args), api_key=_api_key(args))
         return asyncio.run(server.run())
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -391,24 +423,19 @@ def cmd_calibrate(args) -> int:
         if report.recommended_tau is None:
             print("error: nothing to apply: no tau met the target", file=sys.stderr)
             return 3
-        try:
-            token = _admin_token(args)
-        except (ValueError, OSError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        return _update_gate(args.apply, token, report.recommended_tau, None)
+        return _update_gate(args.apply, args, report.recommended_tau, None)
     return 0
 
 
-def _update_gate(target: str, token, tau, window) -> int:
+def _update_gate(target: str, args, tau, window) -> int:
     import grpc
-
-    from gateeng.serving.client import Client
     setting = tau is not None or window is not None
-    if setting and not token:
-        print(f"error: the admin token is missing: pass --admin-token-file or set ${ADMIN_ENV}", file=sys.stderr)
+    try:
+        client = _server_client(args, target, admin=setting)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
-    with Client(target, admin_token=token) as c:
+    with client as c:
         try:
             cfg = c.update_gate_config(margin_threshold=tau, max_window=window) if setting \
                 else c.server_info().gate
@@ -420,27 +447,17 @@ def _update_gate(target: str, token, tau, window) -> int:
 
 
 def cmd_admin_gate(args) -> int:
-    try:
-        token = _admin_token(args)
-    except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return _update_gate(args.server, token, args.tau, args.window)
+    return _update_gate(args.server, args, args.tau, args.window)
 
 
 def cmd_update_weights(args) -> int:
     import grpc
-
-    from gateeng.serving.client import Client
     try:
-        token = _admin_token(args)
+        client = _server_client(args, args.server, admin=True)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if not token:
-        print(f"error: the admin token is missing: pass --admin-token-file or set ${ADMIN_ENV}", file=sys.stderr)
-        return 2
-    with Client(args.server, admin_token=token) as c:
+    with client as c:
         try:
             res = c.update_weights(os.path.abspath(args.dir))
         except grpc.RpcError as e:
@@ -503,6 +520,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
     g = sub.add_parser("generate", help="generate a completion for one prompt and print it")
     _generate_options(g)
+    _api_key_args(g, "with --server: the server's API key, sent as `authorization: Bearer KEY`")
     g.set_defaults(func=cmd_generate)
     s = sub.add_parser("serve", help="serve the model over gRPC, with Prometheus metrics")
     _add_model_args(s)
@@ -547,6 +565,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the largest max_window a request may ask for (a verify replay is up to W+1 "
                         "positions in one step)")
     _admin_token_arg(s, "enables admin RPCs (UpdateGateConfig, UpdateWeights)")
+    _api_key_args(s, "require this API key on every gRPC Engine call (metadata `authorization: Bearer KEY`) and "
+                     "every HTTP path but /health and /metrics (header `Authorization: Bearer KEY`); gRPC health "
+                     "and reflection, and --metrics-port, stay open. Not encryption: the key travels in clear "
+                     "unless a TLS proxy fronts the server")
+    s.add_argument("--recalibrate-route", action="store_true", default=DEFAULTS.recalibrate_route,
+                   help="time both plans' decode passes again at start-up and keep the new costs. The adaptive "
+                        "route prices each step from these costs, timed once per machine, kernel build, model and "
+                        "settings and kept in $GATEENG_CACHE (the log says where they came from); time them again "
+                        "where they were timed while the machine was busy")
     s.add_argument("--weight-update-wait", type=float, default=DEFAULTS.weight_update_wait, metavar="SECONDS",
                    help="a weight update (`gateeng update-weights`) admits no new request and lets the running "
                         "ones finish on the old weights for up to this long; those still running then end with "
@@ -578,6 +605,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--apply", default=None, metavar="HOST:PORT",
                    help="set the recommended tau on a running server (UpdateGateConfig)")
     _admin_token_arg(c, "for --apply")
+    _api_key_args(c, "for --apply: the server's API key, sent as `authorization: Bearer KEY`")
     c.set_defaults(func=cmd_calibrate)
     r = sub.add_parser("replay", help="decode stored responses again and check that VERIFIED ones are bitwise "
                                       "identical",
@@ -598,6 +626,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
                    help="local engine: weights and KV dtype (default: the stored records' dtype)")
     r.add_argument("--threads", type=int, default=None, help="local engine: torch CPU threads")
+    _api_key_args(r, "with --server or --openai: the server's API key, sent as `Authorization: Bearer KEY`")
     r.set_defaults(func=cmd_replay)
     pb_ = sub.add_parser("probe", help="measure whether a server's completions change with concurrency and "
                                         "caching (exit 1 if any prompt got more than one)",
@@ -627,6 +656,7 @@ def build_parser() -> argparse.ArgumentParser:
     pb_.add_argument("--model", default=None, help="the HTTP model id (default: the first one /v1/models lists)")
     pb_.add_argument("--label", default=None, help="a title for the plot")
     pb_.add_argument("--out", default="probe", help="folder for probe.json and probe.png")
+    _api_key_args(pb_, "the server's API key, sent as `Authorization: Bearer KEY`")
     pb_.set_defaults(func=cmd_probe)
     m = sub.add_parser("model-dir", help="print a model's Hugging Face-format directory (config, weights, "
                                           "tokenizer), converting a .gguf once")
@@ -647,6 +677,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "this command's working directory)")
     u.add_argument("--server", default="127.0.0.1:50051", metavar="HOST:PORT", help="the server's gRPC address")
     _admin_token_arg(u, "required")
+    _api_key_args(u, "the server's API key where it has one, sent beside the admin token")
     u.set_defaults(func=cmd_update_weights)
     h = sub.add_parser("health", help="check a running server's health (exit 0 only when SERVING)")
     h.add_argument("--server", default="127.0.0.1:50051", metavar="HOST:PORT")
@@ -659,6 +690,7 @@ def build_parser() -> argparse.ArgumentParser:
     ag.add_argument("--tau", type=float, default=None, help="new default margin threshold")
     ag.add_argument("--window", type=int, default=None, help="new default max window")
     _admin_token_arg(ag, "for setting tau or W")
+    _api_key_args(ag, "the server's API key where it has one, sent beside the admin token")
     ag.set_defaults(func=cmd_admin_gate)
     return parser
 
