@@ -77,8 +77,17 @@ def cache(tmp_path, monkeypatch):
 
 def seeded(time_pass, facts=FACTS, group_rows=0, **kwargs) -> RoutePolicy:
     route = RoutePolicy(group_rows=group_rows)
-    pricing.seed(route, time_pass, [1, 8, 32], 128, facts, **kwargs)
+    pricing.seed(route, time_pass, [1, 8, 32], 128, facts, threads=2, **kwargs)
     return route
+
+
+@pytest.fixture(autouse=True)
+def host(monkeypatch) -> dict:
+    """The share of the CPU the passes get: {"share": 0.99} is a quiet host (as every
+    test's is unless it says otherwise), 0.5 a busy one."""
+    now = {"share": 0.99}
+    monkeypatch.setattr(pricing, "_cpu_share", lambda run, threads: (run(), now["share"]))
+    return now
 
 
 @pytest.mark.parametrize("host, fast, why", REFUSED, ids=[r[0] for r in REFUSED])
@@ -94,18 +103,48 @@ def test_a_refused_fit_leaves_both_plans_priced_alike_and_says_why(host, fast, w
         assert route.fast.cost(rows) == route.invariant.cost(rows) == prior.fast.cost(rows) > 0
 
 
-def test_a_refusal_is_kept_its_fit_never_used_and_later_starts_time_nothing(cache, capsys):
+def test_a_refusal_is_kept_its_fit_never_used_and_a_busy_host_times_no_more(cache, host, capsys):
+    host["share"] = 0.5
     seeded(fake_timer(REFUSED[0][1], STEADY_INV, []))
     [kept] = cache.glob("*.json")
     assert json.loads(kept.read_text())["refused"]
     capsys.readouterr()
-    route = seeded(never_timed)
+    calls = []
+    route = seeded(fake_timer(STEADY_FAST, STEADY_INV, calls))
     err = capsys.readouterr().err
-    assert "priced alike" in err and "were refused" in err and str(kept) in err
+    assert calls == [(Kind.FAST, 1)]   # one pass tells the host is still busy
+    assert "priced alike" in err and "were refused" in err and "busy too" in err and str(kept) in err
     assert route.fast.seen == 0 and route.describe() == RoutePolicy(group_rows=0).describe()
+    host["share"] = 0.99   # a quiet host times them again
+    route = seeded(fake_timer(STEADY_FAST, STEADY_INV, calls))
+    assert "quiet now: timing them again" in capsys.readouterr().err
+    assert route.fast.seen == 3 and not json.loads(kept.read_text())["refused"]
+
+
+def test_timings_from_a_busy_host_serve_while_it_is_busy_and_are_timed_again_once_it_is_quiet(cache, host, capsys):
+    host["share"] = 0.5
+    busy = {r: 3 * ms for r, ms in STEADY_FAST.items()}
+    first = seeded(fake_timer(busy, STEADY_INV, []))
+    [kept] = cache.glob("*.json")
+    assert "a busy host: 50% of the CPU" in capsys.readouterr().err
+    assert json.loads(kept.read_text())["cpu_share"] == 0.5
+    calls = []
+    assert seeded(fake_timer(STEADY_FAST, STEADY_INV, calls)).describe() == first.describe()
+    assert calls == [(Kind.FAST, 1)] and "busy too" in capsys.readouterr().err
+    host["share"] = 0.99
+    quiet = seeded(fake_timer(STEADY_FAST, STEADY_INV, calls))
+    assert quiet.fast.cost(32) == pytest.approx(0.030, rel=0.05) and json.loads(kept.read_text())["cpu_share"] == 0.99
+    calls.clear()
+    seeded(fake_timer(STEADY_FAST, STEADY_INV, calls))
+    assert not calls   # quiet timings serve without a pass
+
+
+def test_recalibrating_after_a_refusal_times_again(cache, host):
+    seeded(fake_timer(REFUSED[0][1], STEADY_INV, []))
+    host["share"] = 0.5
     calls = []
     route = seeded(fake_timer(STEADY_FAST, STEADY_INV, calls), measure_again=True)
-    assert calls and route.fast.seen == 3 and not json.loads(kept.read_text())["refused"]
+    assert len(calls) > 1 and route.fast.seen == 3
 
 
 def test_a_stall_over_the_first_rounds_is_outlasted_by_more_rounds(cache):
@@ -149,7 +188,7 @@ def test_other_rows_priced_are_another_key(cache):
     seeded(fake_timer(STEADY_FAST, STEADY_INV, []))
     calls = []
     route = RoutePolicy(group_rows=0)
-    pricing.seed(route, fake_timer(STEADY_FAST, STEADY_INV, calls), [1, 8], 128, FACTS)
+    pricing.seed(route, fake_timer(STEADY_FAST, STEADY_INV, calls), [1, 8], 128, FACTS, threads=2)
     assert calls
 
 

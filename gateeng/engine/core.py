@@ -158,7 +158,8 @@ class EngineCore:
         limit = min(cfg.max_num_seqs, pricing.rows_that_fit(self.blocks, context))
         rows = sorted({min(r, limit) for r in pricing.PRICE_ROWS})
         pricing.seed(self.route, pricing.decode_pass_timer(self.runner, self.blocks, context), rows, context,
-                     self._cost_facts(cfg, builds), measure_again=cfg.recalibrate_route)
+                     self._cost_facts(cfg, builds), torch.get_num_threads() if cfg.device == "cpu" else 0,
+                     measure_again=cfg.recalibrate_route)
 
     def _cost_facts(self, cfg: EngineConfig, builds: str) -> dict:
         """What a decode pass's cost depends on besides the rows and keys priced: the

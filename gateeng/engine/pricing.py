@@ -17,7 +17,9 @@ refused (`refusal`): a host's stall had fitted a fast plan at -8.7 ms + 95.48 ms
 per row, which would have steered the route for the server's life. A refused
 set leaves the policy at its priors, both plans priced alike, which sends
 neither plan's work away from it for good: traffic runs and measures both. Its
-fit is never used; the refusal is kept, so later starts take the priors at once.
+fit is never used. The refusal is kept, as are timings taken on a busy host, and
+a later start on a busy host takes them at once, while one on a quiet host times
+the passes again (`_serve_kept`).
 """
 from __future__ import annotations
 
@@ -48,6 +50,13 @@ NOISE = 1e-3
 # other work bends the line further without making it wrong about which plan costs
 # more. Half a timing is no longer a price of that pass.
 FIT_TOLERANCE = 0.5
+# The share of the CPU time its threads asked for that a start's passes got: 0.99 on
+# a quiet host (OpenMP's threads spin rather than sleep between regions), 0.5 beside
+# two busy processes on two cores, 0.6-0.7 beside one. Timings taken below it were
+# taken on a busy host: they serve, and are kept, but a later start that finds the
+# host quiet times them again.
+QUIET_SHARE = 0.85
+AGAIN = "--recalibrate-route times them again"   # what every line about kept costs tells an operator
 
 
 def price_plans(time_pass: Callable[[Kind, int], float], row_counts=PRICE_ROWS, repeats: int = REPEATS,
@@ -111,42 +120,66 @@ def refusal(measured: list, group_rows: int) -> Optional[str]:
 
 
 def seed(route, time_pass: Callable[[Kind, int], float], row_counts: list, context: int, facts: dict,
-         measure_again: bool = False) -> None:
+         threads: int, measure_again: bool = False) -> None:
     """Seeds `route` (a RoutePolicy with nothing observed) with decode-pass costs of both
     plans: those kept for `facts` and these rows and keys (route_costs), or, where
     none are or `measure_again`, timed now (time_pass: decode_pass_timer's) and
-    kept. Timings that were refused are kept as such, and the policy keeps its
-    priors without timing again: on a host busy enough to refuse them, timing them
-    at every start is what made starts slow. Logs one line that says where the
+    kept. `threads`: the CPU threads a pass runs on, to judge whether the host is
+    busy (0: not judged, as for a GPU's passes). Logs one line that says where the
     costs came from."""
     facts = dict(facts, rows=list(row_counts), context=context, repeats=REPEATS)
     stored = None if measure_again else route_costs.load(facts)
-    again = "--recalibrate-route times them again"
-    if stored is not None:
-        why = stored.refused or refusal(stored.measured, route.group_rows)
-        if why is None:
-            _observe(route, stored.measured)
-            log(f"route costs from {stored.path} (decode passes timed {stored.when}; {again}): {route.describe()}")
-            return
-        if stored.refused:
-            log(f"route costs: both plans priced alike until traffic measures them, since the decode passes "
-                f"timed {stored.when} were refused ({why}; {stored.path}; {again}): {route.describe()}")
-            return
+    probe = lambda: _cpu_share(lambda: time_pass(Kind.FAST, row_counts[0]), threads)[1]   # noqa: E731
+    if stored is None or not _serve_kept(route, stored, probe):
+        _time_and_keep(route, time_pass, row_counts, context, facts, threads)
+
+
+def _serve_kept(route, stored: route_costs.Stored, probe: Callable[[], Optional[float]]) -> bool:
+    """Seeds `route` from kept timings and logs it, or says why they are timed again
+    (False). Timings taken on a quiet host serve. Those refused leave the policy at
+    its priors, and those taken on a busy host serve, as long as the host is busy
+    (`probe`: the CPU share of one pass): on a host busy enough for that, timing them
+    at every start is what made starts slow, and on a quiet one they are timed again."""
+    why = stored.refused or refusal(stored.measured, route.group_rows)
+    if why is not None and not stored.refused:
         log(f"the route costs in {stored.path} are refused ({why}); timing them again")
+        return False
+    if why is None and _quiet(stored.cpu_share):
+        _observe(route, stored.measured)
+        log(f"route costs from {stored.path} (decode passes timed {stored.when}; {AGAIN}): {route.describe()}")
+        return True
+    taken = f"timed {stored.when} " + (f"were refused ({why})" if why else
+                                        f"on a busy host got {stored.cpu_share:.0%} of the CPU")
+    if _quiet(probe()):
+        log(f"the decode passes {taken} ({stored.path}); this host is quiet now: timing them again")
+        return False
+    if why:
+        log(f"route costs: both plans priced alike until traffic measures them: the decode passes {taken}, "
+            f"and this host is busy too ({stored.path}; {AGAIN}): {route.describe()}")
+    else:
+        _observe(route, stored.measured)
+        log(f"route costs from {stored.path} (the decode passes {taken}, and this host is busy too; {AGAIN}): "
+            f"{route.describe()}")
+    return True
+
+
+def _time_and_keep(route, time_pass, row_counts: list, context: int, facts: dict, threads: int) -> None:
+    """Times the passes, seeds `route` where their fit is sound, keeps them, logs it."""
     t0 = time.perf_counter()
-    measured = price_plans(time_pass, row_counts, sound=lambda m: refusal(m, route.group_rows) is None)
-    took = time.perf_counter() - t0
-    what = f"decode passes at row counts {'/'.join(map(str, row_counts))}, {context} keys ({took:.1f} s)"
+    measured, share = _cpu_share(lambda: price_plans(time_pass, row_counts,
+                                                     sound=lambda m: refusal(m, route.group_rows) is None), threads)
+    took = f"{time.perf_counter() - t0:.1f} s" + ("" if _quiet(share) else f", a busy host: {share:.0%} of the CPU")
+    what = f"decode passes at row counts {'/'.join(map(str, row_counts))}, {context} keys ({took})"
     why = refusal(measured, route.group_rows)
     if why is None:
         _observe(route, measured)
-    path = route_costs.save(facts, measured, refused=why or "")
+    path = route_costs.save(facts, measured, share, refused=why or "")
     kept = f", kept in {path}" if path else ""
     if why is not None:
-        log(f"route costs from {what} refused: {why} (timed: {describe(measured)}{kept}; {again}); both plans "
+        log(f"route costs from {what} refused: {why} (timed: {describe(measured)}{kept}; {AGAIN}); both plans "
             f"are priced alike until traffic measures them: {route.describe()}")
-        return
-    log(f"route costs from {what}{kept}: {route.describe()}")
+    else:
+        log(f"route costs from {what}{kept}: {route.describe()}")
 
 
 def describe(measured: list) -> str:
@@ -157,6 +190,19 @@ def describe(measured: list) -> str:
         out.append(f"{kind} {'/'.join(f'{s * 1e3:.1f}' for _, s in points)} ms at "
                    f"{'/'.join(str(r) for r, _ in points)} rows")
     return ", ".join(out)
+
+
+def _cpu_share(run: Callable, threads: int) -> tuple:
+    """(run(), the share of the CPU time `threads` threads could have had that this
+    process got meanwhile; None where threads is 0)."""
+    cpu, wall = time.process_time(), time.perf_counter()
+    result = run()
+    wall = time.perf_counter() - wall
+    return result, (time.process_time() - cpu) / (wall * threads) if threads and wall > 0 else None
+
+
+def _quiet(share) -> bool:
+    return share is None or share >= QUIET_SHARE
 
 
 def _observe(route, measured: list) -> None:

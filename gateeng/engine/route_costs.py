@@ -1,7 +1,8 @@
 """The route's decode-pass costs (pricing.py), measured once per machine, build, model
 and plan settings and kept beside the compiled kernels:
 
-    cache_root()/route-costs/<key>.json    the facts, when the passes ran, their seconds
+    cache_root()/route-costs/<key>.json    the facts, when the passes ran, their seconds,
+                                           the CPU they got, and why pricing refused them
 
 <key> hashes the facts a pass's cost depends on (EngineCore names the machine's,
 the build's, the model's and the settings'; pricing adds the rows and keys it
@@ -40,6 +41,7 @@ class Stored:
     measured: list   # [(plan kind, rows, seconds)], as pricing.price_plans returned them
     when: str        # when the passes ran (UTC)
     path: Path
+    cpu_share: Optional[float] = None   # of the CPU their threads asked for (pricing.QUIET_SHARE)
     refused: str = ""   # why pricing refused them ('' where it did not)
 
 
@@ -62,17 +64,20 @@ def load(facts: dict) -> Optional[Stored]:
         if record["format"] != FORMAT or record["facts"] != json.loads(json.dumps(facts)):
             return None
         measured = [(str(kind), int(rows), float(seconds)) for kind, rows, seconds in record["measured"]]
-        return Stored(measured, str(record["measured_at"]), path, str(record.get("refused") or ""))
+        share = record.get("cpu_share")
+        return Stored(measured, str(record["measured_at"]), path, None if share is None else float(share),
+                      str(record.get("refused") or ""))
     except (KeyError, TypeError, ValueError) as exc:
         return _unreadable(path, f"{type(exc).__name__}: {exc}")
 
 
-def save(facts: dict, measured: list, refused: str = "") -> Optional[Path]:
-    """Stores `measured` for `facts`, with why they were refused where they were; the
-    file's path, or None where it could not be written (logged)."""
+def save(facts: dict, measured: list, cpu_share: Optional[float] = None, refused: str = "") -> Optional[Path]:
+    """Stores `measured` for `facts`, with the share of the CPU the passes got and why
+    they were refused where they were; the file's path, or None where it could not
+    be written (logged)."""
     path = path_for(facts)
     record = {"format": FORMAT, "facts": facts, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-              "measured": [list(m) for m in measured], "refused": refused}
+              "measured": [list(m) for m in measured], "cpu_share": cpu_share, "refused": refused}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_whole(path, json.dumps(record, indent=1, sort_keys=True) + "\n")

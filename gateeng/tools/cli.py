@@ -572,8 +572,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--recalibrate-route", action="store_true", default=DEFAULTS.recalibrate_route,
                    help="time both plans' decode passes again at start-up and keep the new costs. The adaptive "
                         "route prices each step from these costs, timed once per machine, kernel build, model and "
-                        "settings and kept in $GATEENG_CACHE (the log says where they came from); time them again "
-                        "where they were timed while the machine was busy")
+                        "settings and kept in $GATEENG_CACHE (the log says where they came from); costs timed on a "
+                        "busy machine, or refused, are timed again by the first start that finds it quiet")
     s.add_argument("--weight-update-wait", type=float, default=DEFAULTS.weight_update_wait, metavar="SECONDS",
                    help="a weight update (`gateeng update-weights`) admits no new request and lets the running "
                         "ones finish on the old weights for up to this long; those still running then end with "
