@@ -8,7 +8,7 @@ priority, from before the server starts until it serves):
           model and the compiled kernels stay), so the start times both plans'
           decode passes and keeps them;
   second: the same command again, which reads the costs the first kept (beside the
-          hog, once one pass has found the host still busy: costs timed on a busy
+          hog, once a 50 ms probe has found the host still busy: costs timed on a busy
           host are timed again by the first start on a quiet one).
 The hog rounds run before the quiet ones, so the costs left in the cache at the end
 are ones timed on a quiet machine.

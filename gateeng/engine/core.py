@@ -39,7 +39,7 @@ from gateeng.model.chat import encode_prompt
 from gateeng.model.llama import KVCache
 from gateeng.model.loader import DTYPES, LoadedModel, load, trim_heap
 from gateeng.outputs import Completion
-from gateeng.plans import factory
+from gateeng.plans import factory, host_load
 from gateeng.plans.runner import ModelRunner
 from gateeng.plans.selfcheck import run_selfcheck
 from gateeng.request import DeterminismParams, DeterminismStats, Mode, Request, SamplingParams
@@ -157,9 +157,10 @@ class EngineCore:
         context = min(pricing.CONTEXT, self.max_model_len)
         limit = min(cfg.max_num_seqs, pricing.rows_that_fit(self.blocks, context))
         rows = sorted({min(r, limit) for r in pricing.PRICE_ROWS})
+        cpu = cfg.device == "cpu"   # a GPU's passes leave the CPU idle: its share says nothing
         pricing.seed(self.route, pricing.decode_pass_timer(self.runner, self.blocks, context), rows, context,
-                     self._cost_facts(cfg, builds), torch.get_num_threads() if cfg.device == "cpu" else 0,
-                     measure_again=cfg.recalibrate_route)
+                     self._cost_facts(cfg, builds), torch.get_num_threads() if cpu else 0,
+                     host_load.cpu_share if cpu else (lambda: None), measure_again=cfg.recalibrate_route)
 
     def _cost_facts(self, cfg: EngineConfig, builds: str) -> dict:
         """What a decode pass's cost depends on besides the rows and keys priced: the

@@ -120,16 +120,16 @@ def refusal(measured: list, group_rows: int) -> Optional[str]:
 
 
 def seed(route, time_pass: Callable[[Kind, int], float], row_counts: list, context: int, facts: dict,
-         threads: int, measure_again: bool = False) -> None:
+         threads: int, probe: Callable[[], Optional[float]], measure_again: bool = False) -> None:
     """Seeds `route` (a RoutePolicy with nothing observed) with decode-pass costs of both
     plans: those kept for `facts` and these rows and keys (route_costs), or, where
     none are or `measure_again`, timed now (time_pass: decode_pass_timer's) and
-    kept. `threads`: the CPU threads a pass runs on, to judge whether the host is
-    busy (0: not judged, as for a GPU's passes). Logs one line that says where the
+    kept. Whether the host is busy: `threads`, the CPU threads a pass runs on (0: not
+    judged, as for a GPU's passes), and `probe()`, the share of the CPU this process
+    gets now (plans.host_load; None: not judged). Logs one line that says where the
     costs came from."""
     facts = dict(facts, rows=list(row_counts), context=context, repeats=REPEATS)
     stored = None if measure_again else route_costs.load(facts)
-    probe = lambda: _cpu_share(lambda: time_pass(Kind.FAST, row_counts[0]), threads)[1]   # noqa: E731
     if stored is None or not _serve_kept(route, stored, probe):
         _time_and_keep(route, time_pass, row_counts, context, facts, threads)
 
@@ -138,8 +138,9 @@ def _serve_kept(route, stored: route_costs.Stored, probe: Callable[[], Optional[
     """Seeds `route` from kept timings and logs it, or says why they are timed again
     (False). Timings taken on a quiet host serve. Those refused leave the policy at
     its priors, and those taken on a busy host serve, as long as the host is busy
-    (`probe`: the CPU share of one pass): on a host busy enough for that, timing them
-    at every start is what made starts slow, and on a quiet one they are timed again."""
+    (`probe`: the CPU share this process gets now): on a host busy enough for that,
+    timing them at every start is what made starts slow, and on a quiet one they are
+    timed again."""
     why = stored.refused or refusal(stored.measured, route.group_rows)
     if why is not None and not stored.refused:
         log(f"the route costs in {stored.path} are refused ({why}); timing them again")
