@@ -34,7 +34,6 @@ from gateeng.engine.route import RoutePolicy
 from gateeng.engine.scheduler import Scheduler
 from gateeng.engine.stopping import StopChecker
 from gateeng.engine.verification import VerificationStage, discard_speculation
-from gateeng.logs import log
 from gateeng.model.chat import encode_prompt
 from gateeng.model.llama import KVCache
 from gateeng.model.loader import DTYPES, LoadedModel, load, trim_heap
