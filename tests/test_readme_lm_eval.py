@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from gateeng.config import HTTP_PORT
+
 pytestmark = pytest.mark.model
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -69,10 +71,14 @@ def venv_tool(word: str) -> str:
     return str(BIN / word) if word == "lm_eval" else word
 
 
+def readme_port(serve: list) -> str:
+    """The HTTP port the README's server listens on: its --http-port, else the default."""
+    return serve[serve.index("--http-port") + 1] if "--http-port" in serve else str(HTTP_PORT)
+
+
 def test_the_readme_names_one_port_and_the_table_it_shows():
     serve, lm_eval, table = commands()
-    http = serve[serve.index("--http-port") + 1]
-    assert f"base_url=http://127.0.0.1:{http}/v1/completions" in lm_eval
+    assert f"base_url=http://127.0.0.1:{readme_port(serve)}/v1/completions" in lm_eval
     assert set(metrics(table)) == {"acc", "acc_norm"}
 
 
@@ -88,13 +94,12 @@ def run_lm_eval(line: str, env: dict, out: Path) -> tuple[dict, list]:
 
 
 def test_the_readme_lm_eval_command_prints_the_readme_table(tmp_path):
-    pytest.importorskip("lm_eval")
     serve, lm_eval, table = commands()
-    http_readme = serve[serve.index("--http-port") + 1]
+    assert (BIN / "lm_eval").exists(), "lm-eval is part of the test extra: `make test` installs it"
+    http_readme = readme_port(serve)
     http, grpc_port, metrics_port = free_port(), free_port(), free_port()
-    argv = [venv_tool(w) for w in serve]
-    argv[argv.index("--http-port") + 1] = str(http)
-    argv += ["--port", str(grpc_port), "--metrics-port", str(metrics_port)]
+    argv = [venv_tool(w) for w in serve if w not in ("--http-port", http_readme)]
+    argv += ["--http-port", str(http), "--port", str(grpc_port), "--metrics-port", str(metrics_port)]
     # No API key (the README's server takes none), and nothing read from a model hub.
     env = {k: v for k, v in os.environ.items() if k != "GATEENG_API_KEY"}
     env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
