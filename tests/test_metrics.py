@@ -201,8 +201,7 @@ def test_admission_is_stamped_once_on_the_schedulers_clock():
         plan = sched.schedule()
         for seq in plan.seqs:
             first_seen.setdefault(seq.request.request_id, now[0])
-        admitted += [(r.request_id, r.first_scheduled_time) for r in sched.admitted]
-        sched.admitted.clear()
+        admitted += [(r.request_id, r.first_scheduled_time) for r in sched.take_admitted()]
         sched.update(stage.apply(plan, runner.run(plan)))
     assert sched.num_preemptions > 0
     assert sorted(admitted) == sorted(first_seen.items()) and len(admitted) == 8

@@ -408,9 +408,8 @@ class EngineCore:
             seqs.append(SeqRecord(req.request_id, req.mode, seq.kind.value, seq.replay, seq.decode, margin,
                                   seq.route))
         sch = self.scheduler
-        lookups = tuple(PrefixLookup(r.mode, r.num_prompt, r.num_cached_tokens) for r in sch.admitted
+        lookups = tuple(PrefixLookup(r.mode, r.num_prompt, r.num_cached_tokens) for r in sch.take_admitted()
                         if sch.looks_up(r))
-        sch.admitted.clear()
         self.counts = self._counts()
         return StepRecord(tuple(seqs), counted, mismatches,
                           {k.value: v for k, v in self.runner.last_seconds.items()}, self.counts, lookups)

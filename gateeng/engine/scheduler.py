@@ -51,7 +51,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished: list[Request] = []   # drained by the engine after each step
         # Requests admitted for the first time this step (their queue time ends, their
-        # prompt's prefix-cache lookup counts); drained by the engine after each step.
+        # prompt's prefix-cache lookup counts); the engine takes them after each step.
         self.admitted: list[Request] = []
         self.num_preemptions = 0
         # False while a weight update waits for the running requests: nothing new
@@ -228,6 +228,11 @@ class Scheduler:
         req.prefill_target = len(req.tokens)
         if req.num_preemptions == 0:
             req.num_cached_tokens = min(req.num_computed, req.num_prompt)
+
+    def take_admitted(self) -> list:
+        """The requests admitted for the first time since the last call, in order."""
+        admitted, self.admitted = self.admitted, []
+        return admitted
 
     def looks_up(self, req: Request) -> bool:
         """Whether the prefix cache may serve `req`: it is on, and the request asks for no
