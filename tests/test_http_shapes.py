@@ -10,20 +10,12 @@ import urllib.request
 import openai
 import pytest
 
-from gateeng.config import HTTP_MAX_CHOICES, ServerConfig
+from gateeng.config import HTTP_MAX_CHOICES
 from gateeng.request import choice_seed
 from gateeng.tools import replay
-from test_server_async import Running, tiny_config
+from test_http_api import served  # noqa: F401 (the fixture: a tiny model served over HTTP)
 
 VERIFIED = {"determinism": {"mode": "verified"}}
-
-
-@pytest.fixture(scope="module")
-def served():
-    srv = Running(tiny_config(max_model_len=256), settings=ServerConfig(port=0, metrics_port=None, http_port=0))
-    base = f"http://127.0.0.1:{srv.server.http.port}"
-    yield srv, base, openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
-    srv.stop()
 
 
 def idle(srv, seconds: float = 5.0) -> bool:
