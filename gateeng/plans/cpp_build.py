@@ -41,6 +41,7 @@ import secrets
 import shutil
 import subprocess
 import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
@@ -164,7 +165,8 @@ def _build_into_place(name: str, source: Path, cflags: list, ldflags: list, root
                       what: str) -> None:
     from torch.utils.cpp_extension import load
     tmp = root / f"{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    log(f"building {what} into {final} (once per build kind and torch version; about a minute)")
+    log(f"building {what} into {final} (once per build kind and torch version; under a minute)")
+    t0 = time.monotonic()
     try:
         tmp.mkdir()
         # is_python_module=False: the .so is built (and dlopen'ed, which runs no module
@@ -187,6 +189,7 @@ def _build_into_place(name: str, source: Path, cflags: list, ldflags: list, root
             if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST) or check(final) is not None:
                 raise
             shutil.rmtree(tmp, ignore_errors=True)
+        log(f"  built in {time.monotonic() - t0:.0f}s")
     except BaseException as exc:
         # Nothing half-built stays behind, whatever stopped the build.
         written = tree_size(tmp)
