@@ -222,7 +222,7 @@ class LlamaModel(torch.nn.Module):
             self.fused_layers = ([self.shared[id(w)].data for lw in layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down)],
                                  [self.shared[id(w)].n for lw in layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down)],
                                  [w for lw in layers for w in (lw.post_norm, lw.next_norm)],
-                                 None if name == "cpu_dpbf16" else ref.linear)
+                                 None if name == kernel_names.CPU_DPBF16 else ref.linear)
 
     def release_plain_weights(self) -> int:
         """Free the plain projection and lm_head weights where no plan multiplies them

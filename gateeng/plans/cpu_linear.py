@@ -28,6 +28,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from gateeng.plans.kernel_names import CPU_DPBF16, REF_AVX2
+
 # Row counts the probe compares the two kernels at (decode batches, then prefill chunks).
 PROBE_ROWS = (1, 8, 32, 128, 512)
 # A second copy of every weight must buy at least this much speed at some probed
@@ -58,15 +60,15 @@ def rowwise_kernel(kernels, ref) -> Optional[str]:
     if kernels is None or ref is None:
         return None
     if getattr(kernels, "dpbf16", False):
-        return "cpu_dpbf16"
+        return CPU_DPBF16
     if getattr(ref, "isa", None) == "avx2":
-        return "ref_avx2"
+        return REF_AVX2
     return None
 
 
 def rowwise(name: str, p: Packed, kernels, ref) -> Callable:
     """x -> x @ w.T (bf16) by the row-invariant matmul `name` on the packed w."""
-    if name == "cpu_dpbf16":
+    if name == CPU_DPBF16:
         return lambda x: kernels.linear_dpbf16(x, p.data, p.n)
     return lambda x: ref.linear(x, p.data, p.n, False)
 

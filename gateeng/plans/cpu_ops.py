@@ -39,7 +39,7 @@ LDFLAGS = ["-fopenmp"]
 # The instruction set: this CPU's, unless GATEENG_CPU_ISA asks for a reference build
 # of a smaller one; then these kernels are built for it too, so that one machine runs
 # as the other kind would (an AVX2-only CPU on an AVX-512 one).
-MARCH = {"avx2": "-march=x86-64-v3", "scalar": "-march=x86-64"}
+MARCH = {isa: cpp_build.MARCH[isa] for isa in ("avx2", "scalar")}
 
 
 def load():

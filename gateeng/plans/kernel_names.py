@@ -6,7 +6,8 @@ from __future__ import annotations
 # by their kernel_plan names, preferred first, in words: VDPBF16PS in fast math
 # (kernels/cpu_ops.cpp `linear_dpbf16`), else the reference's own AVX2 matmul
 # (kernels/ref_ops.cpp `linear`, its avx2 build).
-ROWWISE_MATMULS = {"cpu_dpbf16": "VDPBF16PS", "ref_avx2": "AVX2 FMA (the reference's matmul)"}
+CPU_DPBF16, REF_AVX2 = "cpu_dpbf16", "ref_avx2"
+ROWWISE_MATMULS = {CPU_DPBF16: "VDPBF16PS", REF_AVX2: "AVX2 FMA (the reference's matmul)"}
 # The other matmuls' kernel_plan names: oneDNN's packed copy, torch.mm on the plain weight.
 ONEDNN_PACKED, TORCH_MM = "onednn_packed", "torch_mm"
 

@@ -35,8 +35,8 @@ SOURCE = Path(kernels.__file__).resolve().parent / "ref_ops.cpp"
 NEEDS = {"avx512_bf16": {"avx512f", "avx512dq", "avx512cd", "avx512bw", "avx512vl", "avx512_bf16"},
          "avx2": {"avx", "avx2", "fma", "bmi1", "bmi2", "f16c", "movbe", "abm"},
          "scalar": set()}
-ISA_CFLAGS = {"avx512_bf16": ["-march=x86-64-v4", "-mavx512bf16", "-DGATEENG_REF_AVX512BF16"],
-              "avx2": ["-march=x86-64-v3", "-DGATEENG_REF_AVX2"],
+ISA_CFLAGS = {"avx512_bf16": [cpp_build.MARCH["avx512_bf16"], "-mavx512bf16", "-DGATEENG_REF_AVX512BF16"],
+              "avx2": [cpp_build.MARCH["avx2"], "-DGATEENG_REF_AVX2"],
               "scalar": ["-fno-tree-vectorize"]}
 
 
