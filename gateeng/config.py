@@ -20,6 +20,9 @@ KERNEL_PREFILL_WORK = 128 * 128
 # adaptive picks a route per step from measured plan costs (engine/route.py).
 SPECULATIVE, DIRECT, ADAPTIVE = "speculative", "direct", "adaptive"
 ROUTE_POLICIES = (ADAPTIVE, SPECULATIVE, DIRECT)
+# The two plans, by name (--plan; a step's Kind in gateeng/step.py).
+FAST, INVARIANT = "fast", "invariant"
+PLANS = (FAST, INVARIANT)
 
 
 def cache_root() -> Path:
@@ -102,7 +105,7 @@ class EngineConfig:
     model: Optional[str] = None          # HF directory or .gguf file; None = embedded SmolLM2
     dtype: str = "bfloat16"              # bfloat16 | float32
     device: str = "cpu"                  # cpu | cuda
-    plan: str = "fast"                   # fast | invariant (server-wide batch-invariant mode)
+    plan: str = FAST                     # fast | invariant (server-wide batch-invariant mode)
     block_size: int = 16
     # KV cache blocks; 0: sized for max_num_seqs requests of KV_POSITIONS_PER_SEQ positions
     # each, and for one request of max_model_len when that is more (kv_blocks). The
@@ -176,8 +179,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be 'bfloat16' or 'float32', got {self.dtype!r}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
-        if self.plan not in ("fast", "invariant"):
-            raise ValueError(f"plan must be 'fast' or 'invariant', got {self.plan!r}")
+        if self.plan not in PLANS:
+            raise ValueError(f"plan must be one of {', '.join(PLANS)}, got {self.plan!r}")
         if self.attention_split % self.block_size:
             raise ValueError("attention_split must be a multiple of block_size")
         if self.verified_route not in ROUTE_POLICIES:

@@ -9,15 +9,16 @@ import enum
 from dataclasses import dataclass, field
 from typing import Optional
 
-from gateeng.config import DIRECT, SPECULATIVE
+from gateeng import config
+from gateeng.config import SPECULATIVE
 from gateeng.request import Mode, Request
 
-__all__ = ["DIRECT", "SPECULATIVE", "Kind", "ScheduledSeq", "StepPlan", "SeqOutput"]
+__all__ = ["Kind", "ScheduledSeq", "StepPlan", "SeqOutput"]
 
 
 class Kind(enum.Enum):
-    FAST = "fast"
-    INVARIANT = "invariant"
+    FAST = config.FAST
+    INVARIANT = config.INVARIANT
 
 
 @dataclass(frozen=True)

@@ -24,11 +24,11 @@ from collections import deque
 from typing import Callable, Optional
 
 from gateeng.engine.block_manager import BlockManager
-from gateeng.config import KERNEL_PREFILL_WORK
+from gateeng.config import DIRECT, KERNEL_PREFILL_WORK, SPECULATIVE
 from gateeng.request import FinishReason, Mode, Request, Status
 from gateeng.engine.route import RoutePolicy
 from gateeng.engine.verification import Outcome, discard_speculation
-from gateeng.step import DIRECT, SPECULATIVE, Kind, ScheduledSeq, StepPlan
+from gateeng.step import Kind, ScheduledSeq, StepPlan
 
 
 class Scheduler:

@@ -7,7 +7,7 @@ import os
 import sys
 
 from gateeng import __version__
-from gateeng.config import (DIRECT, HTTP_BODY_SLACK_BYTES, KV_POSITIONS_PER_SEQ, ROUTE_POLICIES, EngineConfig,
+from gateeng.config import (DIRECT, HTTP_BODY_SLACK_BYTES, KV_POSITIONS_PER_SEQ, PLANS, ROUTE_POLICIES, EngineConfig,
                             ConnectionLimits, GateBounds, ServerConfig)
 from gateeng.plans.kernel_names import ISA_ENV, REFERENCE, REFERENCE_ISAS, TORCH_MM
 from gateeng.request import DEFAULT_MAX_TOKENS
@@ -27,7 +27,7 @@ def _model_source_args(p: argparse.ArgumentParser) -> None:
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     _model_source_args(p)
     p.add_argument("--device", default=DEFAULTS.device, choices=["cpu", "cuda"])
-    p.add_argument("--plan", default=DEFAULTS.plan, choices=["fast", "invariant"],
+    p.add_argument("--plan", default=DEFAULTS.plan, choices=PLANS,
                    help="fast: per-request determinism; invariant: every request on the batch-invariant plan")
     p.add_argument("--margin-threshold", type=float, default=DEFAULTS.margin_threshold,
                    help="verify a VERIFIED request's token when top1-top2 logit margin is below this (tau); "
