@@ -113,13 +113,18 @@ inline void fold(int l, V t, V* lvl, Add add) {
 }
 inline float add_f(float a, float b) { return a + b; }
 
-// The dot product of two bf16 vectors (SPEC.md, "dot"): pairs (2p, 2p+1) in 16 blocks
-// of ceil(pairs / 16) consecutive pairs, each block one chain of fused multiply-adds
-// (the pair's odd element first), blocks combined by the tree.
+// The dot's blocks of K (SPEC.md, "dot"); plans/tensor_parallel.py DOT_BLOCKS and
+// triton_reference.py DOT_BLOCKS say the same (tests/test_one_owner.py). The tree's
+// arrays (lvl[5], Blocks' 4 levels) are sized for it.
+constexpr int64_t DOT_BLOCKS = 16;
+
+// The dot product of two bf16 vectors (SPEC.md, "dot"): pairs (2p, 2p+1) in DOT_BLOCKS
+// blocks of ceil(pairs / DOT_BLOCKS) consecutive pairs, each block one chain of fused
+// multiply-adds (the pair's odd element first), blocks combined by the tree.
 inline float dot(const u16* a, const u16* b, int64_t k) {
-  const int64_t pairs = (k + 1) / 2, per = (pairs + 15) / 16;
+  const int64_t pairs = (k + 1) / 2, per = (pairs + DOT_BLOCKS - 1) / DOT_BLOCKS;
   float lvl[5];
-  for (int l = 0; l < 16; ++l) {
+  for (int l = 0; l < DOT_BLOCKS; ++l) {
     float acc = 0.f;
     for (int64_t p = l * per, end = std::min(pairs, (l + 1) * per); p < end; ++p) {
       if (2 * p + 1 < k) acc = std::fma(bf(a[2 * p + 1]), bf(b[2 * p + 1]), acc);
@@ -462,7 +467,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n, bool f32)
   check_packed(x, packed, n);
   x = x.contiguous();
   auto result = torch::empty({x.size(0), n}, x.options().dtype(f32 ? torch::kFloat : torch::kBFloat16));
-  matmul(x, packed, Blocks{(x.size(1) / 2 + 15) / 16, 4}, out_to(result, n));
+  matmul(x, packed, Blocks{(x.size(1) / 2 + DOT_BLOCKS - 1) / DOT_BLOCKS, 4}, out_to(result, n));
   return result;
 }
 
@@ -471,7 +476,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n, bool f32)
 int tree_levels(int64_t n, const char* what) {
   int levels = 0;
   while ((int64_t{1} << levels) < n) ++levels;
-  TORCH_CHECK(n >= 1 && n <= 16 && (int64_t{1} << levels) == n, what, " must be a power of two from 1 to 16");
+  TORCH_CHECK(n >= 1 && n <= DOT_BLOCKS && (int64_t{1} << levels) == n, what, " must be a power of two from 1 to 16");
   return levels;
 }
 

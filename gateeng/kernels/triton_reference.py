@@ -20,6 +20,10 @@ from gateeng.kernels.triton_sampling import mix32   # the spec's lowbias32 hash
 
 TINY = 1.1754943508222875e-38   # 2^-126: below it a binary32 value is flushed to zero
 OPTIONS = dict(enable_fp_fusion=False)
+# The dot's blocks of K (SPEC.md, "dot"), as ref_ops.cpp and plans/tensor_parallel.py
+# name it (tests/test_one_owner.py holds them equal); _fold and _tree16 are written
+# for it. A constexpr, so the kernels may read it.
+DOT_BLOCKS = tl.constexpr(16)
 
 
 @triton.jit
@@ -142,11 +146,11 @@ def _matmul_kernel(x_ptr, w_ptr, out_ptr, M, N, K, F32: tl.constexpr, BM: tl.con
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     rmask, cmask = rows < M, cols < N
     pairs = K // 2
-    per = (pairs + 15) // 16
+    per = (pairs + DOT_BLOCKS - 1) // DOT_BLOCKS
     zero = tl.zeros((BM, BN), dtype=tl.float32)
     lv0, lv1, lv2, lv3 = zero, zero, zero, zero
     acc = zero
-    for l in tl.static_range(16):
+    for l in tl.static_range(DOT_BLOCKS):
         acc = zero
         for p in range(l * per, tl.minimum(pairs, (l + 1) * per)):
             xo = _bf(tl.load(x_ptr + rows * K + 2 * p + 1, mask=rmask, other=0))
@@ -186,10 +190,10 @@ def matmul(x: torch.Tensor, w: torch.Tensor, f32: bool = False) -> torch.Tensor:
 def _dot_row(a_ptr, b_ptr, k):
     """dot(a, b) of one row pair: lanes are the 16 blocks, each lane's chain in order
     (a block's missing pairs are not computed), then the tree."""
-    lane = tl.arange(0, 16)
+    lane = tl.arange(0, DOT_BLOCKS)
     pairs = (k + 1) // 2
-    per = (pairs + 15) // 16
-    acc = tl.zeros((16,), dtype=tl.float32)
+    per = (pairs + DOT_BLOCKS - 1) // DOT_BLOCKS
+    acc = tl.zeros((DOT_BLOCKS,), dtype=tl.float32)
     for j in range(0, per):
         p = lane * per + j
         live = p < pairs
