@@ -1,17 +1,28 @@
-"""Request parameters and per-request state. The scheduler owns `Request` objects;
-everyone else reads them."""
+"""Request parameters and per-request state: plain values, no engine machinery.
+
+`EngineCore.new_request` builds a `Request` with its effective tau, window and
+seed; after that, who writes which fields:
+  - the scheduler: status, finish_reason, block_table, num_computed,
+    num_registered_blocks, num_cached_tokens, prefill_target, num_preemptions,
+    first_scheduled_time (and pending_verify, cleared at a finish);
+  - the verification stage (engine/verification.py, also on the scheduler's
+    preemptions through discard_speculation): the token state, that is tokens
+    (cut only through `truncate`, which logs each cut in `cuts`), num_verified,
+    logprobs, prompt_logprobs, spec_margins, pending_verify, replay_due,
+    pending_age, eager_len, stop_text_len and stats;
+  - the output processor: first_token_time, and stats.retractions;
+  - the engine core: finish_detail, when a weight update ends the request.
+Everyone else reads them. The output's text is the output side's own state
+(output_processor.RequestHandle.text), which follows `tokens` and `cuts`."""
 from __future__ import annotations
 
 import dataclasses
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from gateeng.config import validate_threshold, validate_window
-
-if TYPE_CHECKING:
-    from gateeng.engine.detokenizer import IncrementalText
 
 
 class Mode(str, enum.Enum):
@@ -196,9 +207,10 @@ class Request:
     first_scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None
     num_preemptions: int = 0
-    # The output's text, decoded incrementally (detokenizer.IncrementalText); None
-    # where no tokenizer is attached (pure bookkeeping tests).
-    text: Optional["IncrementalText"] = None
+    # The lengths `tokens` was cut back to, oldest first (one per cut, by `truncate`):
+    # whoever follows the tokens incrementally (the output's text) learns of a
+    # rollback here, keeping its own place in the list.
+    cuts: list = field(default_factory=list)
     # With params.logprobs: a sampler.Logprobs per output token (output order).
     logprobs: list = field(default_factory=list)
     # With params.prompt_logprobs: one per prompt token after the first.
@@ -215,11 +227,11 @@ class Request:
 
     def truncate(self, n: int) -> None:
         """Drop tokens[n:] (a rollback, a stop, discarded speculation); every cut of
-        `tokens` goes through here so the output text follows."""
+        `tokens` goes through here and is logged in `cuts`, so the output text follows."""
+        if n < len(self.tokens):
+            self.cuts.append(n)
         del self.tokens[n:]
         del self.logprobs[max(0, n - self.num_prompt):]
-        if self.text is not None:
-            self.text.truncate(n - self.num_prompt)
 
     @property
     def num_prompt(self) -> int:

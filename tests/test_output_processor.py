@@ -72,8 +72,10 @@ def test_cost_per_token_does_not_grow_with_the_output():
 
 
 def make_request(stop=(), max_tokens=50, mode=Mode.OFF, policy=StreamPolicy.VERIFIED_ONLY):
-    return Request("r", [1, 2], SamplingParams(max_tokens=max_tokens, stop=tuple(stop), ignore_eos=True),
-                   DeterminismParams(mode, stream_policy=policy), text=IncrementalText(decode))
+    """A request and its handle, which holds the output's text as the engine's does."""
+    req = Request("r", [1, 2], SamplingParams(max_tokens=max_tokens, stop=tuple(stop), ignore_eos=True),
+                  DeterminismParams(mode, stream_policy=policy))
+    return req, RequestHandle("r", IncrementalText(decode))
 
 
 def feed(req, stop, text: bytes):
@@ -91,10 +93,9 @@ def feed(req, stop, text: bytes):
 
 @pytest.mark.parametrize("stop", [["END"], ["rld E"], ["x", "ND"]])
 def test_stop_string_split_across_tokens_is_cut_and_never_streamed(stop):
-    checker = StopChecker(eos_token_ids=(), max_model_len=1000)
-    req = make_request(stop)
+    req, h = make_request(stop)
+    checker = StopChecker(eos_token_ids=(), max_model_len=1000, text_of={"r": h.text}.get)
     proc = OutputProcessor(observer=_Quiet(), reproducibility=None)
-    h = RequestHandle("r")
     text = "wörld END after".encode()
     for i in range(len(text)):
         reason = feed(req, checker, text[i:i + 1])
@@ -113,9 +114,8 @@ def test_stop_string_split_across_tokens_is_cut_and_never_streamed(stop):
 
 
 def test_eager_rollback_is_sent_once_and_the_stream_adds_up():
-    req = make_request(mode=Mode.VERIFIED, policy=StreamPolicy.EAGER)
+    req, h = make_request(mode=Mode.VERIFIED, policy=StreamPolicy.EAGER)
     proc = OutputProcessor(observer=_Quiet(), reproducibility=None)
-    h = RequestHandle("r")
     req.tokens += list(b"abc")            # unverified, but shown eagerly
     req.eager_len = 3
     proc.emit(req, h)
@@ -142,3 +142,24 @@ def _drain(h):
     while not h.events.empty():
         out.append(h.events.get())
     return out
+
+
+def test_a_rollback_under_a_same_last_token_reaches_the_text():
+    """The text learns of a cut from Request.cuts, even where the regrown tokens end
+    in the token the withdrawn ones ended in ("abc" becomes "aXc")."""
+    req, h = make_request(mode=Mode.VERIFIED, policy=StreamPolicy.EAGER)
+    proc = OutputProcessor(observer=_Quiet(), reproducibility=None)
+    req.tokens += list(b"abc")
+    req.eager_len = 3
+    proc.emit(req, h)
+    req.truncate(3)
+    req.tokens += list(b"Xc")
+    req.num_verified = len(req.tokens)
+    req.eager_len = 1
+    proc.emit(req, h)
+    req.finish_reason = FinishReason.LENGTH
+    done = proc.finish(req, h)
+    events = _drain(h)
+    assert req.cuts == [3] and done.text == "aXc" and h.text.text == "aXc"
+    assert [type(e) for e in events] == [Chunk, Rollback, Chunk] and events[1].position == 1
+    assert events[0].text[:1] + events[2].text == "aXc"

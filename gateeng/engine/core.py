@@ -95,7 +95,7 @@ class EngineCore:
         eos = set(mc.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(self.tokenizer.eos_token_id)
-        self.stop = StopChecker(eos, self.max_model_len)
+        self.stop = StopChecker(eos, self.max_model_len, text_of=self._text_of)
         self.tp_group = None   # the tensor-parallel group (engine.tensor_parallel), at sizes > 1
         if cfg.tensor_parallel_size > 1:   # the model becomes this process's shard (rank 0)
             self.model, plans, self.tp_group = tensor_parallel.start(cfg, self.model, cfg.tensor_parallel_timeout)
@@ -215,7 +215,7 @@ class EngineCore:
         rid = request_id or f"req-{next(self._ids)}-{secrets.token_hex(4)}"
         tau = det.margin_threshold if det.margin_threshold is not None else self.margin_threshold
         return Request(rid, [int(t) for t in ids], params, det, arrival=time.monotonic(),
-                       tau=tau, window=window, seed=seed, text=IncrementalText(self._decode))
+                       tau=tau, window=window, seed=seed)
 
     def register(self, requests: list, sinks: Optional[list] = None) -> list:
         """A handle per request, all or none: QueueFull past the queue bound,
@@ -230,7 +230,8 @@ class EngineCore:
                     raise ValueError(f"request_id {r.request_id!r} is already in flight")
             handles = []
             for r, sink in zip(requests, sinks or [None] * len(requests)):
-                h = self._handles[r.request_id] = RequestHandle(r.request_id, sink=sink, last_emit=r.arrival)
+                h = self._handles[r.request_id] = RequestHandle(r.request_id, IncrementalText(self._decode),
+                                                                sink=sink, last_emit=r.arrival)
                 handles.append(h)
         return handles
 
@@ -252,6 +253,11 @@ class EngineCore:
 
     def _decode(self, ids) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _text_of(self, request_id: str):
+        """The stop checker's view of a request's output text (its handle's)."""
+        h = self._handles.get(request_id)
+        return h.text if h is not None else None
 
     # ---- the driving thread ---------------------------------------------------------
     def add_request(self, request: Request, sink=None) -> RequestHandle:

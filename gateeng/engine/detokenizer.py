@@ -31,6 +31,7 @@ class IncrementalText:
         self._marks: list[tuple[int, int, int]] = [(0, 0, 0)]
         # Lowest token count truncated to since the last `take_low_water()`.
         self._low_water: int | None = None
+        self._cuts_seen = 0   # entries of the followed list's cut log already applied
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -55,10 +56,15 @@ class IncrementalText:
         self.text = self.text[:self._marks[k][0]]
         self._low_water = k if self._low_water is None else min(self._low_water, k)
 
-    def sync(self, tokens: Sequence[int], k: int, offset: int = 0) -> None:
+    def sync(self, tokens: Sequence[int], k: int, offset: int = 0, cuts: Sequence[int] = ()) -> None:
         """Make the state that of tokens[offset:offset + k]. Tokens cut from the list
-        must be announced through `truncate` (Request.truncate does); as a guard, a
-        changed last token costs one pass to find where the lists part."""
+        must be announced: through `truncate`, or in `cuts`, the list's log of the
+        lengths it was cut back to (Request.cuts), whose new entries are applied
+        first. As a guard, a changed last token costs one pass to find where the
+        lists part."""
+        if len(cuts) > self._cuts_seen:
+            self.truncate(min(cuts[self._cuts_seen:]) - offset)
+            self._cuts_seen = len(cuts)
         n = min(len(self.ids), k)
         if n and self.ids[n - 1] != tokens[offset + n - 1]:
             n = next(i for i in range(n) if self.ids[i] != tokens[offset + i])

@@ -3,8 +3,10 @@
 After each step the engine hands every scheduled request and its RequestHandle
 to `emit`; a finished request goes to `finish`, which returns the Completion.
 What a caller may see is bounded by `Request.emit_limit()` (verified tokens, or
-EAGER ones). The text comes from the request's IncrementalText, so the cost per
-step is the number of new tokens, not the length of the output.
+EAGER ones). The text is the handle's own IncrementalText (RequestHandle.text,
+which the stop checker shares), following the request's tokens and its log of
+cuts (Request.cuts), so the cost per step is the number of new tokens, not the
+length of the output.
 
 Invariants:
   - the Chunks of a request, minus what its Rollbacks withdraw, add up to the
@@ -21,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from gateeng.engine.detokenizer import IncrementalText
 from gateeng.outputs import Chunk, Completion, Rollback
 from gateeng.request import Request
 
@@ -28,8 +31,11 @@ from gateeng.request import Request
 @dataclass
 class RequestHandle:
     """A caller's end of one request: its events, in order, ending with the Completion.
-    Events go to `sink` when one is given (an event loop's queue), else to `events`."""
+    Events go to `sink` when one is given (an event loop's queue), else to `events`.
+    `text` is the output's text, decoded incrementally; the engine makes it at
+    registration."""
     request_id: str
+    text: IncrementalText
     sink: Optional[Callable] = None
     events: "queue.SimpleQueue" = field(default_factory=queue.SimpleQueue)
     sent_ids: list = field(default_factory=list)
@@ -71,7 +77,7 @@ class OutputProcessor:
 
     def finish(self, req: Request, h: RequestHandle) -> Completion:
         self._send(req, h, final=True)
-        text = req.text.final(len(req.output_ids))
+        text = h.text.final(len(req.output_ids))
         if req.stop_text_len is not None:
             text = text[:req.stop_text_len]
         return Completion(req.request_id, list(req.output_ids), text, req.finish_reason, req.num_prompt,
@@ -82,17 +88,17 @@ class OutputProcessor:
                           list(req.prompt_ids), req.finish_detail)
 
     def _send(self, req: Request, h: RequestHandle, final: bool) -> None:
-        text = req.text
+        text = h.text
         num_out = len(req.tokens) - req.num_prompt
         limit = num_out if final else min(req.emit_limit(), num_out)
-        text.sync(req.tokens, limit, offset=req.num_prompt)
+        text.sync(req.tokens, limit, offset=req.num_prompt, cuts=req.cuts)
         low = text.take_low_water()
         keep = limit if low is None else min(low, limit)   # sent tokens known to stand
         if keep < len(h.sent_ids):
             self._rollback(req, h, keep, limit)
         new = req.tokens[req.num_prompt + len(h.sent_ids):req.num_prompt + limit]
         if final:
-            shown = req.text.final(limit)
+            shown = text.final(limit)
             if req.stop_text_len is not None:
                 shown = shown[:req.stop_text_len]
             end = len(shown)
@@ -130,6 +136,6 @@ class OutputProcessor:
             return
         h.put(Rollback(common))
         del h.sent_ids[common:]
-        h.sent_text_len = min(h.sent_text_len, req.text.text_len(common))
+        h.sent_text_len = min(h.sent_text_len, h.text.text_len(common))
         req.stats.retractions += 1
         self.observer.on_retraction(req.mode)
