@@ -1,7 +1,7 @@
 """The one request-checking path both fronts use, once each has read its own wire
-format into plain Python values (edge.py for protobuf, http_api.py for JSON):
+format into plain Python values (edge.py for protobuf, http_edge.py for JSON):
 strict types, the prompt's size before anything is tokenized, the sampling
-fields and their bounds, and the determinism field.
+fields and their bounds, and the determinism field with the names of its modes.
 
 Strict means: a boolean is a JSON boolean, an integer is an integer (not 2.7,
 not `true`), a number is finite, a string holds no lone surrogate (JSON can
@@ -200,6 +200,13 @@ def sampling(fields: dict, max_model_len: int, prefix: str = "", temperature: fl
 
 
 # ---- determinism --------------------------------------------------------------------
+# The modes a request may ask for, by the name both fronts spell: HTTP's
+# `determinism.mode` values, and the proto's Determinism.Mode as MODE_<NAME>
+# (MODE_UNSPECIFIED is off). REFERENCE is never asked for: it is every request's
+# mode on an engine that runs only the invariant plan.
+MODES = {"off": Mode.OFF, "verified": Mode.VERIFIED}
+
+
 def determinism(mode: Mode, tau: Optional[float], window: Optional[int], stream_policy: StreamPolicy,
                 bounds: GateBounds) -> DeterminismParams:
     """A request's determinism, with its gate overrides checked against the server's

@@ -20,7 +20,7 @@ from gateeng.serving.checks import MAX_REQUEST_ID_BYTES, BadRequest
 from gateeng.v1 import engine_pb2 as pb
 
 __all__ = ["BadRequest", "parse", "check_generate", "prompt_from_proto", "sampling_from_proto",
-           "determinism_from_proto"]
+           "mode_from_proto", "determinism_from_proto"]
 
 
 def parse(cls, raw: bytes):
@@ -84,9 +84,17 @@ def sampling_from_proto(sp: pb.SamplingParams, max_model_len: int) -> SamplingPa
     return checks.sampling(fields, max_model_len, prefix="sampling.")
 
 
+def mode_from_proto(mode: int) -> Mode:
+    """Determinism.Mode by its name in checks.MODES (MODE_VERIFIED is "verified");
+    MODE_UNSPECIFIED is off."""
+    if mode == pb.Determinism.MODE_UNSPECIFIED:
+        return Mode.OFF
+    return checks.MODES[pb.Determinism.Mode.Name(mode).removeprefix("MODE_").lower()]
+
+
 def determinism_from_proto(d: pb.Determinism, bounds: GateBounds) -> DeterminismParams:
     return checks.determinism(
-        Mode.VERIFIED if d.mode == pb.Determinism.MODE_VERIFIED else Mode.OFF,
+        mode_from_proto(d.mode),
         d.margin_threshold if d.HasField("margin_threshold") else None,
         d.max_window if d.HasField("max_window") else None,
         StreamPolicy.EAGER if d.stream_policy == pb.Determinism.EAGER else StreamPolicy.VERIFIED_ONLY, bounds)

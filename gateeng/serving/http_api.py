@@ -4,8 +4,11 @@ Routes: POST /v1/completions, POST /v1/chat/completions (streaming over SSE),
 GET /v1/models, GET /v1/models/{id}, POST /tokenize, POST /detokenize (vLLM's
 shapes), GET /version, GET /health, GET /metrics (Prometheus); any other path is
 a 404 in OpenAI's error shape. It is the gRPC front's peer over the same serving
-gateway (gateway.py): the same bounds, determinism checks (checks.py) and
-refusals (refusals.py). Per-request determinism rides in an extension field:
+gateway (gateway.py): the same bounds, checks (checks.py) and refusals
+(refusals.py). http_edge.py reads a body into the values a request runs with, as
+edge.py reads a protobuf; this module routes, reads the body's bytes, starts the
+requests and shapes the answers. Per-request determinism rides in an extension
+field:
 
     {"determinism": {"mode": "verified", "margin_threshold": 0.3, "max_window": 32}}
 
@@ -53,13 +56,14 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from gateeng import __version__
-from gateeng.config import HTTP_BODY_SLACK_BYTES, HTTP_MAX_CHOICES, HTTP_MAX_N
+from gateeng.config import HTTP_BODY_SLACK_BYTES
 from gateeng.engine.client import Engine
 from gateeng.engine.errors import EngineDead
 from gateeng.logs import LOGGER
 from gateeng.outputs import Chunk, Completion
-from gateeng.request import DeterminismParams, FinishReason, Mode, SamplingParams, StreamPolicy, choice_seed
-from gateeng.serving import checks, refusals
+from gateeng.request import FinishReason, choice_seed
+from gateeng.serving import checks, http_edge, refusals
+from gateeng.serving.http_edge import Generation
 from gateeng.serving.refusals import Kind, Refusal
 from gateeng.serving.gateway import REQUEST_ID_HEADER, Gateway
 
@@ -69,17 +73,6 @@ FINISH = {FinishReason.STOP: "stop", FinishReason.EOS: "stop", FinishReason.LENG
 # A body past the limit is read and dropped up to this size, so that its client
 # gets the 413 rather than a reset connection; past it, the connection closes.
 DISCARD_BYTES = 16 * 1024 * 1024
-# Accepted, and ignored because they change nothing here.
-HARMLESS = {"user"}
-# OpenAI options we do not implement: accepted only at the value that means "off".
-OFF_VALUES = {"best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None,
-              "suffix": None, "tools": None, "tool_choice": None, "parallel_tool_calls": None}
-COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "stream_options",
-          "determinism", "ignore_eos", "n"}
-COMPLETION_FIELDS = COMMON | {"prompt", "logprobs", "echo"}
-CHAT_FIELDS = COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "response_format"}
-TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt"}
-DETOKENIZE_FIELDS = {"model", "tokens"}
 
 
 def error_body(r: Refusal) -> dict:
@@ -126,27 +119,8 @@ class OpenAIFront:
         return self.gateway.ready_engine()
 
     async def _body(self, request: HttpRequest, allowed: set) -> dict:
-        raw = await self._read_body(request)
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError, RecursionError) as e:
-            raise Refusal(Kind.INVALID, f"the body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise Refusal(Kind.INVALID, "the body must be a JSON object")
-        for key, value in body.items():
-            if key in allowed or key in HARMLESS:
-                continue
-            if key in OFF_VALUES:
-                off = value is None or value in ([], {}) or (not isinstance(value, bool) and value == OFF_VALUES[key])
-                if not off:
-                    raise Refusal(Kind.INVALID, f"`{key}` = {value!r} is not supported by this server", param=key)
-                continue
-            raise Refusal(Kind.INVALID, f"unknown field `{key}`; supported: {', '.join(sorted(allowed))}", param=key)
-        model = body.get("model")
-        if model not in (None, self.model_name):
-            raise Refusal(Kind.NOT_FOUND, f"model {model!r} is not served here; this server serves {self.model_name!r}",
-                          param="model", code="model_not_found")
-        return body
+        """The body, read within its bounds and parsed (http_edge.parse)."""
+        return http_edge.parse(await self._read_body(request), allowed, self.model_name)
 
     async def _read_body(self, request: HttpRequest) -> bytes:
         """The body's bytes, bounded before they are held. --max-prompt-bytes is already
@@ -183,35 +157,6 @@ class OpenAIFront:
             raise Refusal(Kind.TOO_LARGE, f"request body above {limit} bytes: its prompt is past "
                                           f"--max-prompt-bytes ({prompt_bytes}), far more than the context holds")
         return b"".join(chunks)
-
-    def _sampling(self, body: dict, max_tokens_default: int, logprobs=None, prompt_logprobs=None) -> SamplingParams:
-        """OpenAI's sampling fields, checked by checks.sampling as gRPC's are."""
-        fields = {key: body.get(key) for key in ("temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")}
-        fields.update(max_tokens=body.get("max_completion_tokens", body.get("max_tokens")), logprobs=logprobs,
-                      prompt_logprobs=prompt_logprobs)
-        return checks.sampling(fields, self.engine.max_model_len, temperature=1.0, max_tokens=max_tokens_default)
-
-    def _determinism(self, body: dict) -> DeterminismParams:
-        d = body.get("determinism")
-        if d is None:
-            d = {}
-        if not isinstance(d, dict):
-            raise Refusal(Kind.INVALID, f"`determinism` must be an object or null, got {type(d).__name__}",
-                          param="determinism")
-        unknown = set(d) - {"mode", "margin_threshold", "max_window", "stream_policy"}
-        if unknown:
-            raise Refusal(Kind.INVALID, f"unknown determinism fields {sorted(unknown)}", param="determinism")
-        modes = {"off": Mode.OFF, "verified": Mode.VERIFIED}
-        mode = d.get("mode", self.gateway.settings.http_default_mode)
-        if not isinstance(mode, str) or mode not in modes:
-            raise Refusal(Kind.INVALID, f"determinism.mode {mode!r} is not known; known: off, verified",
-                          param="determinism.mode")
-        if d.get("stream_policy", "verified_only") != "verified_only":
-            raise Refusal(Kind.INVALID, "determinism.stream_policy: only verified_only; an OpenAI stream has no way "
-                                        "to withdraw tokens (EAGER needs gRPC's rollback events)",
-                          param="determinism.stream_policy")
-        return checks.determinism(modes[mode], d.get("margin_threshold"), d.get("max_window"),
-                                  StreamPolicy.VERIFIED_ONLY, self.gateway.bounds)
 
     def _extension(self, c: Completion) -> dict:
         return {"system_fingerprint": c.reproducibility.fingerprint(),
@@ -297,105 +242,62 @@ class OpenAIFront:
     async def tokenize(self, request: HttpRequest, request_id: str):
         """vLLM's /tokenize: the ids the completions route (`prompt`) or the chat route
         (`messages`, rendered with the chat template) would decode from."""
-        body = await self._body(request, TOKENIZE_FIELDS)
-        if ("prompt" in body) == ("messages" in body):
-            raise Refusal(Kind.INVALID, "send `prompt` (text) or `messages`, one of them", param="prompt")
-        if "messages" in body:
-            if checks.boolean(body.get("add_generation_prompt"), "add_generation_prompt") is False:
-                raise Refusal(Kind.INVALID, "`add_generation_prompt` false is not supported: the chat route always "
-                                            "opens the assistant's turn", param="add_generation_prompt")
-            prompt, chat = checks.messages(body["messages"]), True
-        else:
-            prompt, chat = body["prompt"], False
-            if not isinstance(prompt, str):
-                raise Refusal(Kind.INVALID, "`prompt` must be a string", param="prompt")
-        # The completions route adds no special tokens to a text prompt; asking for
-        # them here would count ids that route never decodes from.
-        if checks.boolean(body.get("add_special_tokens"), "add_special_tokens"):
-            raise Refusal(Kind.INVALID, "`add_special_tokens` true is not supported: /v1/completions adds none to "
-                                        "a text prompt", param="add_special_tokens")
+        prompt, chat = http_edge.tokenize_input(await self._body(request, http_edge.TOKENIZE_FIELDS))
         ids = await self.gateway.encode(prompt, chat)
         return JSONResponse({"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids,
                              "token_strs": None})
 
     async def detokenize(self, request: HttpRequest, request_id: str):
         """vLLM's /detokenize: the text of a list of token ids."""
-        body = await self._body(request, DETOKENIZE_FIELDS)
-        ids = checks.token_ids(body.get("tokens"), "tokens")
-        vocab = self.engine.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise Refusal(Kind.INVALID, f"token ids {bad[:8]} are outside the vocabulary [0, {vocab})",
-                          param="tokens")
+        body = await self._body(request, http_edge.DETOKENIZE_FIELDS)
+        ids = http_edge.detokenize_ids(body, self.engine.model_config.vocab_size)
         return JSONResponse({"prompt": self.engine.tokenizer.decode(ids)})
 
     async def completions(self, request: HttpRequest, request_id: str):
-        body = await self._body(request, COMPLETION_FIELDS)
-        prompts = _prompts(body.get("prompt"))
-        k = checks.integer(body.get("logprobs"), "logprobs")
-        echo = checks.boolean(body.get("echo"), "echo") or False
-        stream, usage = _stream(body)
-        if echo and stream:
-            raise Refusal(Kind.INVALID, "`echo` is not served on a stream (the prompt's logprobs come with the "
-                                        "whole answer); ask without `stream`", param="echo")
-        params = self._sampling(body, 16, logprobs=k, prompt_logprobs=k if echo and k is not None else None)
-        det = self._determinism(body)
-        n = _n(body, len(prompts))
-        runs = await self._start(prompts, n, params, det, request_id)
-        return await self._respond(request, request_id, runs, n, stream, usage, self._completion_chunks(),
-                                   lambda finals: self._completion_json(request_id, finals, n, echo, k))
+        body = await self._body(request, http_edge.COMPLETION_FIELDS)
+        g = http_edge.completion(body, self.engine.max_model_len, self.gateway.settings.http_default_mode,
+                                 self.gateway.bounds)
+        runs = await self._start(g, request_id)
+        return await self._respond(request, request_id, runs, g, self._completion_chunks(),
+                                   lambda finals: self._completion_json(request_id, finals, g.n, g.echo, g.logprobs))
 
     async def chat_completions(self, request: HttpRequest, request_id: str):
-        body = await self._body(request, CHAT_FIELDS)
-        messages = checks.messages(body.get("messages"))
-        fmt = body.get("response_format")
-        if fmt is not None and fmt != {"type": "text"}:
-            kind = fmt.get("type") if isinstance(fmt, dict) else fmt
-            raise Refusal(Kind.INVALID, f"response_format {kind!r} is not supported; only {{\"type\": \"text\"}}",
-                          param="response_format")
-        k = None
-        if checks.boolean(body.get("logprobs"), "logprobs"):
-            k = checks.integer(body.get("top_logprobs"), "top_logprobs") or 0
-        elif body.get("top_logprobs") is not None:
-            raise Refusal(Kind.INVALID, "`top_logprobs` needs `logprobs: true`", param="top_logprobs")
-        stream, usage = _stream(body)
-        params = self._sampling(body, max(1, self.engine.max_model_len // 2), logprobs=k)
-        det = self._determinism(body)
-        n = _n(body, 1)
-        runs = await self._start([messages], n, params, det, request_id)
-        return await self._respond(request, request_id, runs, n, stream, usage, self._chat_chunk,
-                                   lambda finals: self._chat_json(request_id, finals, n, k))
+        body = await self._body(request, http_edge.CHAT_FIELDS)
+        g = http_edge.chat(body, self.engine.max_model_len, self.gateway.settings.http_default_mode,
+                           self.gateway.bounds)
+        runs = await self._start(g, request_id)
+        return await self._respond(request, request_id, runs, g, self._chat_chunk,
+                                   lambda finals: self._chat_json(request_id, finals, g.n, g.logprobs))
 
-    async def _start(self, prompts: list, n: int, params: SamplingParams, det: DeterminismParams,
-                     request_id: str) -> list:
+    async def _start(self, g: Generation, request_id: str) -> list:
         """Submit every choice: prompt p's choice i is index p * n + i (as OpenAI
         numbers them), with the seed choice_seed(seed, i). All or none: a refusal
         part-way aborts the choices already queued."""
-        total = len(prompts) * n
+        total, params = len(g.prompts) * g.n, g.sampling
         capacity = self.engine.config.max_queue + self.engine.config.max_num_seqs
         if total > capacity:
             raise Refusal(Kind.INVALID, f"this request asks for {total} choices; this server holds at most "
                                         f"{capacity} requests at once: send fewer", param="n")
         runs = []
         try:
-            for prompt in prompts:
-                for i in range(n):
+            for prompt in g.prompts:
+                for i in range(g.n):
                     choice = params if params.seed is None else dataclasses.replace(
                         params, seed=choice_seed(params.seed, i))
                     rid = request_id if total == 1 else f"{request_id}-{len(runs)}"
-                    runs.append(await self.gateway.start(prompt, choice, det, rid))
+                    runs.append(await self.gateway.start(prompt, choice, g.determinism, rid))
         except BaseException:
             for events in runs:
                 await events.aclose()          # aborts the request
             raise
         return runs
 
-    async def _respond(self, request: HttpRequest, request_id: str, runs: list, n: int, stream: bool, usage: bool,
-                       chunk_shape, whole_shape) -> Response:
+    async def _respond(self, request: HttpRequest, request_id: str, runs: list, g: Generation, chunk_shape,
+                       whole_shape) -> Response:
         """An SSE stream of chunk_shape events, or the one JSON answer whole_shape
         makes of the choices' Completions."""
-        if stream:
-            return self._sse(runs, request_id, n, usage, chunk_shape)
+        if g.stream:
+            return self._sse(runs, request_id, g.n, g.include_usage, chunk_shape)
         finals = await self._finals(request, runs)
         if finals is None:
             return Response(status_code=400)   # the client is gone: nobody reads this
@@ -635,50 +537,6 @@ def _usage(finals: list, n: int) -> dict:
     completion = sum(c.completion_tokens for c in finals)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
-
-
-def _prompts(value) -> list:
-    """The prompts of a completions request: a string, a list of token ids, or a
-    list of either (one choice each, as OpenAI serves a batch)."""
-    if isinstance(value, str) or (isinstance(value, list) and value and not isinstance(value[0], (str, list))):
-        value = [value]
-    if not isinstance(value, list) or not value:
-        raise Refusal(Kind.INVALID, "prompt must be a string, a list of token ids, or a non-empty list of either",
-                      param="prompt")
-    prompts = []
-    for i, p in enumerate(value):
-        if isinstance(p, list):
-            prompts.append(checks.token_ids(p, f"prompt[{i}]" if len(value) > 1 else "prompt"))
-        elif isinstance(p, str):   # text is checked with its size, in Gateway.start
-            prompts.append(p)
-        else:
-            raise Refusal(Kind.INVALID, f"prompt[{i}] must be a string or a list of token ids", param="prompt")
-    return prompts
-
-
-def _n(body: dict, prompts: int) -> int:
-    """OpenAI's `n`: choices per prompt, 1 to HTTP_MAX_N, and HTTP_MAX_CHOICES in all."""
-    n = checks.integer(body.get("n"), "n")
-    n = 1 if n is None else n
-    if not 1 <= n <= HTTP_MAX_N:
-        raise Refusal(Kind.INVALID, f"`n` must be in [1, {HTTP_MAX_N}], got {n}", param="n")
-    if prompts * n > HTTP_MAX_CHOICES:
-        raise Refusal(Kind.INVALID, f"{prompts} prompts x n={n} is {prompts * n} choices; at most "
-                                    f"{HTTP_MAX_CHOICES} per request: split it", param="n")
-    return n
-
-
-def _stream(body: dict) -> tuple:
-    """(stream, include_usage). stream_options needs a stream (as OpenAI)."""
-    stream = checks.boolean(body.get("stream"), "stream") or False
-    options = body.get("stream_options")
-    if options is None:
-        return stream, False
-    if not stream:
-        raise Refusal(Kind.INVALID, "`stream_options` is only allowed with `stream: true`", param="stream_options")
-    if not isinstance(options, dict) or set(options) - {"include_usage"}:
-        raise Refusal(Kind.INVALID, "`stream_options` supports only `include_usage`", param="stream_options")
-    return True, bool(checks.boolean(options.get("include_usage"), "stream_options.include_usage"))
 
 
 def json_logprob(v: float):
