@@ -14,7 +14,10 @@ from typing import NamedTuple, Optional
 
 from gateeng.config import ModelConfig
 
-DOT_BLOCKS = 16   # the reference dot's blocks of K (SPEC.md, "dot"): the most ranks that can split it
+# The reference dot's blocks of K (SPEC.md, "dot"): the most ranks that can split it.
+# kernels/ref_ops.cpp and kernels/triton_reference.py name it too; tests/test_one_owner.py
+# holds the three and SPEC.md equal.
+DOT_BLOCKS = 16
 
 
 class KSlice(NamedTuple):

@@ -1,0 +1,108 @@
+"""Every name and number the code shares has one owner, and every other place reads it
+from there:
+- the kernel names in kernel_plan (gateeng/plans/kernel_names.py);
+- the routes of a VERIFIED decode and their policies (gateeng/config.py);
+- the dot's block count: plans/tensor_parallel.py, kernels/ref_ops.cpp and
+  kernels/triton_reference.py each name it, in their own language, and it is the
+  number kernels/SPEC.md states.
+A string literal equal to an owned name anywhere else in the package is a second
+owner, free to drift from the first; so is a second value of the block count."""
+import ast
+import re
+from pathlib import Path
+
+from gateeng import config
+from gateeng.plans import kernel_names, tensor_parallel
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "gateeng"
+
+# owner module (relative to the repository) -> the names only it may spell out
+OWNED = {
+    "gateeng/plans/kernel_names.py": {*kernel_names.ROWWISE_MATMULS, kernel_names.ONEDNN_PACKED,
+                                      kernel_names.TORCH_MM, kernel_names.REFERENCE},
+    "gateeng/config.py": set(config.ROUTE_POLICIES),
+}
+
+
+def second_owners(package: Path = PACKAGE) -> list:
+    """'path:line: name (owned by owner)' for each string literal in the package equal
+    to a name another module owns."""
+    owner_of = {name: owner for owner, names in OWNED.items() for name in names}
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(package.parent).as_posix()
+        for node in ast.walk(ast.parse(path.read_text(), rel)):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                owner = owner_of.get(node.value)
+                if owner is not None and owner != rel:
+                    found.append(f"{rel}:{node.lineno}: {node.value!r} (owned by {owner})")
+    return found
+
+
+def cpp_dot_blocks(source: str) -> int:
+    found = re.findall(r"^constexpr\s+int64_t\s+DOT_BLOCKS\s*=\s*(\d+)\s*;", source, re.M)
+    assert len(found) == 1, f"ref_ops.cpp names DOT_BLOCKS {len(found)} times"
+    return int(found[0])
+
+
+def triton_dot_blocks(source: str) -> int:
+    """DOT_BLOCKS = tl.constexpr(N) at the module's top level, read without importing
+    triton."""
+    values = [node.value for node in ast.parse(source).body
+              if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["DOT_BLOCKS"]]
+    assert len(values) == 1, f"triton_reference.py names DOT_BLOCKS {len(values)} times"
+    call = values[0]
+    assert isinstance(call, ast.Call) and len(call.args) == 1 and isinstance(call.args[0], ast.Constant)
+    return call.args[0].value
+
+
+def spec_dot_blocks(spec: str) -> set:
+    """The block counts SPEC.md's "dot" section states: in per = ceil(P/N) and in the
+    block indices l = 0..N-1."""
+    section = spec.split("## dot(", 1)[1].split("\n## ", 1)[0]
+    per = {int(n) for n in re.findall(r"per = ceil\(P/(\d+)\)", section)}
+    last = {int(n) + 1 for n in re.findall(r"l = 0\.\.(\d+)", section)}
+    assert per and last, "SPEC.md's dot section no longer states its block count in the form this test reads"
+    return per | last
+
+
+def dot_blocks(root: Path = ROOT) -> dict:
+    """The dot's block count as each owner writes it."""
+    return {"plans/tensor_parallel.py": tensor_parallel.DOT_BLOCKS,
+            "kernels/ref_ops.cpp": cpp_dot_blocks((root / "gateeng/kernels/ref_ops.cpp").read_text()),
+            "kernels/triton_reference.py": triton_dot_blocks((root / "gateeng/kernels/triton_reference.py").read_text()),
+            **{f"kernels/SPEC.md ({n})": n for n in spec_dot_blocks((root / "kernels/SPEC.md").read_text())}}
+
+
+def test_owned_names_are_spelled_out_only_by_their_owner():
+    found = second_owners()
+    assert not found, "import these from their owner:\n" + "\n".join(found)
+
+
+def test_every_owner_spells_its_names():
+    for owner, names in OWNED.items():
+        source = (ROOT / owner).read_text()
+        for name in names:
+            assert repr(name) in source or f'"{name}"' in source, (owner, name)
+
+
+def test_the_dot_has_one_block_count():
+    counts = dot_blocks()
+    assert set(counts.values()) == {16}, counts
+
+
+def test_a_second_owner_is_caught(tmp_path):
+    pkg = tmp_path / "gateeng"
+    (pkg / "engine").mkdir(parents=True)
+    (pkg / "engine" / "x.py").write_text(f'ROUTE = {config.DIRECT!r}\nK = "{kernel_names.TORCH_MM}"\n'
+                                         f'ok = "{config.DIRECT} route"\n')
+    (pkg / "config.py").write_text(f'DIRECT = {config.DIRECT!r}\n')
+    assert [f.split(" (")[0] for f in second_owners(pkg)] == [
+        f"gateeng/engine/x.py:1: {config.DIRECT!r}", f"gateeng/engine/x.py:2: {kernel_names.TORCH_MM!r}"]
+
+
+def test_a_second_block_count_is_caught():
+    assert cpp_dot_blocks("x\nconstexpr int64_t DOT_BLOCKS = 8;\n") == 8
+    assert triton_dot_blocks("import triton.language as tl\nDOT_BLOCKS = tl.constexpr(8)\n") == 8
+    assert spec_dot_blocks("## dot(a, b)\n- Blocks: `per = ceil(P/8)`; block l (l = 0..15) is\n## sum\n") == {8, 16}
