@@ -98,6 +98,9 @@ def _sliding_window(hf) -> Optional[int]:
 # Positions of KV cache per running request that the default cache size provides
 # (EngineConfig.num_kv_blocks = 0): at the default max_num_seqs, 16384 positions.
 KV_POSITIONS_PER_SEQ = 256
+# Positions per KV cache block, EngineConfig.block_size by default; a plan built on its own
+# (tests, tools) takes it too.
+BLOCK_SIZE = 16
 
 
 @dataclass
@@ -106,7 +109,7 @@ class EngineConfig:
     dtype: str = "bfloat16"              # bfloat16 | float32
     device: str = "cpu"                  # cpu | cuda
     plan: str = FAST                     # fast | invariant (server-wide batch-invariant mode)
-    block_size: int = 16
+    block_size: int = BLOCK_SIZE
     # KV cache blocks; 0: sized for max_num_seqs requests of KV_POSITIONS_PER_SEQ positions
     # each, and for one request of max_model_len when that is more (kv_blocks). The
     # memory a block takes is the model's: layers x KV heads x head dim x block_size.

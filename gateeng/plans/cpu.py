@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from gateeng.config import KERNEL_PREFILL_WORK
+from gateeng.config import BLOCK_SIZE, KERNEL_PREFILL_WORK
 from gateeng.plans.kernel_names import ONEDNN_PACKED, ROWWISE_MATMULS, TORCH_MM
 from gateeng.kernels import reference as ref
 from gateeng.plans.head import mixed_lm_head
@@ -313,7 +313,7 @@ class InvariantPlan(CpuKernelOps):
     sparse_greedy = True   # choose() gives the same tokens and margins as the dense path
 
     def __init__(self, rows: int = 8, split: int = 64, packed: dict | None = None, kernels=None,
-                 block_size: int = 16, matmul: Optional[str] = None):
+                 block_size: int = BLOCK_SIZE, matmul: Optional[str] = None):
         self.rows = rows
         self.split = split
         self.packed = packed if packed is not None else {}   # LlamaModel.invariant_packed

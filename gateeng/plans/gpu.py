@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from gateeng.config import BLOCK_SIZE
 from gateeng.kernels import reference as ref
 from gateeng.plans.cpu import FastPlan, InvariantAttnMeta, InvariantPlan
 from gateeng.plans.reference import ReferenceBase
@@ -68,7 +69,7 @@ class TritonInvariantPlan(InvariantPlan):
 class TritonReferencePlan(ReferenceBase):
     """Every op of the reference in Triton; rows run unpadded, one forward per step."""
 
-    def __init__(self, block_size: int = 16):
+    def __init__(self, block_size: int = BLOCK_SIZE):
         from gateeng.kernels import triton_reference
         super().__init__(triton_reference, block_size)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from gateeng.config import BLOCK_SIZE
 from gateeng.plans import cpu_linear
 from gateeng.plans.cpu import InvariantAttnMeta, InvariantPlan
 from gateeng.plans.kernel_names import REFERENCE
@@ -31,7 +32,7 @@ class ReferenceBase(InvariantPlan):
     add with its norm, RoPE with the KV store, and the logits."""
     sparse_greedy = False   # logits are dense binary32 sums: argmax them directly
 
-    def __init__(self, ops, block_size: int = 16):
+    def __init__(self, ops, block_size: int = BLOCK_SIZE):
         super().__init__(rows=0, split=64, block_size=block_size)
         self.ops = ops
         self.grouped = False   # every op is row-invariant at any row count: no padding rows
@@ -78,7 +79,7 @@ class ReferencePlan(ReferenceBase):
     packed copy of its weights (LlamaModel.pack_shared: every build's layout is the
     same), packed here where the model has none."""
 
-    def __init__(self, model, ops, block_size: int = 16):
+    def __init__(self, model, ops, block_size: int = BLOCK_SIZE):
         super().__init__(ops, block_size)
         self._packed = {id(w): model.shared.get(id(w)) or cpu_linear.shared_pack(w, ops)
                         for w in model.projections() + [model.lm_head]}

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
+from gateeng.config import BLOCK_SIZE
 from gateeng.engine import gate
 from gateeng.kernels import reference as ref
 from gateeng.plans.rows import Rows
@@ -186,7 +187,7 @@ def _teacher_forced(model, kv, fast, invariant, prompts: list, refs: list, block
 
 
 def calibrate(loaded, prompts: list, n_tokens: int = 64, batch_sizes=(1, 8, 32), dtype: str = "bfloat16",
-              target_miss: float = 1e-3, confidence: float = 0.95, block_size: int = 16,
+              target_miss: float = 1e-3, confidence: float = 0.95, block_size: int = BLOCK_SIZE,
               show_progress: bool = True, fast=None, tensor_parallel_size: int = 1) -> Report:
     """Measure flips of the fast plan against the reference; `prompts` are token-id lists.
     `fast` replaces the fast plan (tests use a noisy one to make flips). Both plans

@@ -22,15 +22,16 @@ from typing import Optional, Sequence
 
 import torch
 
+# The KV cache's block size of a policy forward: the engine's default. The reference's
+# bits do not depend on it (attention runs in chunks of 16 absolute positions whatever
+# the cache's blocks).
+from gateeng.config import BLOCK_SIZE
 from gateeng.model import loader
 from gateeng.model.rope import tables
 from gateeng.plans import reference_ops
 from gateeng.train.kernels import CpuReference, TritonReference
 from gateeng.train.plan import TrainingPlan, TrainKV, spans_meta, token_logprobs
 
-# The KV cache's block size of a policy forward. The reference's bits do not depend on
-# it (attention runs in chunks of 16 absolute positions whatever the cache's blocks).
-BLOCK_SIZE = 16
 # Tokenizer and config files copied beside saved weights, so a saved policy serves as is.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
