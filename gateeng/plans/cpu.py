@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from gateeng.config import BLOCK_SIZE, KERNEL_PREFILL_WORK
+from gateeng.config import BLOCK_SIZE, FAST, INVARIANT, KERNEL_PREFILL_WORK
 from gateeng.plans.kernel_names import ONEDNN_PACKED, ROWWISE_MATMULS, TORCH_MM
 from gateeng.kernels import reference as ref
 from gateeng.plans.head import mixed_lm_head
@@ -104,7 +104,7 @@ class FastAttnMeta:
 
 
 class FastPlan(CpuKernelOps):
-    name = "fast"
+    name = FAST
 
     def __init__(self, logit_noise: float = 0.0, packed: dict | None = None, kernels=None, dense_head=None):
         self.logit_noise = logit_noise   # test-only perturbation (provokes rollbacks)
@@ -308,7 +308,7 @@ class InvariantPlan(CpuKernelOps):
     top-2, whatever the candidate search's kernel); sampled rows the float32
     lm_head in groups of `rows`. The start-up self-check proves each piece on the
     machine."""
-    name = "invariant"
+    name = INVARIANT
     version = 4   # bumped whenever the canonical bits' description changes
     sparse_greedy = True   # choose() gives the same tokens and margins as the dense path
 

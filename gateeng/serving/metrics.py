@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
-from gateeng.config import DIRECT, SPECULATIVE
+from gateeng.config import DIRECT, FAST, INVARIANT, SPECULATIVE
 from gateeng.engine.client import Engine
 from gateeng.engine.core import Observer
 from gateeng.engine.gate import REASONS
@@ -44,7 +44,7 @@ MARGINS = (0.0, 0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5
 DETERMINISM = tuple(m.value for m in Mode)
 # The (determinism, route) pairs a decode step can have: VERIFIED by route, the
 # others by the plan they ran on (an OFF request may fill a spare invariant row).
-DECODE_ROUTES = ((Mode.OFF.value, "fast"), (Mode.OFF.value, "invariant"), (Mode.REFERENCE.value, "invariant"),
+DECODE_ROUTES = ((Mode.OFF.value, FAST), (Mode.OFF.value, INVARIANT), (Mode.REFERENCE.value, INVARIANT),
                  (Mode.VERIFIED.value, SPECULATIVE), (Mode.VERIFIED.value, DIRECT))
 # DeterminismStats field -> (counter attribute, label values)
 COUNTED = {
@@ -200,7 +200,7 @@ class Metrics(Observer):
             if not seq.decode:
                 continue
             if seq.mode is Mode.VERIFIED:
-                if seq.kind == "fast" and seq.margin is not None:
+                if seq.kind == FAST and seq.margin is not None:
                     self._of(self.margin).observe(_clamp(seq.margin))
             else:   # VERIFIED decode steps come from the step's counts below, like the reports
                 self._of(self.decode_steps, seq.mode.value, seq.kind).inc()
@@ -212,7 +212,7 @@ class Metrics(Observer):
         for _, margin in record.mismatches:
             self._of(self.mismatch_margin).observe(_clamp(margin))
         if any(seq.replay for seq in record.seqs):
-            self._of(self.pass_seconds).observe(record.plan_seconds.get("invariant", 0.0))
+            self._of(self.pass_seconds).observe(record.plan_seconds.get(INVARIANT, 0.0))
         for lookup in record.lookups:
             self._of(self.prefix_queries, lookup.mode.value).inc(lookup.queried)
             self._of(self.prefix_hits, lookup.mode.value).inc(lookup.hit)

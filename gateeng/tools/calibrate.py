@@ -139,10 +139,10 @@ def _reference(loaded, prompts: list, n_tokens: int, dtype: str, progress, tenso
     plan, the fast plan as it serves it (packed weights, C++ kernels), its model
     (a shard at tensor-parallel sizes > 1) and its KV cache of at least `kv_blocks`
     blocks, free again once the reference decode is done)."""
-    from gateeng.config import EngineConfig, kv_blocks as default_blocks
+    from gateeng.config import INVARIANT, EngineConfig, kv_blocks as default_blocks
     from gateeng.engine.core import EngineCore
     from gateeng.request import SamplingParams
-    cfg = EngineConfig(plan="invariant", dtype=dtype, tensor_parallel_size=tensor_parallel_size)
+    cfg = EngineConfig(plan=INVARIANT, dtype=dtype, tensor_parallel_size=tensor_parallel_size)
     cfg.num_kv_blocks = max(kv_blocks, default_blocks(cfg))
     engine = EngineCore(cfg, loaded=loaded)
     params = SamplingParams(max_tokens=n_tokens, ignore_eos=True)
