@@ -21,7 +21,7 @@ PACKAGE = ROOT / "gateeng"
 OWNED = {
     "gateeng/plans/kernel_names.py": {*kernel_names.ROWWISE_MATMULS, kernel_names.ONEDNN_PACKED,
                                       kernel_names.TORCH_MM, kernel_names.REFERENCE},
-    "gateeng/config.py": set(config.ROUTE_POLICIES),
+    "gateeng/config.py": {*config.ROUTE_POLICIES, *config.PLANS},
 }
 
 

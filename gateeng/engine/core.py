@@ -23,7 +23,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from gateeng import __version__, reproducibility
-from gateeng.config import ADAPTIVE, EngineConfig, kv_blocks, validate_threshold, validate_window
+from gateeng.config import ADAPTIVE, FAST, INVARIANT, EngineConfig, kv_blocks, validate_threshold, validate_window
 from gateeng.engine import pricing, tensor_parallel, weights
 from gateeng.engine.block_manager import BlockManager
 from gateeng.engine.detokenizer import IncrementalText
@@ -117,7 +117,7 @@ class EngineCore:
         self.selfcheck = run_selfcheck(self.invariant_plan, shape.hidden_size, shape.num_heads, shape.num_kv_heads,
                                        shape.head_dim, DTYPES[cfg.dtype], cfg.block_size, device=cfg.device,
                                        weights=self.invariant_plan.selfcheck_weights(self.model))
-        if cfg.plan == "fast" and cfg.verified_route == ADAPTIVE and self.selfcheck.passed:
+        if cfg.plan == FAST and cfg.verified_route == ADAPTIVE and self.selfcheck.passed:
             self._price_plans(cfg, plans.builds)
         self.margin_threshold = cfg.margin_threshold
         self.max_window = cfg.max_window
@@ -199,7 +199,7 @@ class EngineCore:
                              f"shorten the prompt")
         # resolve_max_model_len keeps the context within the KV cache, so every admitted
         # request fits it (Scheduler.fits) and is never dropped for lack of blocks.
-        mode = Mode.REFERENCE if self.config.plan == "invariant" else det.mode
+        mode = Mode.REFERENCE if self.config.plan == INVARIANT else det.mode
         if mode is Mode.VERIFIED and self.verified_unavailable:
             raise DeterminismUnavailable("VERIFIED is unavailable on this machine: " + self.verified_unavailable)
         if mode is Mode.VERIFIED and not self.selfcheck.passed:
