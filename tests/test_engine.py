@@ -265,3 +265,28 @@ def test_a_sliding_window_caps_the_context_so_full_attention_stays_exact():
     assert resolve_max_model_len(EngineConfig(num_kv_blocks=1024, block_size=4), mc) == 64
     with pytest.raises(ValueError, match="sliding window"):
         resolve_max_model_len(EngineConfig(max_model_len=65, num_kv_blocks=1024, block_size=4), mc)
+
+
+def test_teacher_forced_runs_a_plan_along_given_tokens_on_borrowed_kv_blocks():
+    """The invariant plan fed the reference's own tokens predicts each next one, every
+    sequence in one pass per step, and the KV blocks it borrowed are all free again."""
+    from gateeng.engine.core import EngineCore
+    from gateeng.step import Kind
+
+    core = EngineCore(EngineConfig(dtype="float32", num_kv_blocks=24, max_model_len=96, block_size=4,
+                                   attention_split=8, invariant_rows=8, plan="invariant",
+                                   max_num_batched_tokens=64), loaded=tiny_loaded("float32"))
+    prompts = [[11, 12, 13, 14, 15], [1, 2], [3, 4, 5]]
+    params = SamplingParams(max_tokens=9, ignore_eos=True)
+    handles = [core.add_request(core.new_request(p, params)) for p in prompts]
+    while core.has_work():
+        core.step()
+    refs = [h.result().token_ids for h in handles]
+    free = core.blocks.num_free
+    steps = core.teacher_forced(prompts, [r[:-1] for r in refs], Kind.INVARIANT)
+    assert len(steps) == 8 and all(len(tokens) == len(margins) == 3 for tokens, margins in steps)
+    assert [[tokens[i] for tokens, _ in steps] for i in range(3)] == [r[1:] for r in refs]
+    assert core.blocks.num_free == free
+    core.blocks.check_integrity()
+    with pytest.raises(ValueError, match="one forced token list per prompt"):
+        core.teacher_forced(prompts, [refs[0][:2], refs[1][:3], refs[2][:2]])

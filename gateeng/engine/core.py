@@ -42,7 +42,7 @@ from gateeng.plans import factory, host_load
 from gateeng.plans.runner import ModelRunner
 from gateeng.plans.selfcheck import run_selfcheck
 from gateeng.request import DeterminismParams, DeterminismStats, Mode, Request, SamplingParams
-from gateeng.step import Kind, StepPlan
+from gateeng.step import Kind, ScheduledSeq, StepPlan
 
 
 def resolve_max_model_len(cfg: EngineConfig, mc) -> int:
@@ -393,6 +393,40 @@ class EngineCore:
         """Run another fast plan from the next step on (benches and tests that
         measure one; the invariant plan, and so the reference, stay)."""
         self.runner.plans[Kind.FAST] = plan
+
+    def teacher_forced(self, prompts: Sequence[Sequence[int]], forced: Sequence[Sequence[int]],
+                       kind: Kind = Kind.FAST) -> list:
+        """Greedy choices of plan `kind` along given tokens, as the runner runs a step:
+        each prompt is prefilled on the invariant plan (as a VERIFIED request's is),
+        then forced[i] is fed to sequence i one decode step at a time, every sequence
+        in the same pass. Returns per step (tokens, margins), one entry per sequence:
+        step t's predict the token after forced[i][t]. The forced lists have one
+        length. The sequences are throwaway: their KV blocks come from the free list
+        and go back unregistered, so the KV accounting is as before (a cached prefix
+        whose blocks they took is dropped from the prefix cache). Call it between
+        steps, on the driving thread."""
+        if len(prompts) != len(forced) or len({len(f) for f in forced}) > 1:
+            raise ValueError("teacher_forced takes one forced token list per prompt, all of one length")
+        reqs, borrowed, steps = [], [], []
+        try:
+            for i, (prompt, tokens) in enumerate(zip(prompts, forced)):
+                req = Request(f"forced-{i}", [int(t) for t in prompt], SamplingParams(), DeterminismParams())
+                for _ in range(self.blocks.blocks_needed(len(prompt) + len(tokens))):
+                    borrowed.append(self.blocks.allocate())
+                    req.block_table.append(borrowed[-1])
+                reqs.append(req)
+            self.runner.run(StepPlan([ScheduledSeq.plan(r, 0, len(r.tokens), Kind.INVARIANT) for r in reqs]))
+            for t in range(len(forced[0]) if forced else 0):
+                for req, tokens in zip(reqs, forced):
+                    req.tokens.append(int(tokens[t]))
+                out = self.runner.run(StepPlan([ScheduledSeq.plan(r, len(r.tokens) - 1, len(r.tokens), kind)
+                                                for r in reqs]))
+                steps.append(([out[r.request_id].tokens[0] for r in reqs],
+                              [out[r.request_id].margins[0] for r in reqs]))
+            return steps
+        finally:
+            for block in borrowed:
+                self.blocks.release(block)
 
     # ---- step parts ------------------------------------------------------------------
     def _measure(self, plan: StepPlan, counted: DeterminismStats) -> None:

@@ -1,5 +1,5 @@
-"""The rows of one forward pass and their paged-KV metadata. The runner and
-calibrate build them; both plans read them."""
+"""The rows of one forward pass and their paged-KV metadata. The runner builds
+them; both plans read them."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -26,8 +26,6 @@ from typing import Optional, Sequence
 
 from gateeng.config import BLOCK_SIZE
 from gateeng.engine import gate
-from gateeng.kernels import reference as ref
-from gateeng.plans.rows import Rows
 
 TAUS = (0.0, 0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0)
 BUILTIN_PROMPTS = [
@@ -134,15 +132,15 @@ def recommend(rows: list, target_miss: float) -> Optional[float]:
 
 # ---- measurement ---------------------------------------------------------------
 def _reference(loaded, prompts: list, n_tokens: int, dtype: str, progress, tensor_parallel_size: int,
-               kv_blocks: int):
+               kv_blocks: int, block_size: int):
     """(reference token ids per prompt, and the engine that made them: its invariant
     plan, the fast plan as it serves it (packed weights, C++ kernels), its model
     (a shard at tensor-parallel sizes > 1) and its KV cache of at least `kv_blocks`
-    blocks, free again once the reference decode is done)."""
+    blocks of `block_size` positions, free again once the reference decode is done)."""
     from gateeng.config import INVARIANT, EngineConfig, kv_blocks as default_blocks
     from gateeng.engine.core import EngineCore
     from gateeng.request import SamplingParams
-    cfg = EngineConfig(plan=INVARIANT, dtype=dtype, tensor_parallel_size=tensor_parallel_size)
+    cfg = EngineConfig(plan=INVARIANT, dtype=dtype, tensor_parallel_size=tensor_parallel_size, block_size=block_size)
     cfg.num_kv_blocks = max(kv_blocks, default_blocks(cfg))
     engine = EngineCore(cfg, loaded=loaded)
     params = SamplingParams(max_tokens=n_tokens, ignore_eos=True)
@@ -154,35 +152,12 @@ def _reference(loaded, prompts: list, n_tokens: int, dtype: str, progress, tenso
     return [h.result().token_ids for h in handles], engine
 
 
-def _tables(lengths: list, block_size: int) -> list:
-    tables, nxt = [], 0
-    for n in lengths:
-        need = -(-n // block_size)
-        tables.append(list(range(nxt, nxt + need)))
-        nxt += need
-    return tables
-
-
-def _rows(seqs: list, tables: list, block_size: int) -> Rows:
-    """seqs: (token ids, first position) per sequence, as one contiguous chunk each."""
-    rows = Rows([], [], [], [], [])
-    for (ids, first), table in zip(seqs, tables):
-        rows.add_chunk(ids, first, table, block_size)
-        rows.sample_rows.append(len(rows) - 1)
-        rows.greedy.append(True)   # calibration is greedy: the fast plan's greedy lm_head, as served
-    return rows
-
-
-def _teacher_forced(model, kv, fast, invariant, prompts: list, refs: list, block_size: int):
+def _teacher_forced(engine, prompts: list, refs: list):
     """(margin, flipped) for every fast decode step of one batch of prompts."""
     n = min(len(r) for r in refs)
-    tables = _tables([len(p) + n for p in prompts], block_size)
-    invariant.logits(model, kv, _rows([(p, 0) for p in prompts], tables, block_size))
     out = []
-    for t in range(1, n):
-        rows = _rows([([r[t - 1]], len(p) + t - 1) for p, r in zip(prompts, refs)], tables, block_size)
-        tok, mar = ref.argmax_margin(fast.logits(model, kv, rows))
-        out.extend((float(m), int(k) != r[t]) for k, m, r in zip(tok.tolist(), mar.tolist(), refs))
+    for t, (tokens, margins) in enumerate(engine.teacher_forced(prompts, [r[:n - 1] for r in refs]), start=1):
+        out.extend((float(m), int(k) != r[t]) for k, m, r in zip(tokens, margins, refs))
     return out
 
 
@@ -191,7 +166,8 @@ def calibrate(loaded, prompts: list, n_tokens: int = 64, batch_sizes=(1, 8, 32),
               show_progress: bool = True, fast=None, tensor_parallel_size: int = 1) -> Report:
     """Measure flips of the fast plan against the reference; `prompts` are token-id lists.
     `fast` replaces the fast plan (tests use a noisy one to make flips). Both plans
-    run as the engine runs them, at `tensor_parallel_size` ranks."""
+    run through the engine's runner (EngineCore.teacher_forced), at
+    `tensor_parallel_size` ranks, on a KV cache of `block_size` positions per block."""
     from tqdm import tqdm
 
     groups = {b: [list(range(i, min(i + b, len(prompts)))) for i in range(0, len(prompts), b)]
@@ -201,16 +177,17 @@ def calibrate(loaded, prompts: list, n_tokens: int = 64, batch_sizes=(1, 8, 32),
         bar.set_postfix_str("reference decode")
         most = max(sum(-(-(len(prompts[i]) + n_tokens) // block_size) for i in g)
                    for gs in groups.values() for g in gs)
-        refs, engine = _reference(loaded, prompts, n_tokens, dtype, bar, tensor_parallel_size, most)
-        served, invariant, model, kv = engine.fast_plan, engine.invariant_plan, engine.model, engine.kv
-        machine, fast_matmul, switch = asdict(engine.reproducibility), engine.fast_matmul, model.fast_rowwise_max_rows
+        refs, engine = _reference(loaded, prompts, n_tokens, dtype, bar, tensor_parallel_size, most, block_size)
+        served = engine.fast_plan
+        machine, fast_matmul = asdict(engine.reproducibility), engine.fast_matmul
+        switch = engine.model.fast_rowwise_max_rows
         fast = fast or served
+        engine.replace_fast_plan(fast)
         margins, flipped, flips_by, steps_by = [], [], {}, {}
         for b, gs in groups.items():
             bar.set_postfix_str(f"fast decode, batch {b}")
             for g in gs:
-                samples = _teacher_forced(model, kv, fast, invariant, [prompts[i] for i in g],
-                                          [refs[i] for i in g], block_size)
+                samples = _teacher_forced(engine, [prompts[i] for i in g], [refs[i] for i in g])
                 margins += [m for m, _ in samples]
                 flipped += [f for _, f in samples]
                 flips_by[b] = flips_by.get(b, 0) + sum(f for _, f in samples)
