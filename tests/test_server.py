@@ -44,18 +44,22 @@ def start_server(*extra):
 
 
 def wait_health(target, want, timeout=240):
-    stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(target))
+    """The health statuses seen until `want`. A fresh channel per probe: a channel whose
+    first connects were refused backs off for seconds, longer than a warm start takes,
+    and would miss the NOT_SERVING the port answers while the model loads."""
     seen = []
     deadline = time.time() + timeout
     while time.time() < deadline:
-        try:
-            st = stub.Check(health_pb2.HealthCheckRequest(service="gateeng.v1.Engine"), timeout=2).status
-            seen.append(st)
-            if st == want:
-                return seen
-        except grpc.RpcError:
-            pass
-        time.sleep(0.2)
+        with grpc.insecure_channel(target) as channel:
+            try:
+                st = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service="gateeng.v1.Engine"), timeout=2).status
+                seen.append(st)
+                if st == want:
+                    return seen
+            except grpc.RpcError:
+                pass
+        time.sleep(0.1)
     raise TimeoutError(f"health never reached {want}; saw {set(seen)}")
 
 
