@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import machine, prompt_set  # noqa: E402
+from bench.common import header, prompt_set  # noqa: E402
 
 
 def run_one(prompts: int, tokens: int, mixed: bool) -> None:
@@ -62,7 +62,7 @@ def main() -> None:
     if args.child:
         return run_one(args.prompts, args.tokens, args.child == "mixed")
     from gateeng.plans import reference_ops
-    print(machine())
+    print(header())
     torch_avx2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
     runs = [(f"{isa} build, plan=invariant", {"GATEENG_CPU_ISA": isa}, "invariant")
             for isa in reference_ops.runnable()]

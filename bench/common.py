@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -43,6 +45,27 @@ def machine() -> str:
     return (f"{model} [{isa}], {os.cpu_count()} cores, torch {torch.__version__}, "
             f"{torch.get_num_threads()} threads, python {sys.version.split()[0]}"
             + (f"; ISA capped by {' '.join(capped)}" if capped else ""))
+
+
+def commit() -> str:
+    """The commit a run measured, marked when the work tree differs from it: every
+    section of RESULTS.md names the code it describes."""
+    here = Path(__file__).resolve().parent
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          cwd=here).stdout.strip() or "unknown"
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                           text=True, cwd=here).stdout.strip()
+    return head + (" (with uncommitted changes)" if dirty else "")
+
+
+def command() -> str:
+    """The command line as a reader would type it again."""
+    return " ".join(["python", "bench/" + Path(sys.argv[0]).name] + sys.argv[1:])
+
+
+def header() -> str:
+    """What every bench prints first: its command, the commit and the machine."""
+    return f"`{command()}` at {commit()}; {machine()}"
 
 
 def decode_step_ms(loaded, batch: int, steps: int = 8, fast_plan=None, rounds: int = 3) -> float:

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import TORCH_OPS, machine, prompt_set, timed  # noqa: E402
+from common import TORCH_OPS, commit, machine, prompt_set, timed  # noqa: E402
 
 from gateeng.config import EngineConfig  # noqa: E402
 from gateeng.engine.client import Engine  # noqa: E402
@@ -104,7 +104,7 @@ def main():
     fast.shutdown()
     inv.shutdown()
 
-    print(f"machine: {machine()}; {n} prompts x {T} tokens, bf16, greedy, "
+    print(f"at {commit()}; machine: {machine()}; {n} prompts x {T} tokens, bf16, greedy, "
           f"tau={fast.margin_threshold}, W={fast.max_window}, invariant rows={fast.invariant_plan.rows}, "
           f"split={fast.config.attention_split}\n")
     print("| mode | prompts whose alone and batch-of-%d outputs differ | prompts differing from the reference "

@@ -31,7 +31,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import machine  # noqa: E402
+from bench.common import header  # noqa: E402
 from bench.serve import ServerProcess, free_port  # noqa: E402
 from gateeng.serving.client import Client  # noqa: E402
 from gateeng.request import SamplingParams  # noqa: E402
@@ -67,7 +67,7 @@ def main(argv=None) -> int:
                       for mode in ("burst", "flood") for where in ((http_port, "HTTP"), (server.target, "gRPC"))]
     finally:
         server.stop()
-    print(f"Machine: {machine()}")
+    print(header())
     print(f"{len(grpc_s)} requests per front, {args.max_tokens} tokens each, one at a time\n")
     print("| front | p50 (ms) | p90 (ms) |\n| --- | --- | --- |")
     print(f"| gRPC Complete | {q(grpc_s, 50):.1f} | {q(grpc_s, 90):.1f} |")

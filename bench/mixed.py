@@ -41,7 +41,7 @@ from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import TORCH_OPS, machine, prompt_set  # noqa: E402
+from common import TORCH_OPS, header, prompt_set  # noqa: E402
 
 from gateeng.config import ADAPTIVE, SPECULATIVE, EngineConfig  # noqa: E402
 from gateeng.engine.client import Engine  # noqa: E402
@@ -228,7 +228,7 @@ def main():
     loaded = load(None, "bfloat16")
     prompts = prompt_set(n, mixed=True)
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
-    print(f"machine: {machine()}", flush=True)
+    print(header(), flush=True)
 
     def engine(**kw):
         if args.max_verify_delay is not None:
@@ -346,13 +346,13 @@ def main():
                 f"{tpot(rows, ver) * 1e3:.0f} ms", f"{tput(rows, ver) / tput(rows_inv, ver):.2f}x", f"{spec} / {direct}",
                 work)
 
-    header = ("| mode | time | vs all-OFF | OFF tok/s | OFF throughput kept | OFF TPOT | VERIFIED tok/s | "
+    columns = ("| mode | time | vs all-OFF | OFF tok/s | OFF throughput kept | OFF TPOT | VERIFIED tok/s | "
               "VERIFIED TPOT | VERIFIED vs plan=invariant | VERIFIED decode steps speculative / direct | "
               "engine steps / passes fast + invariant |\n"
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     order = ["all OFF"] + list(fractions) + ["plan=invariant"]
     print("Each round against its own all-OFF and plan=invariant runs (figures per round, separated by ;):\n")
-    print(header)
+    print(columns)
     for name in order:
         per_round = [cells(name, runs[name][k], runs["all OFF"][k][0], runs["all OFF"][k][1],
                            runs["plan=invariant"][k][1]) for k in range(args.rounds)]
@@ -362,7 +362,7 @@ def main():
     best = {name: min(rs, key=lambda r: r[0]) for name, rs in runs.items()}
     print(f"\nThe fastest run of each mode over the {args.rounds} rounds, against the fastest all-OFF and "
           "plan=invariant runs:\n")
-    print(header)
+    print(columns)
     for name in order:
         c = cells(name, best[name], best["all OFF"][0], best["all OFF"][1], best["plan=invariant"][1])
         print(f"| {name} | " + " | ".join(c) + " |")

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine  # noqa: E402
+from common import command, commit, machine  # noqa: E402
 from servers import Server, bf16_copy, executable, llama_version  # noqa: E402
 from serve import pct, prompts  # noqa: E402
 
@@ -152,14 +152,14 @@ def main() -> int:
             return 2
     version = llama_version(args.llama_server)
     header = f"{machine()}; llama.cpp {version}; gateeng {__version__}"
-    print(header, flush=True)
+    print(f"`{command()}` at {commit()}; {header}", flush=True)
     with tempfile.TemporaryDirectory(prefix="peer-") as tmp:
         gguf = bf16_copy(args.llama_quantize, str(default_model_path()), Path(tmp) / "model-bf16.gguf")
         rounds = run_rounds(args, gguf)
     text = table(rounds, args.streams)
     print(f"\n{args.prompts} chat prompts x {args.tokens} tokens, greedy; medians of {args.rounds} rounds "
           f"(gateeng's rounds in brackets)\n\n{text}")
-    Path(args.out).write_text(json.dumps({"machine": header, "args": vars(args), "rounds": rounds}, indent=1) + "\n")
+    Path(args.out).write_text(json.dumps({"machine": header, "commit": commit(), "command": command(), "args": vars(args), "rounds": rounds}, indent=1) + "\n")
     print(f"\nwrote {args.out}", file=sys.stderr)
     return 0
 

@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine  # noqa: E402
+from common import command, commit, machine  # noqa: E402
 from servers import Server, bf16_copy, executable, llama_version  # noqa: E402
 
 from gateeng.model.loader import default_model_path  # noqa: E402
@@ -89,7 +89,7 @@ def main() -> int:
         d = r["differing_from_prefix_run"]
         runs = " / ".join(str(d[k]) for k in ("alone", "c=2", "c=4", "c=8", "c=16"))
         print(f"| {r['label']} | {r['prompts_with_several_completions']} of {len(r['prompts'])} | {runs} |")
-    Path(args.out).write_text(json.dumps({"machine": machine(), "llama.cpp": version,
+    Path(args.out).write_text(json.dumps({"machine": machine(), "commit": commit(), "command": command(), "llama.cpp": version,
                                           "max_tokens": args.max_tokens, "chat": args.chat,
                                           "results": results}, indent=1) + "\n")
     print(f"\nwrote {args.out}; per-server plots under {tmp}", file=sys.stderr)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import machine  # noqa: E402
+from bench.common import header  # noqa: E402
 from gateeng.config import EngineConfig  # noqa: E402
 from gateeng.engine import pricing  # noqa: E402
 from gateeng.engine.client import Engine  # noqa: E402
@@ -43,7 +43,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256, help="keys each decode row attends")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
     args = ap.parse_args()
-    print(machine())
+    print(header())
     # A model handed in keeps its plain weights, which machine-v4's float32 lm_head needs.
     engine = Engine(EngineConfig(plan="invariant", num_kv_blocks=64 + max(args.rows) * 2), loaded=load(None))
     core = engine.core

@@ -40,7 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import machine  # noqa: E402
+from common import command, commit, machine  # noqa: E402
 from servers import free_port  # noqa: E402
 
 from gateeng.train import Policy  # noqa: E402
@@ -220,9 +220,8 @@ def report(args, steps: list) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=OUT).stdout.strip()
-    result = {"machine": machine(), "commit": commit, "command": " ".join(["python", "bench/rl.py"] + sys.argv[1:]),
+    at = commit()
+    result = {"machine": machine(), "commit": at, "command": command(),
               "args": vars(args), "steps": steps}
     (OUT / "rl.json").write_text(json.dumps(result, indent=1))
     xs = [st["step"] for st in steps]
@@ -239,7 +238,7 @@ def report(args, steps: list) -> None:
     axes[2].set(title="ratio exp(logp_trainer - logp_rollout)", xlabel="step")
     axes[1].legend(fontsize=7)
     axes[2].legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.suptitle(f"bench/rl.py at {commit}: {machine()}", fontsize=8)
+    fig.suptitle(f"bench/rl.py at {at}: {machine()}", fontsize=8)
     fig.tight_layout()
     fig.savefig(OUT / "rl.png", dpi=110)
     print("| step | reward | gateeng max abs diff | gateeng ratio | OFF max abs diff | OFF ratio "

@@ -42,7 +42,7 @@ from pathlib import Path
 import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import machine  # noqa: E402
+from bench.common import commit, machine  # noqa: E402
 from gateeng.v1 import engine_pb2 as pb  # noqa: E402
 from gateeng.v1 import engine_pb2_grpc as pb_grpc  # noqa: E402
 
@@ -480,10 +480,10 @@ def main(argv=None) -> int:
     if args.quick:
         args.concurrency, args.max_tokens, args.min_requests = "1,8", 8, 8
     texts = prompts(16 if args.quick else 64)
-    report = {"machine": machine(), "command": "python bench/serve.py " + " ".join(argv or sys.argv[1:]),
+    report = {"machine": machine(), "commit": commit(), "command": "python bench/serve.py " + " ".join(argv or sys.argv[1:]),
               "config": {"max_tokens": args.max_tokens, "verified_fraction": args.verified_fraction,
                          "prompts": len(texts)}}
-    print(f"[serve] {report['machine']}", file=sys.stderr)
+    print(f"[serve] {report['command']} at {report['commit']}; {report['machine']}", file=sys.stderr)
     server = None if args.target else ServerProcess(*extra)
     target = args.target or server.target
     metrics_port = args.metrics_port if args.target else server.metrics_port

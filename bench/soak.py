@@ -45,7 +45,7 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import TOPICS, machine  # noqa: E402
+from common import TOPICS, command, commit, machine  # noqa: E402
 from servers import free_port  # noqa: E402
 
 from gateeng.request import DeterminismParams, Mode, SamplingParams  # noqa: E402
@@ -242,10 +242,6 @@ def main() -> int:
     ap.add_argument("--check-every", type=float, default=60.0, help="seconds between idle checks")
     ap.add_argument("--model", default=None, help="the model to serve (default: the embedded model)")
     args = ap.parse_args()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).resolve().parent).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
-                           cwd=Path(__file__).resolve().parent).stdout.strip()
     grpc_port, http_port = free_port(), free_port()
     cmd = [sys.executable, "-m", "gateeng.tools.cli", "serve", "--port", str(grpc_port), "--http-port", str(http_port),
            "--metrics-port", "-1", "--max-queue", "64", "--http-header-timeout", "5"]
@@ -317,8 +313,7 @@ def main() -> int:
               "rss_mb_per_1000_requests": round(slope, 3),
               "fds_min": min(s["fds"] for s in samples), "fds_max": max(s["fds"] for s in samples),
               "samples": samples,
-              "commit": commit + (" (with uncommitted changes)" if dirty else ""),
-              "command": " ".join(["python", "bench/soak.py"] + sys.argv[1:])}
+              "commit": commit(), "command": command()}
     OUT.write_text(json.dumps(result, indent=1))
     print(f"| minutes | requests | unexpected | ghost checks failed | RSS first -> last MB | MB / 1000 requests "
           f"| fds min-max |\n| --- | --- | --- | --- | --- | --- | --- |\n"

@@ -39,7 +39,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
-from bench.common import machine  # noqa: E402
+from bench.common import command, commit, machine  # noqa: E402
 from bench.servers import free_port  # noqa: E402
 from gateeng.config import ServerConfig, cache_root  # noqa: E402
 from gateeng.engine import route_costs  # noqa: E402
@@ -153,11 +153,6 @@ def main() -> int:
     ap.add_argument("--hog", type=int, default=2, help="busy-loop processes beside the server (the hog condition)")
     ap.add_argument("--quiet-only", action="store_true", help="skip the hog condition")
     args = ap.parse_args()
-    here = Path(__file__).resolve().parent
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=here).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
-                           cwd=here).stdout.strip()
     grpc_port, metrics_port = free_port(), free_port()
     http_port = free_port() if ServerConfig().http_port is not None else None   # the default command's fronts
     gateeng = str(Path(sys.executable).parent / "gateeng")
@@ -189,8 +184,7 @@ def main() -> int:
                                     for name, _ in PHASES},
                 "route": sorted({r["route"] for r in mine}),
             }
-    result = {"machine": machine(), "commit": commit + (" (with uncommitted changes)" if dirty else ""),
-              "command": " ".join(["python", "bench/start.py"] + sys.argv[1:]),
+    result = {"machine": machine(), "commit": commit(), "command": command(),
               "server_command": " ".join(["gateeng"] + cmd[1:]), "hog_processes": args.hog,
               "load_average_at_end": os.getloadavg(), "summary": summary, "runs": runs}
     OUT.write_text(json.dumps(result, indent=1) + "\n")

@@ -20,7 +20,7 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine, prompt_set, steady_decode  # noqa: E402
+from common import header, prompt_set, steady_decode  # noqa: E402
 
 from gateeng.plans import head as head_module  # noqa: E402
 from gateeng.config import EngineConfig  # noqa: E402
@@ -81,7 +81,7 @@ def main():
     # Batch by batch, the plans in turn: both see the same state of the host.
     rows = {(b, p): profile(loaded, b, args.steps, p) for b in (int(x) for x in args.batches.split(","))
             for p in plans}
-    print(f"machine: {machine()}\n")
+    print(f"{header()}\n")
     parts = list(PARTS) + ["lm_head"]
     labels = [PARTS.get(p, "lm_head + token choice") for p in parts] + ["other", "step"]
     print("| running requests | plan | " + " | ".join(labels) + " |")

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine, prompt_set  # noqa: E402
+from common import command, commit, header, machine, prompt_set  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(Path(__file__).parent / "tensor_parallel.json"))
     args = ap.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
-    print(machine(), file=sys.stderr)
+    print(header(), file=sys.stderr)
     loaded = load(None, "bfloat16")
     prompts = prompt_set(args.prompts, mixed=True)
     rounds = []
@@ -103,8 +103,7 @@ def main(argv=None) -> int:
     # VERIFIED answers must also be equal from round to round (the same engine, run again).
     repeat = all(rnd[s]["verified"]["bits"] == rounds[0][s]["verified"]["bits"] for rnd in rounds for s in sizes)
     n = args.prompts
-    print(f"\n{machine()}\n`python bench/tensor_parallel.py --prompts {n} --tokens {args.tokens} --sizes "
-          f"{args.sizes} --rounds {args.rounds}" + (f" --threads {args.threads}" if args.threads else "") + "`\n")
+    print(f"\n{header()}\n")
     print(f"| TP size | VERIFIED differing from TP={base} (tokens or logprob bits) | OFF: tokens differ | OFF: "
           f"tokens or logprob bits differ | VERIFIED tok/s (x TP={base}) | OFF tok/s (x) | one stream OFF tok/s (x) | "
           f"start-up s |")
@@ -115,8 +114,8 @@ def main(argv=None) -> int:
               f"{row['off_differ']} of {n} | {cells} | "
               f"{row['start_s']:.1f} |")
     print(f"\nVERIFIED answers equal in every round: {repeat}")
-    Path(args.out).write_text(json.dumps({"machine": machine(), "args": vars(args), "rows": rows,
-                                          "verified_equal_every_round": repeat}, indent=1))
+    Path(args.out).write_text(json.dumps({"machine": machine(), "commit": commit(), "command": command(),
+                                          "args": vars(args), "rows": rows, "verified_equal_every_round": repeat}, indent=1))
     ok = repeat and all(row["verified_differ"] == 0 for row in rows)
     return 0 if ok else 1
 

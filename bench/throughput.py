@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import decode_step_ms, machine, prompt_set, timed  # noqa: E402
+from common import decode_step_ms, header, prompt_set, timed  # noqa: E402
 
 from gateeng.plans import cpu_ops  # noqa: E402
 from gateeng.config import EngineConfig  # noqa: E402
@@ -137,7 +137,7 @@ def main():
     read_ms, mb = weight_read_ms(loaded.model)
     peak = matmul_peak_gflops()
     steps = {b: decode_step_ms(loaded, b) for b in (1, 8, 32, 64)}
-    print(f"machine: {machine()}\n")
+    print(f"{header()}\n")
     print("| case | gateeng fast path tok/s | HF generate tok/s | ours / HF |")
     print("| --- | --- | --- | --- |")
     for name, a, b in rows:

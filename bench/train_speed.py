@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import machine  # noqa: E402
+from common import command, commit, machine  # noqa: E402
 
 from gateeng.train import Policy  # noqa: E402
 
@@ -71,9 +70,7 @@ def main() -> int:
             times[name].append(time.perf_counter() - t0)
     per_k = {name: statistics.median(t) / positions * 1000 for name, t in times.items()}
     ratio = per_k["gateeng"] / per_k["transformers"]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).resolve().parent).stdout.strip()
-    result = {"machine": machine(), "commit": commit, "command": " ".join(["python", "bench/train_speed.py"] + sys.argv[1:]),
+    result = {"machine": machine(), "commit": commit(), "command": command(),
               "seqs": args.seqs, "len": args.len, "rounds": args.rounds, "seconds": times,
               "seconds_per_1000_positions": per_k, "ratio": ratio, "reference_build": policy.isa}
     (Path(__file__).resolve().parent / "train_speed.json").write_text(json.dumps(result, indent=1))
