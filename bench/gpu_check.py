@@ -80,7 +80,7 @@ def check_matmul(dev):
 
 
 def check_rmsnorm(dev):
-    from gateeng.kernels import reference as ref
+    from gateeng.kernels import fixed_order as ref
     from gateeng.kernels import triton_rmsnorm as tr
     x = torch.randn(256, 4096, device=dev, dtype=torch.bfloat16)
     w = torch.randn(4096, device=dev, dtype=torch.bfloat16)
@@ -95,7 +95,7 @@ def check_rmsnorm(dev):
 
 
 def check_attention(dev):
-    from gateeng.kernels import reference as ref
+    from gateeng.kernels import fixed_order as ref
     from gateeng.kernels import triton_attention as ta
     page, split, hkv, h, d, L = 16, 256, 8, 32, 128, 3000
     nblocks = 2 * (L // page + 1)
@@ -135,7 +135,7 @@ def check_attention(dev):
 
 
 def check_sampling(dev):
-    from gateeng.kernels import reference as ref
+    from gateeng.kernels import fixed_order as ref
     from gateeng.kernels import triton_sampling as ts
     logits = torch.randn(64, 128256, device=dev)
     tok, mar = ts.sample(logits, [0.0] * 64, [0] * 64, [0] * 64)

@@ -33,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import header  # noqa: E402
 from bench.serve import ServerProcess, free_port  # noqa: E402
-from gateeng.serving.client import Client  # noqa: E402
+from gateeng.serving.grpc_client import Client  # noqa: E402
 from gateeng.request import SamplingParams  # noqa: E402
 
 

@@ -31,7 +31,7 @@ from gateeng.engine import pricing  # noqa: E402
 from gateeng.engine.client import Engine  # noqa: E402
 from gateeng.model.loader import load  # noqa: E402
 from gateeng.plans import cpu_ops, reference_ops  # noqa: E402
-from gateeng.plans.cpu import InvariantPlan, default_invariant_rows  # noqa: E402
+from gateeng.plans.generic import InvariantPlan, default_invariant_rows  # noqa: E402
 from gateeng.plans.reference import ReferencePlan  # noqa: E402
 from gateeng.reproducibility import cpu_model_and_isa  # noqa: E402
 from gateeng.step import Kind  # noqa: E402

@@ -49,7 +49,7 @@ from common import TOPICS, command, commit, machine  # noqa: E402
 from servers import free_port  # noqa: E402
 
 from gateeng.request import DeterminismParams, Mode, SamplingParams  # noqa: E402
-from gateeng.serving.client import Client, to_proto  # noqa: E402
+from gateeng.serving.grpc_client import Client, to_proto  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "soak.json"
 MIX = {"grpc": 6, "grpc_cancel": 3, "grpc_deadline": 3, "grpc_bad": 1, "http": 6, "http_stream": 2,

@@ -23,6 +23,13 @@ ROUTE_POLICIES = (ADAPTIVE, SPECULATIVE, DIRECT)
 # The two plans, by name (--plan; a step's Kind in gateeng/step.py).
 FAST, INVARIANT = "fast", "invariant"
 PLANS = (FAST, INVARIANT)
+# The weights' and KV cache's dtypes, and the devices an engine runs on.
+BFLOAT16, FLOAT32 = "bfloat16", "float32"
+DTYPES = (BFLOAT16, FLOAT32)
+DEVICES = ("cpu", "cuda")
+# The determinism modes a request may name, on both fronts (gRPC's MODE_<NAME>, HTTP's
+# `determinism.mode`); the names are request.Mode's values.
+REQUEST_MODES = ("off", "verified")
 
 
 def cache_root() -> Path:
@@ -106,7 +113,7 @@ BLOCK_SIZE = 16
 @dataclass
 class EngineConfig:
     model: Optional[str] = None          # HF directory or .gguf file; None = embedded SmolLM2
-    dtype: str = "bfloat16"              # bfloat16 | float32
+    dtype: str = BFLOAT16                # one of DTYPES
     device: str = "cpu"                  # cpu | cuda
     plan: str = FAST                     # fast | invariant (server-wide batch-invariant mode)
     block_size: int = BLOCK_SIZE
@@ -123,8 +130,10 @@ class EngineConfig:
     # While requests are decoding, a step prefills at most max(prefill_chunk, number
     # of decoding requests) prompt positions (0 = up to the whole budget): long
     # prompts are chunked and interleaved with the decodes, which bounds their
-    # inter-token latency. 16: bench/serve.py's prefill phase (bench/RESULTS.md).
-    prefill_chunk: int = 16
+    # inter-token latency. 8: bench/serve.py's prefill phase (bench/RESULTS.md, "Long
+    # prompts"): a decoding stream keeps about 70% of its speed beside long prompts,
+    # which prefill at about 85% of their uncapped rate (16: 33-47% and about 100%).
+    prefill_chunk: int = 8
     enable_prefix_caching: bool = True
     # CPU: the fast plan multiplies packed weights (LlamaModel.pack_fast). With the C++
     # kernels and the reference, that is the one packed copy the reference multiplies
@@ -135,7 +144,7 @@ class EngineConfig:
     # A float32 model's invariant plan's bits depend on it (kernel_plan: matmul=...); a
     # bf16 model's invariant plan is the reference (gateeng-ref-1) either way.
     pack_fast_weights: bool = True
-    # CPU: the C++ kernels (gateeng/cpu_ops.py: RMSNorm with the residual add, RoPE with
+    # CPU: the C++ kernels (plans/cpu_ops.py: RMSNorm with the residual add, RoPE with
     # the KV store, the SiLU gate, attention over the paged cache in place, the
     # VDPBF16PS matmul) for the fast plan and a float32 model's invariant plan, built on
     # first use; torch ops where they cannot be built. A float32 model's invariant
@@ -167,7 +176,7 @@ class EngineConfig:
     fast_logit_noise: float = 0.0
     num_threads: Optional[int] = None   # per rank where tensor_parallel_size > 1
     # Ranks (processes) the model is split over, one torch.distributed group on gloo
-    # (engine/tensor_parallel.py); 1: this process alone.
+    # (engine/tp_processes.py); 1: this process alone.
     tensor_parallel_size: int = 1
     # Seconds any collective of that group may wait before the engine fails closed:
     # a long prefill step on a loaded 2-core machine takes a few seconds.
@@ -178,10 +187,10 @@ class EngineConfig:
     weight_update_wait: float = 30.0
 
     def validate(self) -> None:
-        if self.dtype not in ("bfloat16", "float32"):
-            raise ValueError(f"dtype must be 'bfloat16' or 'float32', got {self.dtype!r}")
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.plan not in PLANS:
             raise ValueError(f"plan must be one of {', '.join(PLANS)}, got {self.plan!r}")
         if self.attention_split % self.block_size:
@@ -270,6 +279,9 @@ HTTP_MAX_N = 16
 HTTP_MAX_CHOICES = 64
 # The OpenAI front's port (vLLM's); `--http-port -1` turns the front off.
 HTTP_PORT = 8000
+# The gRPC port, and where the command line's clients look for a server by default.
+GRPC_PORT = 50051
+LOCAL_SERVER = f"127.0.0.1:{GRPC_PORT}"
 
 
 @dataclass(frozen=True)
@@ -303,7 +315,7 @@ class ServerConfig:
     """The server's own settings (the engine's are EngineConfig). `gateeng serve`
     takes its defaults from here."""
     host: str = "127.0.0.1"
-    port: int = 50051
+    port: int = GRPC_PORT
     metrics_port: Optional[int] = 9400     # None: no /metrics endpoint
     drain_seconds: float = 30.0            # SIGTERM: how long in-flight requests may finish
     max_prompt_bytes: int = 0              # 0: 32 bytes per context position
@@ -316,7 +328,7 @@ class ServerConfig:
     http_limits: ConnectionLimits = field(default_factory=ConnectionLimits)
     metrics_limits: ConnectionLimits = field(
         default_factory=lambda: ConnectionLimits(max_connections=METRICS_MAX_CONNECTIONS))
-    http_default_mode: str = "off"         # determinism of HTTP requests that name none (off | verified)
+    http_default_mode: str = "off"         # determinism of HTTP requests that name none (REQUEST_MODES)
     # Once the engine is up, exempt every object then alive from garbage collection
     # (gc.freeze). Process-wide, so only for a process that runs one server for its
     # whole life (`gateeng serve`); servers started and stopped in one process
@@ -329,8 +341,9 @@ class ServerConfig:
 
     def validate(self) -> None:
         self.bounds.validate()
-        if self.http_default_mode not in ("off", "verified"):
-            raise ValueError(f"http_default_mode must be off or verified, got {self.http_default_mode!r}")
+        if self.http_default_mode not in REQUEST_MODES:
+            raise ValueError(f"http_default_mode must be one of {', '.join(REQUEST_MODES)}, "
+                             f"got {self.http_default_mode!r}")
         if self.drain_seconds < 0 or self.max_prompt_bytes < 0:
             raise ValueError("drain_seconds and max_prompt_bytes must be >= 0")
         self.http_limits.validate("http")

@@ -25,15 +25,18 @@ class _Format(logging.Formatter):
         return f"{line}\n{self.formatException(record.exc_info)}" if record.exc_info else line
 
 
+LEVELS = ("debug", "info", "warning", "error")   # `--log-level`'s names
+DEFAULT_LEVEL = "info"
+
 _handler = _Stderr()
 _handler.setFormatter(_Format())
 LOGGER.addHandler(_handler)
-LOGGER.setLevel(logging.INFO)
+LOGGER.setLevel(DEFAULT_LEVEL.upper())
 LOGGER.propagate = False
 
 
 def set_level(name: str) -> None:
-    """`--log-level`: debug, info, warning or error."""
+    """`--log-level`: one of LEVELS."""
     LOGGER.setLevel(getattr(logging, name.upper()))
 
 

@@ -24,7 +24,7 @@ import torch
 from gateeng.plans.kernel_names import ISA_ENV, REFERENCE
 
 # The ISA extensions that change which CPU kernels run (and so their rounding).
-ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "avx_vnni",
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "avx_vnni",   # cpuinfo flags
              "amx_tile", "amx_bf16", "amx_int8")
 # The settings that make this machine run as a smaller one (the AVX2 emulation: kernels
 # built for x86-64-v3, torch and oneDNN capped at AVX2).

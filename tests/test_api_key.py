@@ -15,12 +15,11 @@ import test_server_async
 from gateeng.config import ServerConfig
 from gateeng.request import SamplingParams
 from gateeng.serving import credentials
-from gateeng.serving.client import Client
+from gateeng.serving.grpc_client import Client
 from gateeng.serving.server import Server
 from gateeng.tools import cli
 from gateeng.tools.probe import GrpcSender, OpenAISender
 from gateeng.tools.replay import OpenAITarget, Unreplayable
-from gateeng.v1 import engine_pb2 as pb
 from gateeng.v1 import engine_pb2_grpc as pb_grpc
 from test_server_async import SERVING, Running, channel, health, request, tiny_config
 

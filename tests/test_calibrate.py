@@ -5,7 +5,7 @@ import math
 import pytest
 
 from gateeng.tools import calibrate as cal
-from gateeng.plans.cpu import FastPlan
+from gateeng.plans.generic import FastPlan
 from tiny import tiny_loaded
 
 

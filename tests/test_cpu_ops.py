@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from gateeng.plans import cpu_ops
-from gateeng.kernels import reference as ref
+from gateeng.kernels import fixed_order as ref
 
 
 @pytest.fixture(scope="module")

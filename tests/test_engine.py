@@ -7,7 +7,7 @@ import pytest
 from gateeng.config import EngineConfig
 from gateeng.engine.client import Engine
 from gateeng.outputs import Chunk, Completion
-from gateeng.plans.cpu import InvariantPlan
+from gateeng.plans.generic import InvariantPlan
 from gateeng.request import DeterminismParams, FinishReason, Mode, SamplingParams
 from tiny import tiny_loaded
 

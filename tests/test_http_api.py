@@ -7,7 +7,7 @@ import urllib.request
 import openai
 import pytest
 
-from gateeng.serving.client import Client
+from gateeng.serving.grpc_client import Client
 from gateeng.request import DeterminismParams, Mode, SamplingParams
 from test_server_async import Running, tiny_config
 

@@ -4,7 +4,7 @@ check, outputs poisoned with NaN before each run."""
 import pytest
 import torch
 
-from gateeng.kernels import reference as ref
+from gateeng.kernels import fixed_order as ref
 
 triton = pytest.importorskip("triton")
 from gateeng.kernels import triton_attention, triton_matmul, triton_rmsnorm, triton_sampling  # noqa: E402

@@ -4,7 +4,7 @@ import torch
 
 from gateeng.model.llama import KVCache
 from gateeng.plans import kernel_names
-from gateeng.plans.cpu import FastPlan, InvariantPlan
+from gateeng.plans.generic import FastPlan, InvariantPlan
 from gateeng.plans.rows import Rows
 from tiny import hf_tiny, tiny_loaded
 
@@ -161,7 +161,7 @@ def test_one_call_decode_layers_give_the_op_by_op_bits(matmul):
 
 
 def test_fast_lm_head_gives_float32_top2_for_greedy_rows_and_float32_rows_for_sampled():
-    from gateeng.kernels.reference import argmax_margin
+    from gateeng.kernels.fixed_order import argmax_margin
     model = tiny_loaded("bfloat16").model
     gen = torch.Generator().manual_seed(0)
     hidden = (torch.randn(300, model.cfg.hidden_size, generator=gen) * 3).to(torch.bfloat16)
@@ -198,7 +198,7 @@ def test_greedy_top2_equals_the_dense_greedy_path(vocab, packed, search):
     """Either candidate search (torch chunks, the C++ pass) gives exactly the token
     and margin the sampler takes from greedy_logits, near-ties and exact ties
     included, and the float32 argmax."""
-    from gateeng.kernels.reference import argmax_margin
+    from gateeng.kernels.fixed_order import argmax_margin
     from gateeng.plans.head import greedy_logits, greedy_top2
     kernels = cpu_kernels() if search == "kernel" else None
     if search == "kernel" and kernels is None:
@@ -246,7 +246,7 @@ def test_fast_plan_with_cpu_kernels_matches_transformers(chunk, kernel_work, mon
     mix decode rows with prefill chunks the kernel attends row by row (chunk 3), with
     SDPA taking every chunk (work limit 0), and in one step whose 17- and 11-token
     prompts go to SDPA while the 7-token one (49 <= 80) goes to the kernel."""
-    from gateeng.plans import cpu as plan_mod
+    from gateeng.plans import generic as plan_mod
     if kernel_work is not None:
         monkeypatch.setattr(plan_mod, "KERNEL_PREFILL_WORK", kernel_work)
     kernels = cpu_kernels()

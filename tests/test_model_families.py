@@ -6,7 +6,7 @@ import torch
 
 from gateeng.config import EngineConfig, ModelConfig
 from gateeng.engine.client import Engine
-from gateeng.plans.cpu import FastPlan, InvariantPlan
+from gateeng.plans.generic import FastPlan, InvariantPlan
 from gateeng.request import DeterminismParams, Mode, SamplingParams
 from test_model import prefill_logits
 from tiny import FAMILIES, hf_family, tiny_loaded

@@ -9,7 +9,6 @@ from gateeng.config import ServerConfig
 from gateeng.serving.gateway import model_name
 from gateeng.tools import cli
 from gateeng.v1 import engine_pb2 as pb
-from gateeng.v1 import engine_pb2_grpc as pb_grpc
 from tests.test_server_async import Running, tiny_config
 from tests.tiny import tiny_loaded
 

@@ -1,18 +1,23 @@
 """Every name and number the code shares has one owner, and every other place reads it
 from there:
-- the kernel names in kernel_plan (gateeng/plans/kernel_names.py);
-- the routes of a VERIFIED decode and their policies (gateeng/config.py);
-- the dot's block count: plans/tensor_parallel.py, kernels/ref_ops.cpp and
+- the kernel names in kernel_plan, the reference's builds and the variable that
+  forces one (gateeng/plans/kernel_names.py);
+- the routes of a VERIFIED decode and their policies, the plans, the dtypes
+  (gateeng/config.py);
+- the dot's block count: plans/tp_shapes.py, kernels/ref_ops.cpp and
   kernels/triton_reference.py each name it, in their own language, and it is the
   number kernels/SPEC.md states.
 A string literal equal to an owned name anywhere else in the package is a second
-owner, free to drift from the first; so is a second value of the block count."""
+owner, free to drift from the first; so is a second value of the block count. Two
+builds are named for the CPU flag they need ("avx2", "avx512_bf16"): a line that
+lists /proc/cpuinfo flags says so with a `# cpuinfo flags` comment, and its
+literals are flags, not build names."""
 import ast
 import re
 from pathlib import Path
 
 from gateeng import config
-from gateeng.plans import kernel_names, tensor_parallel
+from gateeng.plans import kernel_names, tp_shapes
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "gateeng"
@@ -20,9 +25,11 @@ PACKAGE = ROOT / "gateeng"
 # owner module (relative to the repository) -> the names only it may spell out
 OWNED = {
     "gateeng/plans/kernel_names.py": {*kernel_names.ROWWISE_MATMULS, kernel_names.ONEDNN_PACKED,
-                                      kernel_names.TORCH_MM, kernel_names.REFERENCE},
-    "gateeng/config.py": {*config.ROUTE_POLICIES, *config.PLANS},
+                                      kernel_names.TORCH_MM, kernel_names.REFERENCE, *kernel_names.REFERENCE_ISAS,
+                                      kernel_names.ISA_ENV},
+    "gateeng/config.py": {*config.ROUTE_POLICIES, *config.PLANS, *config.DTYPES},
 }
+CPU_FLAGS = "# cpuinfo flags"
 
 
 def second_owners(package: Path = PACKAGE) -> list:
@@ -32,8 +39,12 @@ def second_owners(package: Path = PACKAGE) -> list:
     found = []
     for path in sorted(package.rglob("*.py")):
         rel = path.relative_to(package.parent).as_posix()
-        for node in ast.walk(ast.parse(path.read_text(), rel)):
+        source = path.read_text()
+        lines = source.splitlines()
+        for node in ast.walk(ast.parse(source, rel)):
             if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                if CPU_FLAGS in lines[node.lineno - 1]:
+                    continue
                 owner = owner_of.get(node.value)
                 if owner is not None and owner != rel:
                     found.append(f"{rel}:{node.lineno}: {node.value!r} (owned by {owner})")
@@ -69,7 +80,7 @@ def spec_dot_blocks(spec: str) -> set:
 
 def dot_blocks(root: Path = ROOT) -> dict:
     """The dot's block count as each owner writes it."""
-    return {"plans/tensor_parallel.py": tensor_parallel.DOT_BLOCKS,
+    return {"plans/tp_shapes.py": tp_shapes.DOT_BLOCKS,
             "kernels/ref_ops.cpp": cpp_dot_blocks((root / "gateeng/kernels/ref_ops.cpp").read_text()),
             "kernels/triton_reference.py": triton_dot_blocks((root / "gateeng/kernels/triton_reference.py").read_text()),
             **{f"kernels/SPEC.md ({n})": n for n in spec_dot_blocks((root / "kernels/SPEC.md").read_text())}}
@@ -96,10 +107,13 @@ def test_a_second_owner_is_caught(tmp_path):
     pkg = tmp_path / "gateeng"
     (pkg / "engine").mkdir(parents=True)
     (pkg / "engine" / "x.py").write_text(f'ROUTE = {config.DIRECT!r}\nK = "{kernel_names.TORCH_MM}"\n'
-                                         f'ok = "{config.DIRECT} route"\n')
+                                         f'ok = "{config.DIRECT} route"\n'
+                                         f'BUILD = "{kernel_names.AVX2}"\n'
+                                         f'NEEDS = {{"{kernel_names.AVX2}", "fma"}}   {CPU_FLAGS}\n')
     (pkg / "config.py").write_text(f'DIRECT = {config.DIRECT!r}\n')
     assert [f.split(" (")[0] for f in second_owners(pkg)] == [
-        f"gateeng/engine/x.py:1: {config.DIRECT!r}", f"gateeng/engine/x.py:2: {kernel_names.TORCH_MM!r}"]
+        f"gateeng/engine/x.py:1: {config.DIRECT!r}", f"gateeng/engine/x.py:2: {kernel_names.TORCH_MM!r}",
+        f"gateeng/engine/x.py:4: {kernel_names.AVX2!r}"]
 
 
 def test_a_second_block_count_is_caught():

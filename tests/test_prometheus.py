@@ -19,7 +19,7 @@ import urllib.request
 
 import pytest
 
-from gateeng.serving.client import Client
+from gateeng.serving.grpc_client import Client
 from gateeng.request import DeterminismParams, Mode, SamplingParams
 from promql import DEPLOY, expressions, readme_trigger_rate
 from test_server import ADMIN, free_port, start_server, wait_health

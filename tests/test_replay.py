@@ -15,7 +15,7 @@ from google.protobuf import json_format
 from gateeng.config import EngineConfig, ServerConfig
 from gateeng.plans.kernel_names import REFERENCE
 from gateeng.request import DeterminismParams, Mode, SamplingParams
-from gateeng.serving.client import Client
+from gateeng.serving.grpc_client import Client
 from gateeng.tools import replay as rp
 from test_server_async import Running
 from tiny import spec_tiny

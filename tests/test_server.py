@@ -16,7 +16,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateeng import __version__
-from gateeng.serving.client import Client, to_proto
+from gateeng.serving.grpc_client import Client, to_proto
 from gateeng.config import EngineConfig
 from gateeng.request import DeterminismParams, Mode, SamplingParams
 from gateeng.v1 import engine_pb2 as pb
@@ -491,7 +491,7 @@ def readme_block(heading: str, first_line: str) -> str:
 
 @pytest.mark.parametrize("heading, first, default, port", [
     ("## OpenAI-compatible HTTP", "import openai", "127.0.0.1:8000", 4),
-    ("## First example", "from gateeng.serving.client import Client", "127.0.0.1:50051", 1),
+    ("## First example", "from gateeng.serving.grpc_client import Client", "127.0.0.1:50051", 1),
 ])
 def test_the_readme_python_examples_run_as_printed(server, heading, first, default, port):
     """Each example against the served embedded model, its default address replaced by

@@ -32,7 +32,7 @@ def engine(smollm):
 
 
 def test_logits_match_hf_at_every_position(engine, hf_model):
-    from gateeng.plans.cpu import FastPlan
+    from gateeng.plans.generic import FastPlan
     from test_model import prefill_logits
     tok = engine.tokenizer
     seqs = [tok.encode(p) for p in PROMPTS]

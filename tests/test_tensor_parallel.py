@@ -7,7 +7,7 @@ import torch
 
 from gateeng.config import ModelConfig
 from gateeng.plans import reference_ops
-from gateeng.plans.tensor_parallel import k_slice, refusal
+from gateeng.plans.tp_shapes import k_slice, refusal
 from tests import oracle
 from tests.test_reference import BUILDS, bits, randn, same
 

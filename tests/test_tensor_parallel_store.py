@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from gateeng.config import EngineConfig
-from gateeng.engine import tensor_parallel as tp
+from gateeng.engine import tp_processes as tp
 from gateeng.engine.client import Engine
 from gateeng.request import DeterminismParams, Mode, SamplingParams
 from tests.tiny import tiny_loaded

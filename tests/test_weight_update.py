@@ -23,7 +23,7 @@ from gateeng.engine.errors import WeightUpdateUnavailable
 from gateeng.model import loader
 from gateeng.plans import reference_ops
 from gateeng.request import DeterminismParams, FinishReason, Mode, SamplingParams
-from gateeng.serving.client import Client
+from gateeng.serving.grpc_client import Client
 from gateeng.tools import cli
 from gateeng.v1 import engine_pb2 as pb
 from test_server_async import Running

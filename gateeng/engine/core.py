@@ -24,7 +24,7 @@ import torch
 
 from gateeng import __version__, reproducibility
 from gateeng.config import ADAPTIVE, FAST, INVARIANT, EngineConfig, kv_blocks, validate_threshold, validate_window
-from gateeng.engine import pricing, tensor_parallel, weights
+from gateeng.engine import pricing, tp_processes, weights
 from gateeng.engine.block_manager import BlockManager
 from gateeng.engine.detokenizer import IncrementalText
 from gateeng.engine.errors import DeterminismUnavailable, QueueFull
@@ -96,9 +96,9 @@ class EngineCore:
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.stop = StopChecker(eos, self.max_model_len, text_of=self._text_of)
-        self.tp_group = None   # the tensor-parallel group (engine.tensor_parallel), at sizes > 1
+        self.tp_group = None   # the tensor-parallel group (engine.tp_processes), at sizes > 1
         if cfg.tensor_parallel_size > 1:   # the model becomes this process's shard (rank 0)
-            self.model, plans, self.tp_group = tensor_parallel.start(cfg, self.model, cfg.tensor_parallel_timeout)
+            self.model, plans, self.tp_group = tp_processes.start(cfg, self.model, cfg.tensor_parallel_timeout)
             if loaded is None:   # the whole model is not needed past sharding: let it go
                 self.loaded = dataclasses.replace(self.loaded, model=self.model)
         else:

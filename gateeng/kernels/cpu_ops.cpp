@@ -1,4 +1,4 @@
-// CPU kernels for both plans (gateeng/cpu_ops.py builds and loads them).
+// CPU kernels for both plans (gateeng/plans/cpu_ops.py builds and loads them).
 //
 // At decode shapes a torch op costs more in dispatch and in copies than in
 // arithmetic: RMSNorm is seven ops, RoPE and the KV store a dozen, and attention

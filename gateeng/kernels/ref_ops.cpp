@@ -113,7 +113,7 @@ inline void fold(int l, V t, V* lvl, Add add) {
 }
 inline float add_f(float a, float b) { return a + b; }
 
-// The dot's blocks of K (SPEC.md, "dot"); plans/tensor_parallel.py DOT_BLOCKS and
+// The dot's blocks of K (SPEC.md, "dot"); plans/tp_shapes.py DOT_BLOCKS and
 // triton_reference.py DOT_BLOCKS say the same (tests/test_one_owner.py). The tree's
 // arrays (lvl[5], Blocks' 4 levels) are sized for it.
 constexpr int64_t DOT_BLOCKS = 16;

@@ -51,7 +51,7 @@ def _split_attention_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, pos_ptr, o_ptr, scale,
 
 
 def split_attention(q, k_cache, v_cache, block_tables, positions, split: int, scale: float):
-    """Same contract as kernels.reference.split_attention. q: [R, H, D];
+    """Same contract as kernels.fixed_order.split_attention. q: [R, H, D];
     caches [num_blocks, page, Hkv, D]; block_tables [R, W] int; positions [R] int."""
     R, H, D = q.shape
     _, page, hkv, _ = k_cache.shape

@@ -20,7 +20,7 @@ from gateeng.kernels.triton_sampling import mix32   # the spec's lowbias32 hash
 
 TINY = 1.1754943508222875e-38   # 2^-126: below it a binary32 value is flushed to zero
 OPTIONS = dict(enable_fp_fusion=False)
-# The dot's blocks of K (SPEC.md, "dot"), as ref_ops.cpp and plans/tensor_parallel.py
+# The dot's blocks of K (SPEC.md, "dot"), as ref_ops.cpp and plans/tp_shapes.py
 # name it (tests/test_one_owner.py holds them equal); _fold and _tree16 are written
 # for it. A constexpr, so the kernels may read it.
 DOT_BLOCKS = tl.constexpr(16)

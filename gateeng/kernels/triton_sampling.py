@@ -3,7 +3,7 @@
 Reduction order: the vocabulary is scanned in fixed BLOCK chunks from id 0
 upwards, carrying (top-1 score, its id, top-2 score); ties keep the lower id and
 make the margin 0. The Gumbel noise uses the same 32-bit hash as
-kernels.reference (row key from (seed, position), mixed with the vocab id), so a
+kernels.fixed_order (row key from (seed, position), mixed with the vocab id), so a
 seed means the same thing on CPU and GPU.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gateeng.kernels.reference import row_key
+from gateeng.kernels.fixed_order import row_key
 
 BLOCK = 1024
 

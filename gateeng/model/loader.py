@@ -20,7 +20,8 @@ from typing import Optional
 
 import torch
 
-from gateeng.config import ModelConfig
+from gateeng import config
+from gateeng.config import BFLOAT16, FLOAT32, ModelConfig
 from gateeng.logs import log
 from gateeng.model.llama import LlamaModel
 from gateeng.model.cache import converted
@@ -29,7 +30,7 @@ from gateeng.model.hf_config import read_config
 from gateeng.model.tokenizer import Tokenizer
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "smollm")
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+DTYPES = dict(zip(config.DTYPES, (torch.bfloat16, torch.float32)))   # config.DTYPES as torch dtypes
 
 
 def default_model_path() -> Path:
@@ -63,7 +64,7 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     # would re-pack the weights when it loads this directory.
     config = hf.config.to_dict()
     config.pop("quantization_config", None)
-    config["dtype"] = "float32"
+    config["dtype"] = FLOAT32
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     tok.save_pretrained(out)
 
@@ -89,7 +90,7 @@ class LoadedModel:
     source: str
 
 
-def load(path: Optional[str], dtype: str = "bfloat16", device: str = "cpu") -> LoadedModel:
+def load(path: Optional[str], dtype: str = BFLOAT16, device: str = "cpu") -> LoadedModel:
     src = Path(path) if path else default_model_path()
     hf_dir = ensure_hf_dir(src)
     cfg = read_model_config(hf_dir)

@@ -3,7 +3,7 @@ forward takes (Megatron's split).
 
 q/k/v and gate/up are split by output columns (each rank its heads and its MLP
 columns), the lm_head by vocabulary rows; o and down by K, on the reference dot's
-block boundaries (plans.tensor_parallel.k_slice), and summed over the ranks
+block boundaries (plans.tp_shapes.k_slice), and summed over the ranks
 (plans.collectives.row_linear). Where the heads do not split evenly over the ranks
 (SmolLM2-135M: 9 heads, 3 KV heads), every rank holds all of attention and its KV
 cache, and o still runs row-parallel: each rank multiplies its K slice of the full
@@ -20,7 +20,7 @@ import torch
 from gateeng.config import ModelConfig
 from gateeng.model.llama import LlamaModel
 from gateeng.plans import collectives
-from gateeng.plans.tensor_parallel import KSlice, k_slice, refusal
+from gateeng.plans.tp_shapes import KSlice, k_slice, refusal
 
 
 @dataclass(frozen=True)

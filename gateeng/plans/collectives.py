@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from gateeng.plans.tensor_parallel import KSlice
+from gateeng.plans.tp_shapes import KSlice
 
 
 def row_linear(plan, x: torch.Tensor, w: torch.Tensor, ks: KSlice, size: int) -> torch.Tensor:

@@ -48,13 +48,14 @@ from typing import Optional
 
 from gateeng.config import cache_root
 from gateeng.logs import log
+from gateeng.plans.kernel_names import AVX2, AVX512_BF16, SCALAR
 from gateeng.disk import NoSpace, file_differs, is_no_space, no_space, sha256_file, tree_size
 
 RECORD = "built.json"
 # The -march of each instruction set a build may be made for where it is not this
 # CPU's own (-march=native): the reference's builds, and the fast plan's kernels when
 # GATEENG_CPU_ISA asks for a smaller CPU. Part of each build's flags, hence its key.
-MARCH = {"avx512_bf16": "-march=x86-64-v4", "avx2": "-march=x86-64-v3", "scalar": "-march=x86-64"}
+MARCH = {AVX512_BF16: "-march=x86-64-v4", AVX2: "-march=x86-64-v3", SCALAR: "-march=x86-64"}
 TORCH_LOCK = "lock"   # torch's FileBaton, present while (or after a kill during) its build
 _TEMP = re.compile(r"\.(?:tmp|trash)-(\d+)-[0-9a-f]+$")
 

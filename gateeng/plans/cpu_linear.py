@@ -28,7 +28,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from gateeng.plans.kernel_names import CPU_DPBF16, REF_AVX2
+from gateeng.plans.kernel_names import AVX2, CPU_DPBF16, REF_AVX2
 
 # Row counts the probe compares the two kernels at (decode batches, then prefill chunks).
 PROBE_ROWS = (1, 8, 32, 128, 512)
@@ -61,7 +61,7 @@ def rowwise_kernel(kernels, ref) -> Optional[str]:
         return None
     if getattr(kernels, "dpbf16", False):
         return CPU_DPBF16
-    if getattr(ref, "isa", None) == "avx2":
+    if getattr(ref, "isa", None) == AVX2:
         return REF_AVX2
     return None
 

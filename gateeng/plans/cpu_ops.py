@@ -25,6 +25,7 @@ from pathlib import Path
 from gateeng import kernels
 from gateeng.logs import log
 from gateeng.plans import cpp_build, reference_ops
+from gateeng.plans.kernel_names import AVX2, SCALAR
 
 SOURCE = Path(kernels.__file__).resolve().parent / "cpu_ops.cpp"
 _lock = threading.Lock()
@@ -39,7 +40,7 @@ LDFLAGS = ["-fopenmp"]
 # The instruction set: this CPU's, unless GATEENG_CPU_ISA asks for a reference build
 # of a smaller one; then these kernels are built for it too, so that one machine runs
 # as the other kind would (an AVX2-only CPU on an AVX-512 one).
-MARCH = {isa: cpp_build.MARCH[isa] for isa in ("avx2", "scalar")}
+MARCH = {isa: cpp_build.MARCH[isa] for isa in (AVX2, SCALAR)}
 
 
 def load():

@@ -21,7 +21,7 @@ import torch
 from gateeng.config import EngineConfig
 from gateeng.logs import log
 from gateeng.plans import cpp_build, cpu_ops, kernel_names, reference_ops, sampler
-from gateeng.plans.cpu import FastPlan, InvariantPlan, default_invariant_rows
+from gateeng.plans.generic import FastPlan, InvariantPlan, default_invariant_rows
 from gateeng.plans.reference import ReferencePlan
 
 

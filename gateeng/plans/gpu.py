@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from gateeng.config import BLOCK_SIZE
-from gateeng.kernels import reference as ref
-from gateeng.plans.cpu import FastPlan, InvariantAttnMeta, InvariantPlan
+from gateeng.config import BFLOAT16, BLOCK_SIZE
+from gateeng.kernels import fixed_order as ref
+from gateeng.plans.generic import FastPlan, InvariantAttnMeta, InvariantPlan
 from gateeng.plans.reference import ReferenceBase
 from gateeng.plans.rows import Rows, seq_block_tables
 
@@ -34,7 +34,7 @@ class TritonInvariantPlan(InvariantPlan):
         from gateeng.kernels import triton_attention, triton_matmul, triton_rmsnorm
         self._mm, self._norm, self._attn = triton_matmul.matmul, triton_rmsnorm.rms_norm, triton_attention
 
-    def describe(self, dtype: str = "bfloat16") -> str:
+    def describe(self, dtype: str = BFLOAT16) -> str:
         return f"{self.name}(split={self.split})"
 
     def linear(self, x, w):

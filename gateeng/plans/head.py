@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gateeng.kernels import reference as ref
+from gateeng.kernels import fixed_order as ref
 
 
 def _greedy_bound(model, hidden: torch.Tensor, largest: torch.Tensor) -> torch.Tensor:

@@ -16,5 +16,6 @@ ONEDNN_PACKED, TORCH_MM = "onednn_packed", "torch_mm"
 REFERENCE = "gateeng-ref-1"
 # The builds of the reference kernels (kernels/ref_ops.cpp), preferred first; every
 # one gives the spec's bits. GATEENG_CPU_ISA forces one.
-REFERENCE_ISAS = ("avx512_bf16", "avx2", "scalar")
+AVX512_BF16, AVX2, SCALAR = "avx512_bf16", "avx2", "scalar"
+REFERENCE_ISAS = (AVX512_BF16, AVX2, SCALAR)
 ISA_ENV = "GATEENG_CPU_ISA"

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from gateeng.config import BLOCK_SIZE
+from gateeng.config import BFLOAT16, BLOCK_SIZE
 from gateeng.plans import cpu_linear
-from gateeng.plans.cpu import InvariantAttnMeta, InvariantPlan
+from gateeng.plans.generic import InvariantAttnMeta, InvariantPlan
 from gateeng.plans.kernel_names import REFERENCE
 
 
@@ -53,7 +53,7 @@ class ReferenceBase(InvariantPlan):
         layer = model.layers[0]
         return [layer.qkv, layer.o, layer.gate_up, layer.down, model.lm_head]
 
-    def describe(self, dtype: str = "bfloat16") -> str:
+    def describe(self, dtype: str = BFLOAT16) -> str:
         """The reference's version: what its bits depend on besides the model and dtype."""
         return REFERENCE
 

@@ -27,24 +27,24 @@ import torch
 from gateeng import kernels
 from gateeng.logs import log
 from gateeng.plans import cpp_build
-from gateeng.plans.kernel_names import ISA_ENV, REFERENCE, REFERENCE_ISAS
+from gateeng.plans.kernel_names import AVX2, AVX512_BF16, ISA_ENV, REFERENCE, REFERENCE_ISAS, SCALAR
 
 SOURCE = Path(kernels.__file__).resolve().parent / "ref_ops.cpp"
 
 # What each build needs from the CPU (its /proc/cpuinfo flags) and from the compiler.
-NEEDS = {"avx512_bf16": {"avx512f", "avx512dq", "avx512cd", "avx512bw", "avx512vl", "avx512_bf16"},
-         "avx2": {"avx", "avx2", "fma", "bmi1", "bmi2", "f16c", "movbe", "abm"},
-         "scalar": set()}
-ISA_CFLAGS = {"avx512_bf16": [cpp_build.MARCH["avx512_bf16"], "-mavx512bf16", "-DGATEENG_REF_AVX512BF16"],
-              "avx2": [cpp_build.MARCH["avx2"], "-DGATEENG_REF_AVX2"],
-              "scalar": ["-fno-tree-vectorize"]}
+NEEDS = {AVX512_BF16: {"avx512f", "avx512dq", "avx512cd", "avx512bw", "avx512vl", "avx512_bf16"},   # cpuinfo flags
+         AVX2: {"avx", "avx2", "fma", "bmi1", "bmi2", "f16c", "movbe", "abm"},   # cpuinfo flags
+         SCALAR: set()}
+ISA_CFLAGS = {AVX512_BF16: [cpp_build.MARCH[AVX512_BF16], "-mavx512bf16", "-DGATEENG_REF_AVX512BF16"],
+              AVX2: [cpp_build.MARCH[AVX2], "-DGATEENG_REF_AVX2"],
+              SCALAR: ["-fno-tree-vectorize"]}
 
 
 def isa_cflags(isa: str) -> list:
     """The build's own flags. The scalar build stays scalar (no vectorizer); on an x86
     CPU with FMA, std::fma becomes the scalar FMA instruction instead of a library
     call: the same exact result, inlined."""
-    extra = ["-mfma"] if isa == "scalar" and "fma" in cpp_build.cpu_flags().split() else []
+    extra = ["-mfma"] if isa == SCALAR and "fma" in cpp_build.cpu_flags().split() else []
     return ISA_CFLAGS[isa] + extra
 
 
@@ -67,7 +67,7 @@ def runnable(flags: Optional[str] = None) -> list:
     """The builds this CPU runs, preferred first."""
     have = set((flags if flags is not None else cpp_build.cpu_flags()).split())
     x86 = os.uname().machine in ("x86_64", "AMD64")
-    return [isa for isa in REFERENCE_ISAS if isa == "scalar" or (x86 and NEEDS[isa] <= have)]
+    return [isa for isa in REFERENCE_ISAS if isa == SCALAR or (x86 and NEEDS[isa] <= have)]
 
 
 def requested() -> Optional[str]:

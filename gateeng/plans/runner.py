@@ -8,7 +8,7 @@ import time
 from typing import TYPE_CHECKING
 
 from gateeng.plans import sampler
-from gateeng.plans.cpu import FastPlan, InvariantPlan
+from gateeng.plans.generic import FastPlan, InvariantPlan
 from gateeng.plans.head import choose
 from gateeng.plans.rows import Rows
 from gateeng.step import Kind, SeqOutput, StepPlan

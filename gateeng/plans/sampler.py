@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gateeng.kernels import reference as ref
+from gateeng.kernels import fixed_order as ref
 from gateeng.request import SamplingParams
 
 

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from gateeng.plans.cpu import InvariantAttnMeta, InvariantPlan
+from gateeng.plans.generic import InvariantAttnMeta, InvariantPlan
 from gateeng.plans.head import exact_logits
 
 

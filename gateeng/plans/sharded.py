@@ -3,7 +3,7 @@
 It wraps the plan that runs the driver's own shard (rank 0). Each forward and
 each logits call is first announced to the other ranks (`command`: a context
 manager that broadcasts the message and holds the group for the collectives that
-follow), which then run the same call on their shards (engine.tensor_parallel).
+follow), which then run the same call on their shards (engine.tp_processes).
 Logits are always the dense float32 ones, gathered over the vocabulary
 (plans.collectives.vocab_logits), so the driver chooses every token from the same
 values one device would have, by the same rule: greedy ties and the seeded
@@ -17,7 +17,7 @@ from gateeng.plans.collectives import vocab_logits
 from gateeng.plans.rows import Rows
 from gateeng.step import Kind
 
-HIDDEN, LOGITS = "hidden", "logits"   # the messages a rank runs (engine.tensor_parallel)
+HIDDEN, LOGITS = "hidden", "logits"   # the messages a rank runs (engine.tp_processes)
 
 
 class ShardedPlan:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from gateeng.config import GateBounds
+from gateeng.config import REQUEST_MODES, GateBounds
 from gateeng.request import DEFAULT_MAX_TOKENS, DeterminismParams, Mode, SamplingParams, StreamPolicy
 
 MAX_REQUEST_ID_BYTES = 128
@@ -204,7 +204,7 @@ def sampling(fields: dict, max_model_len: int, prefix: str = "", temperature: fl
 # `determinism.mode` values, and the proto's Determinism.Mode as MODE_<NAME>
 # (MODE_UNSPECIFIED is off). REFERENCE is never asked for: it is every request's
 # mode on an engine that runs only the invariant plan.
-MODES = {"off": Mode.OFF, "verified": Mode.VERIFIED}
+MODES = {name: Mode(name) for name in REQUEST_MODES}
 
 
 def determinism(mode: Mode, tau: Optional[float], window: Optional[int], stream_policy: StreamPolicy,

@@ -45,7 +45,7 @@ from gateeng.outputs import Chunk, Completion, Rollback
 from gateeng.reproducibility import Reproducibility
 from gateeng.request import FinishReason
 from gateeng.serving import auth, edge, refusals
-from gateeng.serving.client import sampling_proto
+from gateeng.serving.grpc_client import sampling_proto
 from gateeng.serving.refusals import Kind, Refusal, internal_error
 from gateeng.serving.gateway import REQUEST_ID_HEADER, Gateway
 from gateeng.v1 import engine_pb2 as pb

@@ -24,9 +24,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-from gateeng.config import BLOCK_SIZE
+from gateeng.config import BLOCK_SIZE, EngineConfig
 from gateeng.engine import gate
 
+# What a run measures by default: decode steps per prompt, the fast path's batch
+# compositions, and the bound a recommended tau must meet (missed flips per step, at
+# this confidence).
+TOKENS = 64
+BATCH_SIZES = (1, 8, 32)
+TARGET_MISS = 1e-3
+CONFIDENCE = 0.95
 TAUS = (0.0, 0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0)
 BUILTIN_PROMPTS = [
     "Explain how a refrigerator works.", "Write a short poem about autumn leaves.",
@@ -137,7 +144,7 @@ def _reference(loaded, prompts: list, n_tokens: int, dtype: str, progress, tenso
     plan, the fast plan as it serves it (packed weights, C++ kernels), its model
     (a shard at tensor-parallel sizes > 1) and its KV cache of at least `kv_blocks`
     blocks of `block_size` positions, free again once the reference decode is done)."""
-    from gateeng.config import INVARIANT, EngineConfig, kv_blocks as default_blocks
+    from gateeng.config import INVARIANT, kv_blocks as default_blocks
     from gateeng.engine.core import EngineCore
     from gateeng.request import SamplingParams
     cfg = EngineConfig(plan=INVARIANT, dtype=dtype, tensor_parallel_size=tensor_parallel_size, block_size=block_size)
@@ -161,8 +168,8 @@ def _teacher_forced(engine, prompts: list, refs: list):
     return out
 
 
-def calibrate(loaded, prompts: list, n_tokens: int = 64, batch_sizes=(1, 8, 32), dtype: str = "bfloat16",
-              target_miss: float = 1e-3, confidence: float = 0.95, block_size: int = BLOCK_SIZE,
+def calibrate(loaded, prompts: list, n_tokens: int = TOKENS, batch_sizes=BATCH_SIZES, dtype: str = EngineConfig.dtype,
+              target_miss: float = TARGET_MISS, confidence: float = CONFIDENCE, block_size: int = BLOCK_SIZE,
               show_progress: bool = True, fast=None, tensor_parallel_size: int = 1) -> Report:
     """Measure flips of the fast plan against the reference; `prompts` are token-id lists.
     `fast` replaces the fast plan (tests use a noisy one to make flips). Both plans

@@ -6,27 +6,29 @@ import json
 import os
 import sys
 
-from gateeng import __version__
-from gateeng.config import (DIRECT, HTTP_BODY_SLACK_BYTES, KV_POSITIONS_PER_SEQ, PLANS, ROUTE_POLICIES, EngineConfig,
-                            ConnectionLimits, GateBounds, ServerConfig)
+from gateeng import __version__, logs
+from gateeng.config import (DEVICES, DIRECT, DTYPES, HTTP_BODY_SLACK_BYTES, KV_POSITIONS_PER_SEQ, LOCAL_SERVER, PLANS,
+                            REQUEST_MODES, ROUTE_POLICIES, EngineConfig, ConnectionLimits, GateBounds, ServerConfig)
 from gateeng.plans.kernel_names import ISA_ENV, REFERENCE, REFERENCE_ISAS, TORCH_MM
-from gateeng.request import DEFAULT_MAX_TOKENS
+from gateeng.request import Mode, SamplingParams
 from gateeng.serving.credentials import ADMIN_TOKEN_ENV as ADMIN_ENV
 from gateeng.serving.credentials import API_KEY_ENV, checked, from_env, read_secret_file
+from gateeng.tools import calibrate as cal
 
 DEFAULTS = EngineConfig()
 SERVER = ServerConfig()
+SAMPLING = SamplingParams()
 
 
 def _model_source_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default=DEFAULTS.dtype, choices=["bfloat16", "float32"], help="weights and KV dtype")
+    p.add_argument("--dtype", default=DEFAULTS.dtype, choices=DTYPES, help="weights and KV dtype")
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     _model_source_args(p)
-    p.add_argument("--device", default=DEFAULTS.device, choices=["cpu", "cuda"])
+    p.add_argument("--device", default=DEFAULTS.device, choices=DEVICES)
     p.add_argument("--plan", default=DEFAULTS.plan, choices=PLANS,
                    help="fast: per-request determinism; invariant: every request on the batch-invariant plan")
     p.add_argument("--margin-threshold", type=float, default=DEFAULTS.margin_threshold,
@@ -127,7 +129,7 @@ def _api_key(args):
 def _server_client(args, target: str, admin: bool = False):
     """A Client for `target` with this command's API key and, for admin calls, its
     admin token; ValueError / OSError where one is unreadable or the token missing."""
-    from gateeng.serving.client import Client
+    from gateeng.serving.grpc_client import Client
     token = _admin_token(args) if admin else None
     if admin and not token:
         raise ValueError(f"the admin token is missing: pass --admin-token-file or set ${ADMIN_ENV}")
@@ -152,10 +154,10 @@ def _engine_config(args):
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", help="the prompt text")
-    p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 (or below 1e-5) = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--max-tokens", type=int, default=SAMPLING.max_tokens)
+    p.add_argument("--temperature", type=float, default=SAMPLING.temperature, help="0 (or below 1e-5) = greedy")
+    p.add_argument("--top-p", type=float, default=SAMPLING.top_p)
+    p.add_argument("--top-k", type=int, default=SAMPLING.top_k, help="0 = off")
     p.add_argument("--seed", type=int, default=None,
                    help="sampling seed (temperature > 0; default: a random one, which the result's "
                         "reproducibility record names)")
@@ -206,7 +208,7 @@ def engine_options() -> list:
 
 
 def cmd_generate(args) -> int:
-    from gateeng.request import DeterminismParams, Mode, SamplingParams
+    from gateeng.request import DeterminismParams
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop),
                             logprobs=args.logprobs)
@@ -263,7 +265,7 @@ def cmd_generate(args) -> int:
         print(res.text)
     s = res.stats
     print(f"[{res.completion_tokens} tokens, finish={res.finish_reason.value}, mode={res.mode.value}"
-          + (f", triggers={s.triggers}, rollbacks={s.mismatches}" if res.mode.value == "verified" else "")
+          + (f", triggers={s.triggers}, rollbacks={s.mismatches}" if res.mode == Mode.VERIFIED else "")
           + "]", file=sys.stderr)
     engine.shutdown()
     return 0
@@ -318,7 +320,6 @@ def cmd_probe(args) -> int:
 
     import grpc
 
-    from gateeng.tools import calibrate as cal
     from gateeng.tools import probe as pr
     try:
         levels = [int(c) for c in args.concurrency.split(",")]
@@ -330,7 +331,7 @@ def cmd_probe(args) -> int:
         if args.server and (extra or args.model):
             raise ValueError("--extra and --model are HTTP request fields; over gRPC use --verified")
         if args.verified and args.openai:
-            extra = {"determinism": {"mode": "verified"}, **extra}
+            extra = {"determinism": {"mode": Mode.VERIFIED.value}, **extra}
         prompts = (cal.read_prompts(Path(args.prompts))[:args.num_prompts] if args.prompts
                    else pr.default_prompts(args.num_prompts))
         if args.server:
@@ -375,7 +376,6 @@ def _limits(args, max_connections: int) -> ConnectionLimits:
 def cmd_serve(args) -> int:
     import asyncio
 
-    from gateeng import logs
     from gateeng.serving.server import Server
     logs.set_level(args.log_level)
     try:
@@ -392,7 +392,6 @@ def cmd_serve(args) -> int:
 def cmd_calibrate(args) -> int:
     from pathlib import Path
 
-    from gateeng.tools import calibrate as cal
     from gateeng.model.chat import encode_prompt
     from gateeng.model.loader import load
     try:
@@ -531,7 +530,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
                         "/v1/models, /tokenize, /detokenize, /version, /health, /metrics), served beside gRPC "
                         f"(default {SERVER.http_port}; -1: off)")
-    s.add_argument("--http-default-mode", choices=["off", "verified"], default=SERVER.http_default_mode,
+    s.add_argument("--http-default-mode", choices=REQUEST_MODES, default=SERVER.http_default_mode,
                    help="determinism of HTTP requests that set none: `verified` makes every lm-eval or openai "
                         "client request VERIFIED without an extension field")
     s.add_argument("--http-max-connections", type=int, default=SERVER.http_limits.max_connections,
@@ -584,7 +583,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="leave the objects alive at start-up (model, tokenizer, libraries) to the garbage "
                         "collector; by default they are frozen once the engine is up, since a full collection "
                         "over them stalls every stream for about 160 ms")
-    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--log-level", default=logs.DEFAULT_LEVEL, choices=logs.LEVELS)
     s.add_argument("--version", action="version", version=f"gateeng {__version__}")
     s.set_defaults(func=cmd_serve)
     c = sub.add_parser("calibrate", help="measure where the fast path flips and recommend a margin threshold",
@@ -595,10 +594,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--prompts", default=None, metavar="FILE",
                    help="text lines, or JSONL with a `prompt` field (default: 32 built-in chat prompts)")
     c.add_argument("--no-chat", action="store_true", help="use the prompts raw, without the chat template")
-    c.add_argument("--tokens", type=int, default=64, help="decode steps per prompt")
-    c.add_argument("--batch-sizes", default="1,8,32", help="batch compositions for the fast path")
-    c.add_argument("--target-miss", type=float, default=1e-3,
-                   help="recommend the smallest tau whose 95%% upper bound on missed flips per step is below this")
+    c.add_argument("--tokens", type=int, default=cal.TOKENS, help="decode steps per prompt")
+    c.add_argument("--batch-sizes", default=",".join(map(str, cal.BATCH_SIZES)),
+                   help="batch compositions for the fast path")
+    c.add_argument("--target-miss", type=float, default=cal.TARGET_MISS,
+                   help=f"recommend the smallest tau whose {cal.CONFIDENCE * 100:g}%% upper bound on missed flips per step "
+                        "is below this")
     c.add_argument("--out", default="calibration", help="folder for calibration.json and calibration.png")
     c.add_argument("--quick", action="store_true", help="8 prompts x 16 tokens, batch sizes 1 and 4 (a smoke run)")
     _tensor_parallel_args(c)
@@ -623,7 +624,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="replay on a running gateeng HTTP front, http://HOST:PORT[/v1]")
     r.add_argument("--model", default=None,
                    help="local engine: HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    r.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
+    r.add_argument("--dtype", default=None, choices=DTYPES,
                    help="local engine: weights and KV dtype (default: the stored records' dtype)")
     r.add_argument("--threads", type=int, default=None, help="local engine: torch CPU threads")
     _api_key_args(r, "with --server or --openai: the server's API key, sent as `Authorization: Bearer KEY`")
@@ -675,18 +676,18 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("dir", metavar="DIR",
                    help="the checkpoint directory, on the server's machine (a relative path is taken from "
                         "this command's working directory)")
-    u.add_argument("--server", default="127.0.0.1:50051", metavar="HOST:PORT", help="the server's gRPC address")
+    u.add_argument("--server", default=LOCAL_SERVER, metavar="HOST:PORT", help="the server's gRPC address")
     _admin_token_arg(u, "required")
     _api_key_args(u, "the server's API key where it has one, sent beside the admin token")
     u.set_defaults(func=cmd_update_weights)
     h = sub.add_parser("health", help="check a running server's health (exit 0 only when SERVING)")
-    h.add_argument("--server", default="127.0.0.1:50051", metavar="HOST:PORT")
+    h.add_argument("--server", default=LOCAL_SERVER, metavar="HOST:PORT")
     h.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the answer")
     h.set_defaults(func=cmd_health)
     a = sub.add_parser("admin", help="operator commands against a running server")
     asub = a.add_subparsers(dest="admin_cmd", required=True, parser_class=_Parser)
     ag = asub.add_parser("gate", help="show or set the server's default gate settings (tau, W)")
-    ag.add_argument("--server", default="127.0.0.1:50051", metavar="HOST:PORT")
+    ag.add_argument("--server", default=LOCAL_SERVER, metavar="HOST:PORT")
     ag.add_argument("--tau", type=float, default=None, help="new default margin threshold")
     ag.add_argument("--window", type=int, default=None, help="new default max window")
     _admin_token_arg(ag, "for setting tau or W")

@@ -34,7 +34,7 @@ from google.protobuf import json_format
 
 from gateeng import reproducibility
 from gateeng.request import DeterminismParams, Mode, SamplingParams
-from gateeng.serving.client import Client, sampling_from_proto
+from gateeng.serving.grpc_client import Client, sampling_from_proto
 from gateeng.serving.http_api import json_logprob
 from gateeng.v1 import engine_pb2 as pb
 
@@ -326,7 +326,7 @@ class OpenAITarget:
                 raise Unreplayable("the OpenAI API has no stop_token_ids: replay this one over gRPC (--server)")
             body = {"model": self.model["id"], "prompt": it.prompt_ids, "max_tokens": p.max_tokens,
                     "temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k, "stop": list(p.stop),
-                    "ignore_eos": p.ignore_eos, "logprobs": p.logprobs, "determinism": {"mode": "verified"}}
+                    "ignore_eos": p.ignore_eos, "logprobs": p.logprobs, "determinism": {"mode": Mode.VERIFIED.value}}
             if p.seed is not None:
                 body["seed"] = p.seed
             res = http_json(f"{self.base}/completions", body, api_key=self.api_key)

@@ -25,7 +25,7 @@ import torch
 # The KV cache's block size of a policy forward: the engine's default. The reference's
 # bits do not depend on it (attention runs in chunks of 16 absolute positions whatever
 # the cache's blocks).
-from gateeng.config import BLOCK_SIZE
+from gateeng.config import BLOCK_SIZE, FLOAT32
 from gateeng.model import loader
 from gateeng.model.rope import tables
 from gateeng.plans import reference_ops
@@ -74,7 +74,7 @@ class Policy(torch.nn.Module):
         reference (avx512_bf16, avx2, scalar; default: GATEENG_CPU_ISA, else the best
         here). `kernels`: "cpu" or "triton" (the reference's Triton kernels); by
         default the CPU build on the CPU and Triton on CUDA (`policy.cuda()`)."""
-        loaded = loader.load(path, dtype="float32")
+        loaded = loader.load(path, dtype=FLOAT32)
         hf_dir = loader.ensure_hf_dir(Path(path) if path else loader.default_model_path())
         return cls(loaded, hf_dir, isa, kernels)
 

@@ -45,14 +45,14 @@ import threading
 import time
 from dataclasses import replace
 from datetime import timedelta
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 import torch.multiprocessing as mp
 
-from gateeng.config import EngineConfig, kv_blocks
+from gateeng.config import BFLOAT16, EngineConfig, kv_blocks
 from gateeng.logs import log
 from gateeng.model import shard
 from gateeng.model.llama import KVCache
@@ -203,7 +203,7 @@ def refusal(cfg: EngineConfig) -> Optional[str]:
     if cfg.device != "cpu":
         return ("tensor parallelism runs on CPU (gloo) only: on CUDA the reference has no row-parallel "
                 "kernels yet, and VERIFIED would not keep its bits")
-    if cfg.dtype != "bfloat16":
+    if cfg.dtype != BFLOAT16:
         return ("tensor parallelism needs a bf16 model: only the reference (gateeng-ref-1) keeps VERIFIED "
                 "bits equal at every size")
     if cfg.fast_logit_noise:

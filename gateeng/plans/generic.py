@@ -23,9 +23,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from gateeng.config import BLOCK_SIZE, FAST, INVARIANT, KERNEL_PREFILL_WORK
+from gateeng.config import BFLOAT16, BLOCK_SIZE, FAST, FLOAT32, INVARIANT, KERNEL_PREFILL_WORK
 from gateeng.plans.kernel_names import ONEDNN_PACKED, ROWWISE_MATMULS, TORCH_MM
-from gateeng.kernels import reference as ref
+from gateeng.kernels import fixed_order as ref
 from gateeng.plans.head import mixed_lm_head
 from gateeng.plans.rows import Rows, seq_block_tables, slot_tensor
 
@@ -274,7 +274,7 @@ def default_invariant_rows(isa: str) -> int:
     wastes less on padding. The row count is part of the reference's description
     (kernel_plan), as the CPU kind already is."""
     flags = set(isa.split(","))   # comma-separated: the record's ISA list, or every cpuinfo flag
-    return 32 if flags & {"avx512_bf16", "amx_bf16"} else 8
+    return 32 if flags & {"avx512_bf16", "amx_bf16"} else 8   # cpuinfo flags
 
 
 class InvariantPlan(CpuKernelOps):
@@ -336,10 +336,10 @@ class InvariantPlan(CpuKernelOps):
         has it). Only which ids become candidates depends on it, never the result."""
         return model.lm_head_bf16
 
-    def describe(self, dtype: str = "bfloat16") -> str:
+    def describe(self, dtype: str = BFLOAT16) -> str:
         """What the canonical bits depend on, besides weights, dtype and device kind."""
         parts = [f"rows={self.rows}"]
-        parts.append(f"matmul={self.matmul if self.packed and dtype == 'bfloat16' else TORCH_MM}")
+        parts.append(f"matmul={self.matmul if self.packed and dtype == BFLOAT16 else TORCH_MM}")
         if self.kernels is not None:
             # The kernels' digest: their source, compiler, its flags and torch (the CPU is in
             # device_kind).
@@ -347,7 +347,7 @@ class InvariantPlan(CpuKernelOps):
             parts += [f"attention=cpu_paged(block={self.block_size})", "norm_rope_silu=cpu", f"cpu_ops={digest}"]
         else:
             parts += [f"attention=split({self.split})", "norm_rope_silu=torch"]
-        if dtype != "float32":
+        if dtype != FLOAT32:
             parts.append("greedy_lm_head=bf16+exact_top2")
         return f"{self.name}-v{self.version}({','.join(parts)})"
 
