@@ -108,13 +108,13 @@ def main():
                     help="runs of each case per engine, alternating; the best of each is kept (a shared "
                          "host's neighbours only ever add time)")
     args = ap.parse_args()
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     loaded = load(None, "bfloat16")
     # No prefix caching: each repeat would find the previous repeat's prompts cached,
     # and transformers recomputes every prompt.
     engine = Engine(EngineConfig(dtype="bfloat16", num_kv_blocks=1024, enable_prefix_caching=False), loaded=loaded)
     hf = AutoModelForCausalLM.from_pretrained(ensure_hf_dir(default_model_path()), dtype=torch.bfloat16).eval()
-    tok = loaded.tokenizer
+    tok = AutoTokenizer.from_pretrained(ensure_hf_dir(default_model_path()))   # transformers' own, for its generate
     scale = 4 if args.quick else 1
     cases = {
         "(a) 16 equal prompts x 64 tok": (prompt_set(16, False), [64 // scale] * 16),
