@@ -23,6 +23,13 @@ def _released(t: torch.Tensor) -> bool:
     return t.numel() > 0 and t.untyped_storage().nbytes() == 0
 
 
+def _release(t: torch.Tensor) -> int:
+    """Empty t's storage (its shape and dtype stay; a stray use fails loudly); the bytes freed."""
+    freed = t.untyped_storage().nbytes()
+    t.untyped_storage().resize_(0)
+    return freed
+
+
 class KVCache:
     """Per layer, K and V as [num_blocks, block_size, num_kv_heads, head_dim]."""
 
@@ -136,6 +143,7 @@ class LlamaModel(torch.nn.Module):
         self.fast_rowwise_max_rows = None
         self.dense_head = None   # hidden -> float32 logits on the packed lm_head (pack_fast)
         self.plain_needed = True   # whether a plan multiplies the plain weights (pack_fast)
+        self.freed_bytes = 0       # plain weights freed once packed (pack_shared, release_plain_weights)
         # (packed, output sizes, norms, matmul) for the one-call decode layers (pack_fast);
         # matmul None: cpu_ops' own VDPBF16PS, else the reference's linear.
         self.fused_layers = None
@@ -161,16 +169,42 @@ class LlamaModel(torch.nn.Module):
         with the lm_head, what the plans multiply."""
         return [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
 
-    def pack_shared(self, ref) -> None:
+    def pack_shared(self, ref, release: bool = False) -> None:
         """The one packed copy of every projection and the lm_head, in the reference
         kernels' layout (`ref`: plans.reference_ops' module), as `shared`: the
         reference multiplies it, and the fast plan too where it can (pack_fast).
-        Nothing where the reference does not take this model's weights."""
+        Nothing where the reference does not take this model's weights.
+        `release` (a model no one else holds, as for release_plain_weights): each plain
+        weight is freed as soon as its packed copy exists, so start-up never holds the
+        weights twice, only one weight more than once. pack_fast reads a freed weight
+        back from its packed copy where it needs it (plain), and puts every plain
+        weight back where a plan multiplies them after all (restore_plain_weights)."""
         if self.shared or ref is None:
             return
         every = self.projections() + [self.lm_head]
-        shared = {id(w): p for w in every if (p := cpu_linear.shared_pack(w, ref)) is not None}
-        self.shared = shared if len(shared) == len(every) else {}
+        if not all(cpu_linear.packable(w, ref) for w in every):
+            return
+        for w in every:
+            self.shared[id(w)] = cpu_linear.shared_pack(w, ref)
+            if release:
+                self.freed_bytes += _release(w)
+        if release:
+            self.__dict__.pop("lm_head_f32", None)
+
+    def plain(self, w: torch.Tensor) -> torch.Tensor:
+        """w, or where pack_shared freed it, an exact copy read back from its packed copy."""
+        return cpu_linear.unpack(self.shared[id(w)]) if _released(w) else w
+
+    def restore_plain_weights(self) -> None:
+        """Every freed plain weight back, read from its packed copy (its own storage
+        again, so every reference to the weight sees it)."""
+        with torch.no_grad():
+            for w in self.projections() + [self.lm_head]:
+                if _released(w):
+                    values = cpu_linear.unpack(self.shared[id(w)])
+                    w.untyped_storage().resize_(values.numel() * values.element_size())
+                    w.copy_(values)
+        self.freed_bytes = 0
 
     def pack_fast(self, kernels=None, ref=None) -> None:
         """The fast plan's matmuls (`packed`, plans.cpu_linear says which): with the C++
@@ -185,20 +219,24 @@ class LlamaModel(torch.nn.Module):
         every = weights + [self.lm_head]
         name = cpu_linear.rowwise_kernel(kernels, ref) if self.shared else None
         rowwise = {}
-        if name is not None:
-            rowwise = {id(w): cpu_linear.checked(cpu_linear.rowwise(name, self.shared[id(w)], kernels, ref), w)
+        if name is not None:   # each weight checked on its own (plain: read back if freed)
+            rowwise = {id(w): cpu_linear.checked(cpu_linear.rowwise(name, self.shared[id(w)], kernels, ref),
+                                                 self.plain(w))
                        for w in every}
             if not all(rowwise.values()):   # a kernel that disagrees with F.linear is never used
                 rowwise, name = {}, None
         onednn = cpu_linear.onednn_available()
 
         def other(w):   # the fast plan's alternative to the row-invariant kernel
-            return cpu_linear.pack(w) if onednn else (lambda x: torch.nn.functional.linear(x, w))
+            return cpu_linear.pack(self.plain(w)) if onednn else (lambda x: torch.nn.functional.linear(x, w))
         if rowwise:
             probe = self.layers[0].gate_up
             self.fast_rowwise_max_rows = cpu_linear.rowwise_max_rows(rowwise[id(probe)], other(probe),
                                                                      probe.shape[1])
         need_other = not rowwise or self.fast_rowwise_max_rows is not None   # it serves some row counts
+        self.plain_needed = not rowwise or (need_other and not onednn)
+        if self.plain_needed:
+            self.restore_plain_weights()
         others = {id(w): other(w) for w in every} if need_other and (rowwise or onednn) else {}
         fast = {id(w): cpu_linear.fast_linear(rowwise.get(id(w)), others.get(id(w)), self.fast_rowwise_max_rows)
                 for w in every}
@@ -211,7 +249,6 @@ class LlamaModel(torch.nn.Module):
             self.invariant_matmul = name
         elif self.packed:
             self.invariant_packed, self.invariant_matmul = dict(self.packed), kernel_names.ONEDNN_PACKED
-        self.plain_needed = not rowwise or (need_other and not onednn)
         # The C++ one-call decode layers (FastPlan.decode_layers) take the row-invariant
         # matmul (VDPBF16PS, or the reference's AVX2 build) at the row counts it serves,
         # and layers without biases or q/k norms.
@@ -231,16 +268,14 @@ class LlamaModel(torch.nn.Module):
         requiring a storage size") instead of reading anything. A tied embedding's
         rows then come from the packed lm_head (embed_rows). Returns the bytes freed.
         Only for a model no one else holds (the engine that loaded it): a released
-        model no longer runs on torch ops."""
-        if self.plain_needed or not self.shared or _released(self.lm_head):
+        model no longer runs on torch ops. Counts the weights pack_shared freed too."""
+        if self.plain_needed or not self.shared:
             return 0
         # An untied embedding is not in this list: its plain rows stay (looked up, not multiplied).
-        freed = 0
         for w in self.projections() + [self.lm_head]:
-            freed += w.untyped_storage().nbytes()
-            w.untyped_storage().resize_(0)
+            self.freed_bytes += _release(w)
         self.__dict__.pop("lm_head_f32", None)
-        return freed
+        return self.freed_bytes
 
     def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The embeddings of token ids: rows of the embedding, or of the packed lm_head

@@ -45,13 +45,22 @@ class Packed:
     k: int
 
 
+def packable(w: torch.Tensor, ref) -> bool:
+    """Whether the reference takes w (ref: the reference kernels, plans.reference_ops):
+    a CPU bf16 [N, K] matrix with K even."""
+    return (ref is not None and w.device.type == "cpu" and w.dtype == torch.bfloat16 and w.dim() == 2
+            and w.shape[1] % 2 == 0)
+
+
 def shared_pack(w: torch.Tensor, ref) -> Optional[Packed]:
-    """w in the reference's layout (ref: the reference kernels, plans.reference_ops),
-    or None where the reference does not take it (not a CPU bf16 [N, K] matrix with K
-    even)."""
-    if ref is None or w.device.type != "cpu" or w.dtype != torch.bfloat16 or w.dim() != 2 or w.shape[1] % 2:
-        return None
-    return Packed(ref.pack(w.detach()), w.shape[0], w.shape[1])
+    """w in the reference's layout, or None where the reference does not take it."""
+    return Packed(ref.pack(w.detach()), w.shape[0], w.shape[1]) if packable(w, ref) else None
+
+
+def unpack(p: Packed) -> torch.Tensor:
+    """The plain [n, k] weight back from its packed copy, exactly: the layout
+    [ceil(n/16)][k/2][16][2] only moves values (w[16b + r, 2j + t] sits at [b, j, r, t])."""
+    return p.data.permute(0, 2, 1, 3).reshape(-1, p.k)[:p.n].contiguous()
 
 
 def rowwise_kernel(kernels, ref) -> Optional[str]:

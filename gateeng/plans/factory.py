@@ -48,7 +48,9 @@ def build(cfg: EngineConfig, model, model_config, dtype, owned: bool = False) ->
         return _cuda_plans(cfg, model, model_config, dtype)
     kernels = cpu_ops.load() if cfg.cpu_kernels else None
     ops, unavailable = _reference_ops(model)
-    model.pack_shared(ops)
+    # A model loaded for this engine alone gives up each plain weight once packed: the
+    # weights are never in memory twice, even for a moment (LlamaModel.pack_shared).
+    model.pack_shared(ops, release=owned and cfg.pack_fast_weights)
     if cfg.pack_fast_weights:
         model.pack_fast(kernels, ops)
     rows = cfg.invariant_rows or default_invariant_rows(",".join(cpp_build.cpu_flags().split()))

@@ -1,0 +1,144 @@
+"""Start-up memory: a server's peak RSS while it loads and packs a model, against its
+steady RSS once it serves.
+
+For each model, `gateeng serve --model M` (defaults otherwise) is started; once its
+health check says SERVING, the process's VmHWM (the peak resident set since it
+started) and VmRSS are read from /proc, and again after a few requests. The
+weights are in memory once when serving (the one packed copy); loading must not hold
+them twice on the way there.
+
+Models: the embedded SmolLM2-135M (its GGUF, converted once and cached) and, with
+--random SHAPE, a random-weight Llama of that shape written here as a bf16
+safetensors directory with the embedded model's tokenizer (`1b`: TinyLlama-1.1B's
+shape with SmolLM2's vocabulary, 1.17B parameters, 2.3 GB).
+
+Usage: python bench/load_memory.py [--random 1b] [--model PATH ...] [--keep DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.common import command, commit, header, machine  # noqa: E402
+from bench.serve import ServerProcess, make_request, run_one  # noqa: E402
+
+# name -> (hidden, intermediate, layers, heads, KV heads)
+SHAPES = {"1b": (2048, 5632, 22, 32, 4), "360m": (960, 2560, 32, 15, 5)}
+
+
+def random_llama(out: Path, shape: str) -> Path:
+    """A random-weight Llama of `shape` as a bf16 HF directory, with the embedded
+    model's tokenizer and vocabulary."""
+    import torch
+    from safetensors.torch import save_file
+
+    from gateeng.model.loader import default_model_path, ensure_hf_dir
+    src = ensure_hf_dir(default_model_path())
+    config = json.loads((src / "config.json").read_text())
+    hidden, inter, layers, heads, kv = SHAPES[shape]
+    config.update(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
+                  num_key_value_heads=kv, head_dim=hidden // heads, tie_word_embeddings=False, dtype="bfloat16")
+    vocab, hd = config["vocab_size"], hidden // heads
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*s):
+        return (torch.randn(*s, generator=gen) * 0.02).to(torch.bfloat16)
+    tensors = {"model.embed_tokens.weight": rand(vocab, hidden), "lm_head.weight": rand(vocab, hidden),
+               "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        tensors.update({p + "input_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+                        p + "post_attention_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+                        p + "self_attn.q_proj.weight": rand(heads * hd, hidden),
+                        p + "self_attn.k_proj.weight": rand(kv * hd, hidden),
+                        p + "self_attn.v_proj.weight": rand(kv * hd, hidden),
+                        p + "self_attn.o_proj.weight": rand(hidden, heads * hd),
+                        p + "mlp.gate_proj.weight": rand(inter, hidden),
+                        p + "mlp.up_proj.weight": rand(inter, hidden),
+                        p + "mlp.down_proj.weight": rand(hidden, inter)})
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    for tok in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (src / tok).is_file():
+            shutil.copy(src / tok, out / tok)
+    params = sum(t.numel() for t in tensors.values())
+    print(f"wrote {out}: {params / 1e9:.2f}B parameters", file=sys.stderr, flush=True)
+    return out
+
+
+def status_mb(pid: int) -> dict:
+    """VmHWM and VmRSS of a process, in MiB."""
+    fields = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmHWM", "VmRSS"):
+            fields[key] = int(value.split()[0]) / 1024
+    return fields
+
+
+def measure(model: str, requests: int) -> dict:
+    import asyncio
+
+    import grpc
+
+    from gateeng.v1 import engine_pb2_grpc as pb_grpc
+    server = ServerProcess("--model", model)
+    try:
+        at_start = status_mb(server.proc.pid)
+
+        async def serve_some():
+            async with grpc.aio.insecure_channel(server.target) as channel:
+                stub = pb_grpc.EngineStub(channel)
+                for i in range(requests):
+                    await run_one(stub, make_request(f"Tell me about the number {i}.", i % 2 == 0, 16), "x", i)
+        asyncio.run(serve_some())
+        after = status_mb(server.proc.pid)
+    finally:
+        server.stop()
+    return {"model": model, "peak_mb": after["VmHWM"], "rss_serving_mb": at_start["VmRSS"],
+            "peak_at_serving_mb": at_start["VmHWM"], "rss_after_mb": after["VmRSS"], "requests": requests,
+            "peak_over_steady": after["VmHWM"] / after["VmRSS"]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", action="append", default=[], help="a model to serve (repeatable)")
+    ap.add_argument("--random", choices=sorted(SHAPES), action="append", default=[],
+                    help="also a random-weight Llama of this shape (repeatable)")
+    ap.add_argument("--no-embedded", action="store_true", help="leave the embedded model out")
+    ap.add_argument("--requests", type=int, default=8, help="requests served before the second reading")
+    ap.add_argument("--keep", default=None, metavar="DIR", help="write (or reuse) the random models here")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "load_memory.json"))
+    args = ap.parse_args()
+    print(header(), flush=True)
+    from gateeng.model.loader import default_model_path
+    models = ([] if args.no_embedded else [str(default_model_path())]) + args.model
+    with tempfile.TemporaryDirectory(prefix="load-memory-") as tmp:
+        for shape in args.random:
+            where = Path(args.keep or tmp) / f"random-{shape}"
+            models.append(str(where if (where / "config.json").is_file() else random_llama(where, shape)))
+        rows = []
+        for model in models:
+            rows.append(measure(model, args.requests))
+            r = rows[-1]
+            print(f"  {Path(model).name}: peak {r['peak_mb']:.0f} MiB, serving {r['rss_after_mb']:.0f} MiB, "
+                  f"peak / serving {r['peak_over_steady']:.2f}x", file=sys.stderr, flush=True)
+    print("\n| model | RSS serving (MiB) | peak RSS (MiB) | peak / serving |\n| --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {Path(r['model']).name} | {r['rss_after_mb']:.0f} | {r['peak_mb']:.0f} | "
+              f"{r['peak_over_steady']:.2f}x |")
+    Path(args.out).write_text(json.dumps({"machine": machine(), "commit": commit(), "command": command(),
+                                          "rows": rows}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""A model loaded for one engine gives up each plain weight as soon as its packed copy
+exists (LlamaModel.pack_shared(release=True)), so start-up never holds the weights
+twice; the plans it then builds answer with the bits of a model that kept them."""
+import pytest
+import torch
+
+from gateeng.config import EngineConfig
+from gateeng.plans import cpu_linear, cpu_ops, factory, reference_ops
+from tiny import tiny_loaded
+
+
+def _ref():
+    try:
+        return reference_ops.load()
+    except reference_ops.ReferenceUnavailable as exc:
+        pytest.skip(f"no reference build here: {exc}")
+
+
+def _weights(model) -> list:
+    return model.projections() + [model.lm_head]
+
+
+def test_unpack_gives_back_the_weight_bit_for_bit():
+    ref = _ref()
+    gen = torch.Generator().manual_seed(0)
+    for n, k in [(37, 24), (16, 2), (50, 64), (1, 8)]:
+        w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+        w[0, 0] = float("nan") if n > 1 else w[0, 0]   # any bits, NaN's included
+        back = cpu_linear.unpack(cpu_linear.shared_pack(w, ref))
+        assert back.shape == w.shape and torch.equal(back.view(torch.int16), w.view(torch.int16))
+
+
+def test_release_frees_every_weight_while_packing_and_reads_them_back_exactly():
+    ref = _ref()
+    model = tiny_loaded("bfloat16").model
+    before = {id(w): w.clone() for w in _weights(model)}
+    model.pack_shared(ref, release=True)
+    assert all(w.untyped_storage().nbytes() == 0 for w in _weights(model))
+    assert model.freed_bytes == sum(w.numel() * w.element_size() for w in before.values())
+    for w in _weights(model):
+        assert torch.equal(model.plain(w), before[id(w)])
+
+
+def test_plain_weights_come_back_where_a_plan_multiplies_them():
+    """Without a row-invariant matmul (no C++ kernels), the fast plan multiplies the
+    plain weights: pack_fast puts every freed one back, in its own storage."""
+    ref = _ref()
+    model = tiny_loaded("bfloat16").model
+    before = {id(w): w.clone() for w in _weights(model)}
+    model.pack_shared(ref, release=True)
+    model.pack_fast(None, ref)
+    assert model.plain_needed and model.freed_bytes == 0
+    assert all(torch.equal(w, before[id(w)]) for w in _weights(model))
+    assert model.release_plain_weights() == 0
+
+
+def test_an_engine_that_released_early_answers_with_the_same_bits():
+    """factory.build on an owned model (weights freed while packing) against one on a
+    model someone else holds (nothing freed): the same fast and reference logits."""
+    if cpu_ops.load() is None:
+        pytest.skip("no C++ kernels here")
+    from test_model import prefill_logits
+    cfg = EngineConfig(block_size=4)
+    seqs = [list(range(5, 30)), [7, 3, 9, 11, 200]]
+    out = {}
+    for owned in (True, False):
+        loaded = tiny_loaded("bfloat16")
+        plans = factory.build(cfg, loaded.model, loaded.config, torch.bfloat16, owned=owned)
+        if owned and loaded.model.plain_needed:
+            pytest.skip("no row-invariant matmul here: the plain weights stay")
+        assert (loaded.model.lm_head.untyped_storage().nbytes() == 0) is owned
+        out[owned] = [prefill_logits(loaded, plan, seqs, chunk=3) for plan in (plans.fast, plans.invariant)]
+    for a, b in zip(out[True], out[False]):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
