@@ -60,7 +60,9 @@ def test_converts_once_and_then_reads_the_cache(cache):
     (lambda t: (t / "gateeng.json").unlink(), "missing"),
     (lambda t: (t / "tokenizer.json").unlink(), "missing"),
     (lambda t: (t / "model.safetensors").write_bytes(b"x" * (1 << 16)), "sha256"),
-], ids=["truncated weights", "truncated manifest", "no manifest", "lost file", "same-size edit"])
+    (lambda t: (t / "gateeng.json").write_text(json.dumps(
+        {k: v for k, v in json.loads((t / "gateeng.json").read_text()).items() if k != "format"})), "older gateeng"),
+], ids=["truncated weights", "truncated manifest", "no manifest", "lost file", "same-size edit", "older format"])
 def test_damaged_cache_is_reported_and_converted_again(cache, capfd, damage, words):
     root, gguf = cache
     conv = FakeConverter()
@@ -177,3 +179,14 @@ def test_full_disk_during_conversion_is_one_clear_line_and_leaves_nothing(cache,
     monkeypatch.setenv("GATEENG_CACHE", str(root))
     target = model_cache.converted(gguf, FakeConverter())   # with room again, it converts
     assert model_cache.check(target) is None and entries(root) == [target.name]
+
+
+def test_serving_a_quantized_gguf_names_what_it_dequantizes(tmp_path):
+    """The log line a start prints: a GGUF's quantized tensors are served dequantized,
+    and the line names their types, so the change of arithmetic is never silent."""
+    from gateeng.model.loader import GGUF_TYPES, served_as
+    (tmp_path / GGUF_TYPES).write_text(json.dumps({"F32": 61, "Q4_1": 210, "Q8_0": 1}))
+    line = served_as(Path("m.gguf"), tmp_path, "bfloat16")
+    assert "210 Q4_1, 1 Q8_0" in line and "dequantized to bfloat16" in line and "F32" not in line
+    (tmp_path / GGUF_TYPES).write_text(json.dumps({"BF16": 200, "F32": 61}))
+    assert "dequantized" not in served_as(Path("m.gguf"), tmp_path, "bfloat16")

@@ -35,6 +35,9 @@ from gateeng.disk import file_differs, is_no_space, no_space, sha256_file, tree_
 from gateeng.logs import log
 
 MANIFEST = "gateeng.json"
+# What a conversion writes; an entry written to another format is converted again.
+# 2: the conversion records the GGUF's tensor types (loader.GGUF_TYPES).
+FORMAT = 2
 
 def hash_dir(hf_dir: Path) -> dict:
     """{file name: {size, sha256}} for every file but the manifest."""
@@ -50,13 +53,16 @@ def check(target: Path) -> Optional[str]:
     if not target.is_dir():
         return "missing"
     try:
-        want = json.loads(meta.read_text())["files"]
+        manifest = json.loads(meta.read_text())
+        want = manifest["files"]
     except FileNotFoundError:
         return f"{MANIFEST} is missing"
     except KeyError:
         return f"{MANIFEST} lists no files (a cache from an older gateeng)"
     except (ValueError, TypeError) as exc:
         return f"{MANIFEST} is unreadable ({type(exc).__name__})"
+    if manifest.get("format") != FORMAT:
+        return f"written in format {manifest.get('format', 1)} by an older gateeng, not {FORMAT}"
     for name, entry in want.items():
         why = file_differs(target / name, entry.get("size"), entry.get("sha256"))
         if why:
@@ -117,7 +123,7 @@ def converted(gguf: Path, convert: Callable[[Path, Path], None]) -> Path:
         try:
             tmp.mkdir()
             convert(gguf, tmp)
-            manifest = {"source": str(gguf), "sha256": digest, "files": hash_dir(tmp)}
+            manifest = {"format": FORMAT, "source": str(gguf), "sha256": digest, "files": hash_dir(tmp)}
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
             for path in tmp.iterdir():
                 with open(path, "rb") as f:

@@ -30,6 +30,10 @@ from gateeng.model.hf_config import read_config
 from gateeng.model.tokenizer import Tokenizer
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "smollm")
+# A converted GGUF's record of its tensor types ({type name: count}), and the types
+# that are plain floats.
+GGUF_TYPES = "gguf_types.json"
+UNQUANTIZED = ("F32", "F16", "BF16", "F64")
 DTYPES = dict(zip(config.DTYPES, (torch.bfloat16, torch.float32)))   # config.DTYPES as torch dtypes
 
 
@@ -47,10 +51,16 @@ def default_model_path() -> Path:
 
 
 def convert_gguf(gguf: Path, out: Path) -> None:
-    """Dequantize a GGUF file through transformers into a plain float32 HF directory."""
+    """Dequantize a GGUF file through transformers into a plain float32 HF directory,
+    with the file's own tensor types recorded beside it (GGUF_TYPES)."""
+    from collections import Counter
+
+    from gguf import GGUFReader
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    types = Counter(t.tensor_type.name for t in GGUFReader(str(gguf)).tensors)
+    (out / GGUF_TYPES).write_text(json.dumps(dict(sorted(types.items()))))
     t0 = time.time()
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     log(f"  tokenizer read ({time.time() - t0:.0f}s); dequantizing weights ...")
@@ -67,6 +77,19 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     config["dtype"] = FLOAT32
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     tok.save_pretrained(out)
+
+
+def served_as(gguf: Path, hf_dir: Path, dtype: str) -> str:
+    """What serving a GGUF does to its weights, in words: its quantized tensors are
+    dequantized (the file's types are named, so the change of arithmetic is never
+    silent)."""
+    types = json.loads((hf_dir / GGUF_TYPES).read_text())
+    quantized = {name: n for name, n in types.items() if name not in UNQUANTIZED}
+    if not quantized:
+        return f"{gguf.name}: {', '.join(types)} tensors, served in {dtype}"
+    kinds = ", ".join(f"{n} {name}" for name, n in quantized.items())
+    return (f"{gguf.name}: {kinds} tensors, served dequantized to {dtype} (quantized weights are not "
+            "served as such yet)")
 
 
 def ensure_hf_dir(path: Path) -> Path:
@@ -93,6 +116,8 @@ class LoadedModel:
 def load(path: Optional[str], dtype: str = BFLOAT16, device: str = "cpu") -> LoadedModel:
     src = Path(path) if path else default_model_path()
     hf_dir = ensure_hf_dir(src)
+    if src.is_file():
+        log(served_as(src, hf_dir, dtype))
     cfg = read_model_config(hf_dir)
     checkpoint = Checkpoint(weight_files(hf_dir))
     model = LlamaModel(cfg, DTYPES[dtype], device)
