@@ -54,11 +54,16 @@ def test_plain_weights_come_back_where_a_plan_multiplies_them():
     assert model.release_plain_weights() == 0
 
 
-def test_an_engine_that_released_early_answers_with_the_same_bits():
+@pytest.mark.parametrize("onednn", [True, False], ids=["oneDNN", "no oneDNN"])
+def test_an_engine_that_released_early_answers_with_the_same_bits(onednn, monkeypatch):
     """factory.build on an owned model (weights freed while packing) against one on a
-    model someone else holds (nothing freed): the same fast and reference logits."""
+    model someone else holds (nothing freed): the same fast and reference logits. Without
+    oneDNN (an AVX2-only CPU) the start-up probe times torch's matmul on a weight read
+    back from the packed copy."""
     if cpu_ops.load() is None:
         pytest.skip("no C++ kernels here")
+    if not onednn:
+        monkeypatch.setattr(cpu_linear, "onednn_available", lambda: False)
     from test_model import prefill_logits
     cfg = EngineConfig(block_size=4)
     seqs = [list(range(5, 30)), [7, 3, 9, 11, 200]]

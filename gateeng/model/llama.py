@@ -228,7 +228,8 @@ class LlamaModel(torch.nn.Module):
         onednn = cpu_linear.onednn_available()
 
         def other(w):   # the fast plan's alternative to the row-invariant kernel
-            return cpu_linear.pack(self.plain(w)) if onednn else (lambda x: torch.nn.functional.linear(x, w))
+            plain = self.plain(w)   # (a copy read back only for the probe: `others` come after a restore)
+            return cpu_linear.pack(plain) if onednn else (lambda x: torch.nn.functional.linear(x, plain))
         if rowwise:
             probe = self.layers[0].gate_up
             self.fast_rowwise_max_rows = cpu_linear.rowwise_max_rows(rowwise[id(probe)], other(probe),
