@@ -77,3 +77,19 @@ def test_an_engine_that_released_early_answers_with_the_same_bits(onednn, monkey
         out[owned] = [prefill_logits(loaded, plan, seqs, chunk=3) for plan in (plans.fast, plans.invariant)]
     for a, b in zip(out[True], out[False]):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_weights_are_checked_while_their_plain_copy_is_at_hand(monkeypatch):
+    """Each weight's row-invariant matmul is checked against F.linear as it is packed,
+    before its plain copy goes: an owned model's start reads back from the packed
+    copies only the one weight the start-up probe times."""
+    if cpu_ops.load() is None:
+        pytest.skip("no C++ kernels here")
+    calls = []
+    unpack = cpu_linear.unpack
+    monkeypatch.setattr(cpu_linear, "unpack", lambda p: calls.append(p) or unpack(p))
+    loaded = tiny_loaded("bfloat16")
+    factory.build(EngineConfig(block_size=4), loaded.model, loaded.config, torch.bfloat16, owned=True)
+    if loaded.model.plain_needed:
+        pytest.skip("no row-invariant matmul here: the plain weights stay")
+    assert len(calls) <= 1

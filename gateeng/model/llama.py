@@ -144,6 +144,9 @@ class LlamaModel(torch.nn.Module):
         self.dense_head = None   # hidden -> float32 logits on the packed lm_head (pack_fast)
         self.plain_needed = True   # whether a plan multiplies the plain weights (pack_fast)
         self.freed_bytes = 0       # plain weights freed once packed (pack_shared, release_plain_weights)
+        # pack_shared's check of each weight's row-invariant matmul (id -> the matmul, or
+        # None where it disagreed), and that matmul's name.
+        self.rowwise_checked, self.rowwise_checked_name = {}, None
         # (packed, output sizes, norms, matmul) for the one-call decode layers (pack_fast);
         # matmul None: cpu_ops' own VDPBF16PS, else the reference's linear.
         self.fused_layers = None
@@ -169,7 +172,7 @@ class LlamaModel(torch.nn.Module):
         with the lm_head, what the plans multiply."""
         return [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
 
-    def pack_shared(self, ref, release: bool = False) -> None:
+    def pack_shared(self, ref, release: bool = False, kernels=None) -> None:
         """The one packed copy of every projection and the lm_head, in the reference
         kernels' layout (`ref`: plans.reference_ops' module), as `shared`: the
         reference multiplies it, and the fast plan too where it can (pack_fast).
@@ -178,16 +181,22 @@ class LlamaModel(torch.nn.Module):
         weight is freed as soon as its packed copy exists, so start-up never holds the
         weights twice, only one weight more than once. pack_fast reads a freed weight
         back from its packed copy where it needs it (plain), and puts every plain
-        weight back where a plan multiplies them after all (restore_plain_weights)."""
+        weight back where a plan multiplies them after all (restore_plain_weights).
+        With `kernels` (the C++ kernels pack_fast will get), each weight's row-invariant
+        matmul is checked against F.linear here, while its plain copy is still at hand."""
         if self.shared or ref is None:
             return
         every = self.projections() + [self.lm_head]
         if not all(cpu_linear.packable(w, ref) for w in every):
             return
+        name = cpu_linear.rowwise_kernel(kernels, ref)
         for w in every:
-            self.shared[id(w)] = cpu_linear.shared_pack(w, ref)
+            p = self.shared[id(w)] = cpu_linear.shared_pack(w, ref)
+            if name is not None:
+                self.rowwise_checked[id(w)] = cpu_linear.checked(cpu_linear.rowwise(name, p, kernels, ref), w)
             if release:
                 self.freed_bytes += _release(w)
+        self.rowwise_checked_name = name
         if release:
             self.__dict__.pop("lm_head_f32", None)
 
@@ -219,9 +228,10 @@ class LlamaModel(torch.nn.Module):
         every = weights + [self.lm_head]
         name = cpu_linear.rowwise_kernel(kernels, ref) if self.shared else None
         rowwise = {}
-        if name is not None:   # each weight checked on its own (plain: read back if freed)
-            rowwise = {id(w): cpu_linear.checked(cpu_linear.rowwise(name, self.shared[id(w)], kernels, ref),
-                                                 self.plain(w))
+        if name is not None:   # each weight checked on its own, by pack_shared or here (plain: read back)
+            done = self.rowwise_checked if self.rowwise_checked_name == name else {}
+            rowwise = {id(w): done[id(w)] if id(w) in done else
+                       cpu_linear.checked(cpu_linear.rowwise(name, self.shared[id(w)], kernels, ref), self.plain(w))
                        for w in every}
             if not all(rowwise.values()):   # a kernel that disagrees with F.linear is never used
                 rowwise, name = {}, None

@@ -50,7 +50,8 @@ def build(cfg: EngineConfig, model, model_config, dtype, owned: bool = False) ->
     ops, unavailable = _reference_ops(model)
     # A model loaded for this engine alone gives up each plain weight once packed: the
     # weights are never in memory twice, even for a moment (LlamaModel.pack_shared).
-    model.pack_shared(ops, release=owned and cfg.pack_fast_weights)
+    fast_kernels = kernels if cfg.pack_fast_weights else None
+    model.pack_shared(ops, release=owned and cfg.pack_fast_weights, kernels=fast_kernels)
     if cfg.pack_fast_weights:
         model.pack_fast(kernels, ops)
     rows = cfg.invariant_rows or default_invariant_rows(",".join(cpp_build.cpu_flags().split()))
