@@ -6,6 +6,9 @@ other types.
     python bench/models.py --shape 1b --out DIR [--convert PATH/convert_hf_to_gguf.py]
         [--llama-quantize PATH --types Q8_0 Q4_0]
 
+llama.cpp's converter runs under this Python and needs llama.cpp's own requirements
+for it (`pip install sentencepiece`, with numpy, torch and transformers already here).
+
 Shapes: `1b` is TinyLlama-1.1B's (2048 hidden, 5632 MLP, 22 layers, 32 heads, 4 KV
 heads) with SmolLM2's 49152-token vocabulary: 1.17B parameters, 2.3 GB in bf16.
 """
@@ -35,7 +38,8 @@ def random_llama(out: Path, shape: str) -> Path:
     config = json.loads((src / "config.json").read_text())
     hidden, inter, layers, heads, kv = SHAPES[shape]
     config.update(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
-                  num_key_value_heads=kv, head_dim=hidden // heads, tie_word_embeddings=False, dtype="bfloat16")
+                  num_key_value_heads=kv, head_dim=hidden // heads, tie_word_embeddings=False, dtype="bfloat16",
+                  model_type="llama", architectures=["LlamaForCausalLM"])   # what llama.cpp's converter reads
     vocab, hd = config["vocab_size"], hidden // heads
     gen = torch.Generator().manual_seed(0)
 
