@@ -5,7 +5,7 @@ import re
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent.parent / "bench" / "RESULTS.md"
-COMMIT = re.compile(r"\b[Aa]t (?:commit )?[0-9a-f]{7,40}\b")
+COMMIT = re.compile(r"\b[Aa]t\s+(?:commit\s+)?[0-9a-f]{7,40}\b")
 MACHINE = re.compile(r"AMD EPYC|Intel|Xeon|NVIDIA")
 SUMMARY = "## At a glance"   # figures from the sections below, each naming its section
 
