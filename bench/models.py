@@ -28,13 +28,14 @@ SHAPES = {"1b": (2048, 5632, 22, 32, 4), "360m": (960, 2560, 32, 15, 5)}
 def random_llama(out: Path, shape: str) -> Path:
     """A random-weight Llama of `shape` as a bf16 HF directory, with the embedded
     model's tokenizer and vocabulary; `out` is reused where it already holds one."""
+    from gateeng.model.loader import default_model_path, ensure_hf_dir
+    src = ensure_hf_dir(default_model_path())
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        _copy_tokenizer(src, out)
         return out
     import torch
     from safetensors.torch import save_file
 
-    from gateeng.model.loader import default_model_path, ensure_hf_dir
-    src = ensure_hf_dir(default_model_path())
     config = json.loads((src / "config.json").read_text())
     hidden, inter, layers, heads, kv = SHAPES[shape]
     config.update(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
@@ -63,12 +64,17 @@ def random_llama(out: Path, shape: str) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
-        if (src / name).is_file():
-            shutil.copy(src / name, out / name)
+    _copy_tokenizer(src, out)
     params = sum(t.numel() for t in tensors.values())
     print(f"wrote {out}: {params / 1e9:.2f}B parameters", file=sys.stderr, flush=True)
     return out
+
+
+def _copy_tokenizer(src: Path, out: Path) -> None:
+    """The embedded model's tokenizer and chat template into `out`."""
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        if (src / name).is_file():
+            shutil.copy(src / name, out / name)
 
 
 def to_gguf(converter: str, hf_dir: Path, out: Path) -> Path:
