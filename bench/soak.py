@@ -13,7 +13,7 @@ loop over a weighted mix of actions, with a short pause between them:
   http        /v1/completions or /v1/chat/completions                    -> 200
   http_stream a streamed chat read to [DONE] by a slow reader            -> 200
   http_gone   a streamed completion whose client closes after one chunk  -> (nothing to read)
-  http_bad    bad JSON, an unknown field, n=2                            -> 400
+  http_bad    bad JSON, an unknown field, n=17 (above the 16 served)     -> 400
   http_big    a 2 MiB chunked body                                       -> 413 (or the connection closed)
   http_idle   a connection that sends nothing                            -> 408 at the header timeout
 A `busy` answer (gRPC RESOURCE_EXHAUSTED, HTTP 429) is counted apart and is no
@@ -168,7 +168,7 @@ class Soak:
         self.record("http_gone", "closed", True)
 
     def http_bad(self, _, rng: random.Random) -> None:
-        body = rng.choice([b"{not json", b'{"prompt": "hi", "frobnicate": 1}', b'{"prompt": "hi", "n": 2}'])
+        body = rng.choice([b"{not json", b'{"prompt": "hi", "frobnicate": 1}', b'{"prompt": "hi", "n": 17}'])
         conn, res = self._post("/v1/completions", body)
         data = res.read()
         conn.close()

@@ -8,10 +8,14 @@ Nothing touches a model hub.
 from __future__ import annotations
 
 import ctypes
+import errno
 import glob
 import importlib.util
 import json
+import multiprocessing
 import os
+import signal
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -22,6 +26,7 @@ import torch
 
 from gateeng import config
 from gateeng.config import BFLOAT16, FLOAT32, ModelConfig
+from gateeng.disk import is_no_space
 from gateeng.logs import log
 from gateeng.model.llama import LlamaModel
 from gateeng.model.cache import converted
@@ -79,6 +84,40 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     tok.save_pretrained(out)
 
 
+def convert_in_child(gguf: Path, out: Path) -> None:
+    """convert_gguf in a child process that dies with this one, so transformers and the
+    dequantized float32 model never enter the memory of the process that serves (a
+    conversion in process left it holding a quarter more for life). A full disk comes
+    back as ENOSPC, for the cache's own message; any other failure says where to look."""
+    child = multiprocessing.get_context("spawn").Process(target=_convert_child, args=(str(gguf), str(out)),
+                                                          name="gateeng-convert")
+    child.start()
+    try:
+        child.join()
+    finally:
+        if child.is_alive():   # this process was interrupted: the conversion stops with it
+            child.kill()
+            child.join()
+    if child.exitcode == errno.ENOSPC:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(out))
+    if child.exitcode != 0:
+        raise RuntimeError(f"converting {gguf.name} failed in its child process (exit code {child.exitcode}): "
+                           "the lines above say why")
+
+
+def _convert_child(gguf: str, out: str) -> None:
+    try:   # die with the parent (Linux), so a killed server leaves no conversion running
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    try:
+        convert_gguf(Path(gguf), Path(out))
+    except OSError as exc:
+        if is_no_space(exc):
+            sys.exit(errno.ENOSPC)
+        raise
+
+
 def served_as(gguf: Path, hf_dir: Path, dtype: str) -> str:
     """What serving a GGUF does to its weights, in words: its quantized tensors are
     dequantized (the file's types are named, so the change of arithmetic is never
@@ -101,7 +140,7 @@ def ensure_hf_dir(path: Path) -> Path:
         raise FileNotFoundError(f"model path {path} does not exist")
     if path.suffix != ".gguf":
         raise ValueError(f"model path {path} is neither a directory nor a .gguf file")
-    return converted(path, convert_gguf)
+    return converted(path, convert_in_child)
 
 
 @dataclass
