@@ -462,8 +462,440 @@ Out out_to(torch::Tensor& result, int64_t n) {
   return out;
 }
 
-// x @ w.T on a packed weight: bf16 out (rounded), or binary32 out (f32 = true).
+// ---- quantized weights ------------------------------------------------------------
+// SPEC.md, "Quantized weights". A GGUF weight of type Q8_0, Q4_0 or Q4_1 keeps its
+// integers and per-block binary16 scales, repacked once (qpack) for 16 output columns
+// at a time, like the bf16 layout: uint8 [ceil(N/16)][B][record], one record per block
+// of 32 values of K and column block. A record is the 16 columns' scales d (binary16),
+// for Q4_1 their minimums m, then the integers pair by pair, the 16 columns' (even, odd)
+// values side by side: Q8_0 as int8 [16 pairs][16][2]; Q4 as bytes [8][16][2] whose low
+// nibble is pair 2j and high nibble pair 2j + 1. The record size names the type.
+// Zero columns (scale 0) pad the last column block.
+
+constexpr int64_t QK = 32;                            // values per GGUF block
+constexpr int64_t GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q8_0 = 8;   // GGML type ids
+constexpr int64_t REC_Q8_0 = 32 + 512, REC_Q4_0 = 32 + 256, REC_Q4_1 = 64 + 256;
+
+struct QType {
+  int64_t ggml, raw, rec;   // GGML id, bytes per stored block, bytes per record
+  bool q8, mins;
+};
+constexpr QType QTYPES[] = {{GGML_Q8_0, 34, REC_Q8_0, true, false},
+                            {GGML_Q4_0, 18, REC_Q4_0, false, false},
+                            {GGML_Q4_1, 20, REC_Q4_1, false, true}};
+
+const QType& qtype_of_ggml(int64_t ggml) {
+  for (const auto& t : QTYPES)
+    if (t.ggml == ggml) return t;
+  TORCH_CHECK(false, "GGML type ", ggml, " is not served quantized (Q8_0, Q4_0 and Q4_1 are)");
+}
+const QType& qtype_of_record(int64_t rec) {
+  for (const auto& t : QTYPES)
+    if (t.rec == rec) return t;
+  TORCH_CHECK(false, "not a quantized packed weight (record of ", rec, " bytes)");
+}
+
+// binary16 -> binary32, exact (subnormal halves are normal binary32 numbers).
+inline float half(u16 h) {
+  const u32 sign = static_cast<u32>(h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, f = h & 0x3FFu;
+  if (e == 0x1F) return from_bits(sign | 0x7F800000u | (f << 13));
+  if (e != 0) return from_bits(sign | ((e + 112) << 23) | (f << 13));
+  const float v = static_cast<float>(f) * from_bits(0x33800000u);   // f * 2^-24, exact
+  return sign ? -v : v;
+}
+
+// The integer of column c, pair p, element t (0 even, 1 odd) of a record.
+inline float qint(const QType& t, const uint8_t* rec, int p, int c, int e) {
+  const uint8_t* q = rec + (t.mins ? 64 : 32);
+  if (t.q8) return static_cast<float>(static_cast<int8_t>(q[(p * 16 + c) * 2 + e]));
+  const uint8_t b = q[((p / 2) * 16 + c) * 2 + e];
+  const int n = (p % 2) ? (b >> 4) : (b & 0x0F);
+  return static_cast<float>(t.mins ? n : n - 8);
+}
+
+torch::Tensor qpack(torch::Tensor raw, int64_t ggml) {
+  const QType& t = qtype_of_ggml(ggml);
+  TORCH_CHECK(raw.scalar_type() == torch::kUInt8 && raw.dim() == 2 && raw.device().is_cpu() &&
+                  raw.size(1) % t.raw == 0, "raw must be uint8 [N, blocks * ", t.raw, "] (the GGUF rows)");
+  raw = raw.contiguous();
+  const int64_t n = raw.size(0), nb = raw.size(1) / t.raw, cbs = (n + 15) / 16;
+  auto out = torch::zeros({cbs, nb, t.rec}, raw.options());
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, cbs, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t cb = begin; cb < end; ++cb) {
+      for (int64_t c = 0; c < 16 && cb * 16 + c < n; ++c) {
+        for (int64_t g = 0; g < nb; ++g) {
+          const uint8_t* b = src + (cb * 16 + c) * raw.size(1) + g * t.raw;
+          uint8_t* rec = dst + (cb * nb + g) * t.rec;
+          std::memcpy(rec + 2 * c, b, 2);                        // d
+          if (t.mins) std::memcpy(rec + 32 + 2 * c, b + 2, 2);   // m
+          const uint8_t* qs = b + (t.mins ? 4 : 2);
+          uint8_t* q = rec + (t.mins ? 64 : 32);
+          for (int v = 0; v < QK; ++v) {
+            const int p = v / 2, e = v % 2;
+            if (t.q8) {
+              q[(p * 16 + c) * 2 + e] = qs[v];
+            } else {   // GGUF: byte j holds value j (low nibble) and value j + 16 (high)
+              const int n4 = v < 16 ? (qs[v] & 0x0F) : (qs[v - 16] >> 4);
+              q[((p / 2) * 16 + c) * 2 + e] |= static_cast<uint8_t>(n4 << ((p % 2) * 4));
+            }
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// x's block sums t_g (SPEC.md: Q4_1's minimums multiply them), [rows][B].
+std::vector<float> block_sums(const u16* x, int64_t m, int64_t k) {
+  const int64_t nb = k / QK;
+  std::vector<float> t(m * nb);
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t g = 0; g < nb; ++g) {
+      float acc = 0.f;
+      for (int64_t p = 0; p < QK / 2; ++p) {
+        acc = acc + bf(x[i * k + g * QK + 2 * p + 1]);
+        acc = acc + bf(x[i * k + g * QK + 2 * p]);
+      }
+      t[i * nb + g] = acc;
+    }
+  return t;
+}
+
+// Which blocks lane l sums: [first, end).
+inline void lane_blocks(int l, int64_t nb, int64_t per, int64_t* first, int64_t* end) {
+  *first = std::min(nb, l * per);
+  *end = std::min(nb, (l + 1) * per);
+}
+
+// The portable tile: MR rows x 16 columns of one column block, the spec written out.
+template <int MR>
+void qtile_portable(const QType& t, const u16* x, int64_t k, const float* tx, const uint8_t* w, const Out& out,
+                    int64_t row, int64_t col) {
+  const int64_t nb = k / QK, per = (nb + 15) / 16;
+  float lvl[5][MR][16];
+  for (int l = 0; l < 16; ++l) {
+    float lane[MR][16];
+    for (int i = 0; i < MR; ++i)
+      for (int c = 0; c < 16; ++c) lane[i][c] = 0.f;
+    int64_t first, end;
+    lane_blocks(l, nb, per, &first, &end);
+    for (int64_t g = first; g < end; ++g) {
+      const uint8_t* rec = w + g * t.rec;
+      for (int i = 0; i < MR; ++i) {
+        const u16* xg = x + i * k + g * QK;
+        for (int c = 0; c < 16; ++c) {
+          float s = 0.f;
+          for (int p = 0; p < 16; ++p) {
+            s = std::fma(bf(xg[2 * p + 1]), qint(t, rec, p, c, 1), s);
+            s = std::fma(bf(xg[2 * p]), qint(t, rec, p, c, 0), s);
+          }
+          u16 dh, mh;
+          std::memcpy(&dh, rec + 2 * c, 2);
+          float v = half(dh) * s;
+          if (t.mins) {
+            std::memcpy(&mh, rec + 32 + 2 * c, 2);
+            const float mt = half(mh) * tx[i * nb + g];
+            v = v + mt;
+          }
+          lane[i][c] = lane[i][c] + v;
+        }
+      }
+    }
+    int j = 0;
+    for (; (l >> j) & 1; ++j) {
+      for (int i = 0; i < MR; ++i)
+        for (int c = 0; c < 16; ++c) lane[i][c] = lvl[j][i][c] + lane[i][c];
+    }
+    std::memcpy(lvl[j], lane, sizeof(lane));
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int c = 0; c < 16 && col + c < out.n; ++c) out.put(row + i, col + c, lvl[4][i][c]);
+}
+
+#if defined(GATEENG_REF_AVX512BF16)
+// The AVX-512 BF16 tile: MR rows x 16 columns, LN lanes at a time (independent chains:
+// a block's 16 pairs are one chain of VDPBF16PS, the spec's order). Q4 integers become
+// bf16 by a table lookup (VPERMW), Q8_0 through binary32 (exact either way).
+struct QTables {
+  __m512i q4_0, q4_1;
+  QTables() {
+    alignas(64) u16 a[32], b[32];
+    for (int n = 0; n < 32; ++n) a[n] = to_bf(static_cast<float>(n % 16 - 8)), b[n] = to_bf(static_cast<float>(n % 16));
+    q4_0 = _mm512_load_si512(a);
+    q4_1 = _mm512_load_si512(b);
+  }
+};
+
+template <int MR, int LN>
+void qtile_dpbf16(const QType& t, const u16* x, int64_t k, const float* tx, const uint8_t* w, const uint8_t* next,
+                  const Out& out, int64_t row, int64_t col) {
+  static const QTables tables;
+  const __m512i table = t.mins ? tables.q4_1 : tables.q4_0;
+  const __m512i nib = _mm512_set1_epi16(0x0F);
+  const int64_t nb = k / QK, per = (nb + 15) / 16;
+  const int64_t qoff = t.mins ? 64 : 32;
+  __m512 lvl[5][MR];
+  for (int l0 = 0; l0 < 16; l0 += LN) {
+    __m512 lane[LN][MR];
+    int64_t first[LN], end[LN];
+    for (int j = 0; j < LN; ++j) {
+      lane_blocks(l0 + j, nb, per, &first[j], &end[j]);
+      for (int i = 0; i < MR; ++i) lane[j][i] = _mm512_setzero_ps();
+    }
+    for (int64_t s = 0; s < per; ++s) {
+      __m512 acc[LN][MR];
+      bool live[LN];
+      for (int j = 0; j < LN; ++j) {
+        live[j] = first[j] + s < end[j];
+        for (int i = 0; i < MR; ++i) acc[j][i] = _mm512_setzero_ps();
+      }
+      if (next != nullptr) _mm_prefetch(reinterpret_cast<const char*>(next + (l0 * per + s) * t.rec), _MM_HINT_T1);
+      if (t.q8) {
+        for (int p = 0; p < 16; ++p) {
+          for (int j = 0; j < LN; ++j) {
+            if (!live[j]) continue;
+            const int64_t g = first[j] + s;
+            const int8_t* q = reinterpret_cast<const int8_t*>(w + g * t.rec + qoff + p * 32);
+            const __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
+            const __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))));
+            const __m512bh wv = _mm512_cvtne2ps_pbh(f1, f0);
+            for (int i = 0; i < MR; ++i) {
+              int32_t pair;
+              std::memcpy(&pair, x + i * k + g * QK + 2 * p, sizeof(pair));
+              acc[j][i] = _mm512_dpbf16_ps(acc[j][i], (__m512bh)_mm512_set1_epi32(pair), wv);
+            }
+          }
+        }
+      } else {
+        for (int pp = 0; pp < 8; ++pp) {
+          for (int j = 0; j < LN; ++j) {
+            if (!live[j]) continue;
+            const int64_t g = first[j] + s;
+            const __m512i words = _mm512_cvtepu8_epi16(
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * t.rec + qoff + pp * 32)));
+            const __m512bh w0 = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(words, nib), table);
+            const __m512bh w1 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), table);
+            for (int i = 0; i < MR; ++i) {
+              int32_t p0, p1;
+              std::memcpy(&p0, x + i * k + g * QK + 4 * pp, sizeof(p0));
+              std::memcpy(&p1, x + i * k + g * QK + 4 * pp + 2, sizeof(p1));
+              acc[j][i] = _mm512_dpbf16_ps(acc[j][i], (__m512bh)_mm512_set1_epi32(p0), w0);
+              acc[j][i] = _mm512_dpbf16_ps(acc[j][i], (__m512bh)_mm512_set1_epi32(p1), w1);
+            }
+          }
+        }
+      }
+      for (int j = 0; j < LN; ++j) {
+        if (!live[j]) continue;
+        const int64_t g = first[j] + s;
+        const uint8_t* rec = w + g * t.rec;
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec)));
+        const __m512 m = t.mins ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32)))
+                                : _mm512_setzero_ps();
+        for (int i = 0; i < MR; ++i) {
+          __m512 v = _mm512_mul_ps(d, acc[j][i]);
+          if (t.mins) v = _mm512_add_ps(v, _mm512_mul_ps(m, _mm512_set1_ps(tx[i * nb + g])));
+          lane[j][i] = _mm512_add_ps(lane[j][i], v);
+        }
+      }
+    }
+    for (int j = 0; j < LN; ++j) {
+      const int l = l0 + j;
+      int lev = 0;
+      for (; (l >> lev) & 1; ++lev) {
+        for (int i = 0; i < MR; ++i) lane[j][i] = _mm512_add_ps(lvl[lev][i], lane[j][i]);
+      }
+      for (int i = 0; i < MR; ++i) lvl[lev][i] = lane[j][i];
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    store8(out, row + i, col, _mm512_castps512_ps256(lvl[4][i]));
+    store8(out, row + i, col + 8, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(lvl[4][i]), 1)));
+  }
+}
+#endif
+
+#if defined(GATEENG_REF_AVX2)
+// The AVX2 tile: MR rows x 16 columns as two 8-lane halves, LN lanes at a time. A
+// pair's even and odd integers come out of the record as binary32 (exact) and take
+// one FMA each, odd first: VDPBF16PS's two steps, under Flush's DAZ/FTZ.
+template <int MR, int LN>
+void qtile_avx2(const QType& t, const float* xo, const float* xe, int64_t k, const float* tx, const uint8_t* w,
+                const uint8_t* next, const Out& out, int64_t row, int64_t col) {
+  const int64_t nb = k / QK, per = (nb + 15) / 16, pairs = k / 2;
+  const int64_t qoff = t.mins ? 64 : 32;
+  const __m256i nib = _mm256_set1_epi32(0x0F), bias = _mm256_set1_epi32(t.mins ? 0 : 8);
+  alignas(32) float lvl[5][MR][16];
+  for (int l0 = 0; l0 < 16; l0 += LN) {
+    alignas(32) float lane[LN][MR][16];
+    int64_t first[LN], end[LN];
+    for (int j = 0; j < LN; ++j) {
+      lane_blocks(l0 + j, nb, per, &first[j], &end[j]);
+      for (int i = 0; i < MR; ++i)
+        for (int c = 0; c < 16; ++c) lane[j][i][c] = 0.f;
+    }
+    for (int64_t s = 0; s < per; ++s) {
+      __m256 acc[LN][MR][2];
+      bool live[LN];
+      for (int j = 0; j < LN; ++j) {
+        live[j] = first[j] + s < end[j];
+        for (int i = 0; i < MR; ++i) acc[j][i][0] = acc[j][i][1] = _mm256_setzero_ps();
+      }
+      if (next != nullptr) _mm_prefetch(reinterpret_cast<const char*>(next + (l0 * per + s) * t.rec), _MM_HINT_T1);
+      for (int p = 0; p < 16; ++p) {
+        for (int j = 0; j < LN; ++j) {
+          if (!live[j]) continue;
+          const int64_t g = first[j] + s, xp = g * QK / 2 + p;
+          for (int h = 0; h < 2; ++h) {
+            __m256 e, o;
+            if (t.q8) {
+              const __m256i v = _mm256_cvtepi8_epi16(
+                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + g * t.rec + qoff + p * 32 + h * 16)));
+              e = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 16), 16));
+              o = _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 16));
+            } else {
+              const __m256i v = _mm256_cvtepu16_epi32(
+                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + g * t.rec + qoff + (p / 2) * 32 + h * 16)));
+              const int sh = (p % 2) * 4;
+              e = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(_mm256_srli_epi32(v, sh), nib), bias));
+              o = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(_mm256_srli_epi32(v, 8 + sh), nib), bias));
+            }
+            for (int i = 0; i < MR; ++i) {
+              const __m256 xov = _mm256_broadcast_ss(xo + i * pairs + xp);
+              const __m256 xev = _mm256_broadcast_ss(xe + i * pairs + xp);
+              acc[j][i][h] = _mm256_fmadd_ps(xev, e, _mm256_fmadd_ps(xov, o, acc[j][i][h]));
+            }
+          }
+        }
+      }
+      for (int j = 0; j < LN; ++j) {
+        if (!live[j]) continue;
+        const int64_t g = first[j] + s;
+        const uint8_t* rec = w + g * t.rec;
+        for (int h = 0; h < 2; ++h) {
+          const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + h * 16)));
+          const __m256 m = t.mins ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 32 + h * 16)))
+                                  : _mm256_setzero_ps();
+          for (int i = 0; i < MR; ++i) {
+            __m256 v = _mm256_mul_ps(d, acc[j][i][h]);
+            if (t.mins) v = _mm256_add_ps(v, _mm256_mul_ps(m, _mm256_set1_ps(tx[i * nb + g])));
+            _mm256_store_ps(lane[j][i] + h * 8, _mm256_add_ps(_mm256_load_ps(lane[j][i] + h * 8), v));
+          }
+        }
+      }
+    }
+    for (int j = 0; j < LN; ++j) {
+      const int l = l0 + j;
+      int lev = 0;
+      for (; (l >> lev) & 1; ++lev) {
+        for (int i = 0; i < MR; ++i)
+          for (int c = 0; c < 16; ++c) lane[j][i][c] = lvl[lev][i][c] + lane[j][i][c];
+      }
+      std::memcpy(lvl[lev], lane[j], sizeof(lane[j]));
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    store8(out, row + i, col, _mm256_load_ps(lvl[4][i]));
+    store8(out, row + i, col + 8, _mm256_load_ps(lvl[4][i] + 8));
+  }
+}
+#endif
+
+void check_qpacked(const torch::Tensor& x, const torch::Tensor& packed, int64_t n) {
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.device().is_cpu(), "x must be bf16 [M, K]");
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.dim() == 3 && packed.is_contiguous(),
+              "packed must come from qpack");
+  TORCH_CHECK(packed.size(1) * QK == x.size(1) && (n + 15) / 16 == packed.size(0),
+              "packed weight does not match x or n");
+}
+
+// x @ w.T on a quantized packed weight (qpack): bf16 out (rounded), or binary32 out.
+// `portable`: the spec written out, in every build (the probe compares the two).
+torch::Tensor qlinear(torch::Tensor x, torch::Tensor packed, int64_t n, bool f32, bool portable) {
+  check_qpacked(x, packed, n);
+  x = x.contiguous();
+  const QType& t = qtype_of_record(packed.size(2));
+  const int64_t m = x.size(0), k = x.size(1), cbs = packed.size(0), stride = packed.size(1) * t.rec;
+  auto result = torch::empty({m, n}, x.options().dtype(f32 ? torch::kFloat : torch::kBFloat16));
+  if (m == 0 || n == 0) return result;
+  const Out out = out_to(result, n);
+  const u16* xp = reinterpret_cast<const u16*>(x.data_ptr<at::BFloat16>());
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  std::vector<float> tx;
+  if (t.mins) {
+    Flush flush;
+    tx = block_sums(xp, m, k);
+  }
+  if (portable) {
+    for_each_tile<4>(m, cbs, [&](auto rows, int64_t r, int64_t b, int64_t) {
+      qtile_portable<decltype(rows)::value>(t, xp + r * k, k, tx.data() + r * (k / QK), wp + b * stride, out, r,
+                                            b * 16);
+    });
+    return result;
+  }
+#if defined(GATEENG_REF_AVX512BF16)
+  for_each_tile<8>(m, cbs, [&](auto rows, int64_t r, int64_t b, int64_t nb) {
+    constexpr int MR = decltype(rows)::value;
+    qtile_dpbf16<MR, std::max(1, 8 / MR)>(t, xp + r * k, k, tx.data() + r * (k / QK), wp + b * stride,
+                                          nb >= 0 ? wp + nb * stride : nullptr, out, r, b * 16);
+  });
+#elif defined(GATEENG_REF_AVX2)
+  const int64_t pairs = k / 2;
+  std::vector<float> xo(m * pairs), xe(m * pairs);   // exact: a bf16 is a binary32
+  for (int64_t i = 0; i < m * pairs; ++i) xo[i] = bf(xp[2 * i + 1]), xe[i] = bf(xp[2 * i]);
+  for_each_tile<4>(m, cbs, [&](auto rows, int64_t r, int64_t b, int64_t nb) {
+    constexpr int MR = decltype(rows)::value;
+    qtile_avx2<MR, std::max(1, 4 / MR)>(t, xo.data() + r * pairs, xe.data() + r * pairs, k,
+                                        tx.data() + r * (k / QK), wp + b * stride,
+                                        nb >= 0 ? wp + nb * stride : nullptr, out, r, b * 16);
+  });
+#else
+  for_each_tile<4>(m, cbs, [&](auto rows, int64_t r, int64_t b, int64_t) {
+    qtile_portable<decltype(rows)::value>(t, xp + r * k, k, tx.data() + r * (k / QK), wp + b * stride, out, r,
+                                          b * 16);
+  });
+#endif
+  return result;
+}
+
+// The bf16 values of rows `ids` of a quantized packed weight (SPEC.md: an embedding's
+// rows): bf16(d * q), or bf16((d * q) + m) for Q4_1.
+torch::Tensor qrows(torch::Tensor packed, torch::Tensor ids) {
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.dim() == 3 && packed.is_contiguous(),
+              "packed must come from qpack");
+  const QType& t = qtype_of_record(packed.size(2));
+  ids = ids.to(torch::kLong).contiguous();
+  const int64_t nb = packed.size(1), k = nb * QK, rows = ids.numel();
+  auto out = torch::empty({rows, k}, torch::kBFloat16);
+  u16* o = reinterpret_cast<u16*>(out.data_ptr<at::BFloat16>());
+  const int64_t* id = ids.data_ptr<int64_t>();
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  Flush flush;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t cb = id[r] / 16, c = id[r] % 16;
+    TORCH_CHECK(id[r] >= 0 && cb < packed.size(0), "row id ", id[r], " out of range");
+    for (int64_t g = 0; g < nb; ++g) {
+      const uint8_t* rec = wp + (cb * nb + g) * t.rec;
+      u16 dh, mh = 0;
+      std::memcpy(&dh, rec + 2 * c, 2);
+      if (t.mins) std::memcpy(&mh, rec + 32 + 2 * c, 2);
+      for (int v = 0; v < QK; ++v) {
+        float value = half(dh) * qint(t, rec, v / 2, static_cast<int>(c), v % 2);
+        if (t.mins) value = value + half(mh);
+        o[r * k + g * QK + v] = to_bf(value);
+      }
+    }
+  }
+  return out;
+}
+
+// x @ w.T on a packed weight (pack, or qpack for a quantized one): bf16 out (rounded),
+// or binary32 out (f32 = true).
 torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n, bool f32) {
+  if (packed.scalar_type() == torch::kUInt8) return qlinear(x, packed, n, f32, false);
   check_packed(x, packed, n);
   x = x.contiguous();
   auto result = torch::empty({x.size(0), n}, x.options().dtype(f32 ? torch::kFloat : torch::kBFloat16));
@@ -1078,6 +1510,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "a bf16 [N, K] weight in linear's layout");
   m.def("linear", &linear, "x @ w.T on a packed weight, bf16 or float32 out",
         py::call_guard<py::gil_scoped_release>());
+  m.def("qpack", &qpack, "a GGUF Q8_0, Q4_0 or Q4_1 weight's rows (uint8 [N, row bytes], GGML type id) in qlinear's layout");
+  m.def("qlinear", &qlinear, "x @ w.T on a quantized packed weight, bf16 or float32 out (portable: the spec's plain loops)",
+        py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("f32"),
+        py::arg("portable") = false);
+  m.def("qrows", &qrows, "the bf16 values of rows of a quantized packed weight");
   m.def("linear_partial", &linear_partial, "a tensor-parallel rank's subtree sums of x @ w.T on its slice of K",
         py::call_guard<py::gil_scoped_release>());
   m.def("combine_partials", &combine_partials, "the ranks' subtree sums combined by the tree, bf16 or float32 out");
