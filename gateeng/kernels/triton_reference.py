@@ -184,6 +184,71 @@ def matmul(x: torch.Tensor, w: torch.Tensor, f32: bool = False) -> torch.Tensor:
     return out
 
 
+
+@triton.jit
+def _qmatmul_kernel(x_ptr, q_ptr, d_ptr, m_ptr, out_ptr, M, N, K, MIN: tl.constexpr, F32: tl.constexpr,
+                    BM: tl.constexpr, BN: tl.constexpr):
+    """out[m, n] = qdot(x[m], W[n]) of a quantized W (SPEC.md, "Quantized weights"): per
+    block of 32 the chain on the integers, odd element first, then c = d*s (MIN: plus
+    m*t, t the block's plain sum of x); 16 lanes of whole blocks, each a chain of adds
+    from +0, folded by the tree."""
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    rmask, cmask = rows < M, cols < N
+    nb = K // 32
+    per = (nb + DOT_BLOCKS - 1) // DOT_BLOCKS
+    zero = tl.zeros((BM, BN), dtype=tl.float32)
+    lv0, lv1, lv2, lv3 = zero, zero, zero, zero
+    acc = zero
+    for l in tl.static_range(DOT_BLOCKS):
+        acc = zero
+        for g in range(l * per, tl.minimum(nb, (l + 1) * per)):
+            s = zero
+            t = tl.zeros((BM,), dtype=tl.float32)
+            for p in range(16):
+                i = 32 * g + 2 * p
+                xo = _bf(tl.load(x_ptr + rows * K + i + 1, mask=rmask, other=0))
+                qo = tl.load(q_ptr + cols * K + i + 1, mask=cmask, other=0).to(tl.float32)
+                s = _flush(tl.fma(xo[:, None], qo[None, :], s))
+                xe = _bf(tl.load(x_ptr + rows * K + i, mask=rmask, other=0))
+                qe = tl.load(q_ptr + cols * K + i, mask=cmask, other=0).to(tl.float32)
+                s = _flush(tl.fma(xe[:, None], qe[None, :], s))
+                if MIN:
+                    t = _flush(t + xo)
+                    t = _flush(t + xe)
+            d = _flush(tl.load(d_ptr + cols * nb + g, mask=cmask, other=0).to(tl.float32))
+            c = _flush(d[None, :] * s)
+            if MIN:
+                mn = _flush(tl.load(m_ptr + cols * nb + g, mask=cmask, other=0).to(tl.float32))
+                c = _flush(c + mn[None, :] * t[:, None])
+            acc = _flush(acc + c)
+        acc, lv0, lv1, lv2, lv3 = _fold(l, acc, lv0, lv1, lv2, lv3)
+    where = out_ptr + rows[:, None] * N + cols[None, :]
+    mask = rmask[:, None] & cmask[None, :]
+    if F32:
+        tl.store(where, acc, mask=mask)
+    else:
+        tl.store(where, _to_bf(acc), mask=mask)
+
+
+def qmatmul(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m=None, f32: bool = False) -> torch.Tensor:
+    """x [M, K] (bf16) @ W.T for a quantized W [N, K] (K a multiple of 32): q int8 [N, K],
+    the integers (Q4_0's n - 8); d float16 [N, K/32] the block scales; m float16
+    [N, K/32] the Q4_1 minimums, or None. bf16 out, or the binary32 qdots (f32)."""
+    mm, k = x.shape
+    n = q.shape[0]
+    assert x.dtype == torch.bfloat16 and q.dtype == torch.int8 and d.dtype == torch.float16
+    assert k % 32 == 0 and q.shape == (n, k) and d.shape == (n, k // 32)
+    assert m is None or (m.dtype == torch.float16 and m.shape == d.shape)
+    d = d.contiguous()
+    out = torch.empty(mm, n, dtype=torch.float32 if f32 else torch.bfloat16, device=x.device)
+    grid = (triton.cdiv(mm, 16), triton.cdiv(n, 32))
+    _qmatmul_kernel[grid](_bits(x), q.contiguous(), d, d if m is None else m.contiguous(),
+                          out if f32 else out.view(torch.int16), mm, n, k, MIN=m is not None, F32=f32,
+                          BM=16, BN=32, **OPTIONS)
+    return out
+
+
 # ---- the row-wise ops -------------------------------------------------------------
 
 @triton.jit

@@ -98,12 +98,14 @@ def _remove(path: Path) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
-def converted(gguf: Path, convert: Callable[[Path, Path], None]) -> Path:
+def converted(gguf: Path, convert: Callable[[Path, Path], None], kind: str = "") -> Path:
     """The cache directory for a GGUF file, converting it if needed.
 
-    `convert(gguf, out_dir)` writes an HF directory into the empty `out_dir`."""
+    `convert(gguf, out_dir)` writes an HF directory into the empty `out_dir`. `kind`
+    names a partial conversion kept apart from the whole one (gguf-<kind>-<sha16>/:
+    "header", the config and tokenizer a GGUF served as stored needs)."""
     digest = sha256_file(gguf)
-    target = cache_root() / f"gguf-{digest[:16]}"
+    target = cache_root() / f"gguf-{kind + '-' if kind else ''}{digest[:16]}"
     problem = check(target)
     if problem is None:
         return target
@@ -119,7 +121,8 @@ def converted(gguf: Path, convert: Callable[[Path, Path], None]) -> Path:
             shutil.rmtree(stale, ignore_errors=True)
         tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
         t0 = time.time()
-        log(f"converting {gguf.name} to safetensors (once; cached in {target}) ...")
+        what = "'s config and tokenizer" if kind else " to safetensors"
+        log(f"converting {gguf.name}{what} (once; cached in {target}) ...")
         try:
             tmp.mkdir()
             convert(gguf, tmp)

@@ -7,6 +7,11 @@ conversion writes into config.json do not change it, nor does how a writer order
 or shards tensors. A model has one fingerprint on every machine that loads the
 same numbers, and a stored answer's record can be compared with another
 machine's (reproducibility.differences).
+
+A GGUF served natively (model.gguf_weights) hashes its stored tensors instead, in the
+model's order: name, stored type and how it is served (as stored, or converted to
+bf16), shape and the stored bytes. The same file served as stored and dequantized are
+two models with two fingerprints.
 """
 from __future__ import annotations
 
@@ -20,10 +25,27 @@ import torch
 from gateeng.config import ModelConfig
 
 
+class Fingerprint:
+    """The sha256 a fingerprint is: the ModelConfig as canonical JSON, then per tensor
+    its name, kind, shape and bytes, in the order added."""
+
+    def __init__(self, config: ModelConfig):
+        self._h = hashlib.sha256(json.dumps(dataclasses.asdict(config), sort_keys=True).encode())
+
+    def add(self, name: str, kind: str, shape, data) -> None:
+        """`data`: a contiguous numpy array or CPU tensor (its bytes)."""
+        self._h.update(json.dumps([name, kind, list(shape)]).encode())
+        self._h.update(data.reshape(-1).view(torch.uint8).numpy() if isinstance(data, torch.Tensor)
+                       else data.reshape(-1).view("uint8"))
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
 def model_fingerprint(config: ModelConfig, tensors: Mapping[str, torch.Tensor]) -> str:
-    h = hashlib.sha256(json.dumps(dataclasses.asdict(config), sort_keys=True).encode())
+    """A checkpoint's: its tensors in name order, each with its torch dtype."""
+    fp = Fingerprint(config)
     for name in sorted(tensors):
         t = tensors[name].detach().to("cpu").contiguous()
-        h.update(json.dumps([name, str(t.dtype), list(t.shape)]).encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy())
-    return h.hexdigest()
+        fp.add(name, str(t.dtype), t.shape, t)
+    return fp.hexdigest()

@@ -135,7 +135,10 @@ class LlamaModel(torch.nn.Module):
         self.step_layers = [LayerWeights(*(getattr(layer, f.name) for f in fields(LayerWeights)[:-1]), norm)
                             for layer, norm in zip(self.layers, norms)]
         self.packed = {}   # id(weight) -> x @ weight.T for the fast plan (pack_fast)
-        self.shared = {}   # id(weight) -> cpu_linear.Packed: the one packed copy (pack_shared)
+        self.shared = {}   # id(weight) -> cpu_linear.Packed: the one packed copy (pack_shared, set_packed)
+        # Weights served as stored in a GGUF file (model.gguf_weights): {type: tensors}, and
+        # the reference kernels their packed copies need (embedding rows, plain copies).
+        self.stored_types, self.quant_ops = {}, None
         self.invariant_packed = {}   # the same for the machine-specific invariant plan, whose bits
         self.invariant_matmul = kernel_names.TORCH_MM   # depend on the kernel: its name in kernel_plan
         # pack_fast's probe: the fast plan takes the row-invariant kernel up to this many
@@ -172,6 +175,19 @@ class LlamaModel(torch.nn.Module):
         with the lm_head, what the plans multiply."""
         return [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
 
+    @property
+    def quantized(self) -> bool:
+        """Whether some weights are served quantized, as stored (set_packed)."""
+        return any(p.data.dtype == torch.uint8 for p in self.shared.values())
+
+    def set_packed(self, w: torch.Tensor, packed: cpu_linear.Packed, ops) -> None:
+        """w's one copy is `packed`, a quantized weight in the reference kernels' layout
+        (`ops`: their module, which reads it): w keeps its shape, without storage. Call
+        after finalize."""
+        _release(w)
+        self.shared[id(w)] = packed
+        self.quant_ops = ops
+
     def pack_shared(self, ref, release: bool = False, kernels=None) -> None:
         """The one packed copy of every projection and the lm_head, in the reference
         kernels' layout (`ref`: plans.reference_ops' module), as `shared`: the
@@ -184,9 +200,9 @@ class LlamaModel(torch.nn.Module):
         weight back where a plan multiplies them after all (restore_plain_weights).
         With `kernels` (the C++ kernels pack_fast will get), each weight's row-invariant
         matmul is checked against F.linear here, while its plain copy is still at hand."""
-        if self.shared or ref is None:
+        every = [w for w in self.projections() + [self.lm_head] if id(w) not in self.shared]
+        if not every or ref is None:
             return
-        every = self.projections() + [self.lm_head]
         if not all(cpu_linear.packable(w, ref) for w in every):
             return
         name = cpu_linear.rowwise_kernel(kernels, ref)
@@ -201,12 +217,18 @@ class LlamaModel(torch.nn.Module):
             self.__dict__.pop("lm_head_f32", None)
 
     def plain(self, w: torch.Tensor) -> torch.Tensor:
-        """w, or where pack_shared freed it, an exact copy read back from its packed copy."""
-        return cpu_linear.unpack(self.shared[id(w)]) if _released(w) else w
+        """w, or where pack_shared freed it, an exact copy read back from its packed copy
+        (a quantized weight: its values in bf16, kernels/SPEC.md)."""
+        if not _released(w):
+            return w
+        p = self.shared[id(w)]
+        return self.quant_ops.qrows(p.data, torch.arange(p.n)) if p.data.dtype == torch.uint8 else cpu_linear.unpack(p)
 
     def restore_plain_weights(self) -> None:
         """Every freed plain weight back, read from its packed copy (its own storage
         again, so every reference to the weight sees it)."""
+        if self.quantized:
+            raise RuntimeError("quantized weights have no plain copy to restore")
         with torch.no_grad():
             for w in self.projections() + [self.lm_head]:
                 if _released(w):
@@ -226,6 +248,8 @@ class LlamaModel(torch.nn.Module):
             return
         weights = self.projections()
         every = weights + [self.lm_head]
+        if self.quantized:
+            return self._pack_quantized(kernels, ref)
         name = cpu_linear.rowwise_kernel(kernels, ref) if self.shared else None
         rowwise = {}
         if name is not None:   # each weight checked on its own, by pack_shared or here (plain: read back)
@@ -272,6 +296,26 @@ class LlamaModel(torch.nn.Module):
                                  [w for lw in layers for w in (lw.post_norm, lw.next_norm)],
                                  None if name == kernel_names.CPU_DPBF16 else ref.linear)
 
+    def _pack_quantized(self, kernels, ref) -> None:
+        """pack_fast for weights served as stored: the reference's matmul is the one
+        kernel that takes them (and the model's bf16 weights too, in the same call), so
+        the fast plan multiplies exactly as the reference does, at any row count."""
+        weights = self.projections()
+        fns = {id(w): cpu_linear.rowwise(kernel_names.REF_LINEAR, self.shared[id(w)], kernels, ref)
+               for w in weights + [self.lm_head]}
+        self.packed = {id(w): fns[id(w)] for w in weights}
+        self.lm_head_bf16 = fns[id(self.lm_head)]
+        self.dense_head = cpu_linear.dense_head(self.shared[id(self.lm_head)], ref)
+        self.invariant_packed, self.invariant_matmul = dict(self.packed), kernel_names.REF_LINEAR
+        self.plain_needed = False
+        plain_layers = all(w is None for layer in self.step_layers
+                           for w in (layer.qkv_bias, layer.o_bias, layer.q_norm, layer.k_norm))
+        if plain_layers and self.tp is None:
+            layers = self.step_layers
+            self.fused_layers = ([self.shared[id(w)].data for lw in layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down)],
+                                 [self.shared[id(w)].n for lw in layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down)],
+                                 [w for lw in layers for w in (lw.post_norm, lw.next_norm)], ref.linear)
+
     def release_plain_weights(self) -> int:
         """Free the plain projection and lm_head weights where no plan multiplies them
         (pack_fast: the one packed copy serves both plans): each keeps its shape and
@@ -295,12 +339,17 @@ class LlamaModel(torch.nn.Module):
         if not _released(self.embed):
             return self.embed[ids]
         packed = self.shared[id(self.embed)].data
+        if packed.dtype == torch.uint8:
+            return self.quant_ops.qrows(packed, ids)
         return packed[ids // 16, :, ids % 16, :].reshape(ids.shape[0], -1)
 
     def hf_state_dict(self, get=lambda t: t) -> dict:
         """The weights under transformers' LlamaForCausalLM names (load_hf_state_dict's
         inverse): the stacked qkv and gate_up split back into their projections.
         `get` maps each parameter first (`lambda p: p.grad` names the gradients)."""
+        if self.quantized:
+            raise ValueError("a model served with quantized weights has no transformers checkpoint "
+                             "(serve its GGUF with --dequantize for one)")
         cfg = self.cfg
         nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         sd = {"model.embed_tokens.weight": get(self.embed), "model.norm.weight": get(self.norm)}

@@ -1,9 +1,13 @@
 """Model loading: a Hugging Face directory (config + safetensors) or a GGUF file.
 
-A GGUF file is converted once through transformers (dequantized to float32) and
-cached (gateeng.model.cache), so later starts read safetensors directly. Serving
-reads the directory without transformers (gateeng.model.hf_config, .tokenizer).
-Nothing touches a model hub.
+A GGUF file is served as stored (gateeng.model.gguf_weights): its Q8_0, Q4_0 and Q4_1
+weights stay quantized, read from the file one tensor at a time at every start; only
+its config and tokenizer are converted once through transformers and cached
+(gateeng.model.cache, a few small files). Where quantized weights are not served (a
+float32 model, CUDA, tensor parallelism) or `dequantize` asks for it, the file is
+converted once through transformers into a float32 safetensors directory and served
+in the model's dtype, as a checkpoint. Serving reads either without transformers
+(gateeng.model.hf_config, .tokenizer). Nothing touches a model hub.
 """
 from __future__ import annotations
 
@@ -84,12 +88,27 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     tok.save_pretrained(out)
 
 
-def convert_in_child(gguf: Path, out: Path) -> None:
+def convert_gguf_header(gguf: Path, out: Path) -> None:
+    """A GGUF file's config.json and tokenizer files, through transformers: no weights."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    t0 = time.time()
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).to_dict()
+    config.pop("quantization_config", None)
+    config["dtype"] = BFLOAT16
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    tok.save_pretrained(out)
+    log(f"  config and tokenizer read ({time.time() - t0:.0f}s)")
+
+
+def convert_in_child(gguf: Path, out: Path, header_only: bool = False) -> None:
     """convert_gguf in a child process that dies with this one, so transformers and the
     dequantized float32 model never enter the memory of the process that serves (a
     conversion in process left it holding a quarter more for life). A full disk comes
     back as ENOSPC, for the cache's own message; any other failure says where to look."""
-    child = multiprocessing.get_context("spawn").Process(target=_convert_child, args=(str(gguf), str(out)),
+    child = multiprocessing.get_context("spawn").Process(target=_convert_child,
+                                                          args=(str(gguf), str(out), header_only),
                                                           name="gateeng-convert")
     child.start()
     try:
@@ -105,13 +124,13 @@ def convert_in_child(gguf: Path, out: Path) -> None:
                            "the lines above say why")
 
 
-def _convert_child(gguf: str, out: str) -> None:
+def _convert_child(gguf: str, out: str, header_only: bool) -> None:
     try:   # die with the parent (Linux), so a killed server leaves no conversion running
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
     try:
-        convert_gguf(Path(gguf), Path(out))
+        (convert_gguf_header if header_only else convert_gguf)(Path(gguf), Path(out))
     except OSError as exc:
         if is_no_space(exc):
             sys.exit(errno.ENOSPC)
@@ -127,8 +146,8 @@ def served_as(gguf: Path, hf_dir: Path, dtype: str) -> str:
     if not quantized:
         return f"{gguf.name}: {', '.join(types)} tensors, served in {dtype}"
     kinds = ", ".join(f"{n} {name}" for name, n in quantized.items())
-    return (f"{gguf.name}: {kinds} tensors, served dequantized to {dtype} (quantized weights are not "
-            "served as such yet)")
+    return (f"{gguf.name}: {kinds} tensors, served dequantized to {dtype} (quantized weights are served as "
+            "stored on CPU in bfloat16 at tensor-parallel size 1, without --dequantize)")
 
 
 def ensure_hf_dir(path: Path) -> Path:
@@ -152,8 +171,17 @@ class LoadedModel:
     source: str
 
 
-def load(path: Optional[str], dtype: str = BFLOAT16, device: str = "cpu") -> LoadedModel:
+def serves_as_stored(dtype: str, device: str, dequantize: bool) -> bool:
+    """Whether a GGUF's quantized weights are served as stored under these settings."""
+    return not dequantize and dtype == BFLOAT16 and device == "cpu"
+
+
+def load(path: Optional[str], dtype: str = BFLOAT16, device: str = "cpu", dequantize: bool = False) -> LoadedModel:
+    """The model at `path` (default: the embedded one). A GGUF file is served as stored
+    where serves_as_stored says so, else dequantized to `dtype` (the log says which)."""
     src = Path(path) if path else default_model_path()
+    if src.suffix == ".gguf" and src.is_file() and serves_as_stored(dtype, device, dequantize):
+        return load_gguf(src)
     hf_dir = ensure_hf_dir(src)
     if src.is_file():
         log(served_as(src, hf_dir, dtype))
@@ -163,6 +191,29 @@ def load(path: Optional[str], dtype: str = BFLOAT16, device: str = "cpu") -> Loa
     model.load_hf_state_dict(checkpoint)
     tok = Tokenizer.from_dir(hf_dir)
     return LoadedModel(model, tok, cfg, model_fingerprint(cfg, checkpoint), str(src))
+
+
+def load_gguf(src: Path) -> LoadedModel:
+    """A GGUF file served as stored, in bf16 on CPU (model.gguf_weights)."""
+    from gateeng.model.gguf_weights import SERVED_QUANTIZED, GGUFLoad, GGUFTensors
+    from gateeng.plans import reference_ops
+
+    header = converted(src, lambda gguf, out: convert_in_child(gguf, out, header_only=True), kind="header")
+    cfg = read_model_config(header)
+    tensors = GGUFTensors(src)
+    ops = None
+    if any(t.type in SERVED_QUANTIZED for t in tensors.tensors.values()):
+        try:
+            ops = reference_ops.load()
+        except reference_ops.ReferenceUnavailable as exc:
+            raise ValueError(f"{src.name}'s quantized weights are multiplied only by the reference kernels, and "
+                             f"{exc}; pass --dequantize to serve it in bf16") from exc
+    model = LlamaModel(cfg, torch.bfloat16, "cpu")
+    model.finalize()
+    weights = GGUFLoad(tensors, cfg, ops)
+    weights.into(model)
+    log(weights.describe())
+    return LoadedModel(model, Tokenizer.from_dir(header), cfg, weights.fingerprint.hexdigest(), str(src))
 
 
 def read_model_config(hf_dir: Path) -> ModelConfig:

@@ -28,7 +28,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from gateeng.plans.kernel_names import AVX2, CPU_DPBF16, REF_AVX2
+from gateeng.plans.kernel_names import AVX2, CPU_DPBF16, REF_AVX2, REF_LINEAR
 
 # Row counts the probe compares the two kernels at (decode batches, then prefill chunks).
 PROBE_ROWS = (1, 8, 32, 128, 512)
@@ -39,7 +39,8 @@ SECOND_COPY_SPEEDUP = 1.25
 
 @dataclass(frozen=True)
 class Packed:
-    """One weight in the reference's packed layout: the copy the CPU plans share."""
+    """One weight in the reference's packed layout: the copy the CPU plans share. `data`
+    is bf16 pairs (pack), or uint8 records of a quantized weight (ref_ops.cpp `qpack`)."""
     data: torch.Tensor
     n: int   # output columns (the weight's rows)
     k: int
@@ -76,9 +77,11 @@ def rowwise_kernel(kernels, ref) -> Optional[str]:
 
 
 def rowwise(name: str, p: Packed, kernels, ref) -> Callable:
-    """x -> x @ w.T (bf16) by the row-invariant matmul `name` on the packed w."""
+    """x -> x @ w.T (bf16) by the row-invariant matmul `name` on the packed w
+    (REF_AVX2, REF_LINEAR: the reference's own)."""
     if name == CPU_DPBF16:
         return lambda x: kernels.linear_dpbf16(x, p.data, p.n)
+    assert name in (REF_AVX2, REF_LINEAR), name
     return lambda x: ref.linear(x, p.data, p.n, False)
 
 

@@ -7,7 +7,11 @@ from __future__ import annotations
 # (kernels/cpu_ops.cpp `linear_dpbf16`), else the reference's own AVX2 matmul
 # (kernels/ref_ops.cpp `linear`, its avx2 build).
 CPU_DPBF16, REF_AVX2 = "cpu_dpbf16", "ref_avx2"
-ROWWISE_MATMULS = {CPU_DPBF16: "VDPBF16PS", REF_AVX2: "AVX2 FMA (the reference's matmul)"}
+# A model with quantized weights (served as stored) has one matmul: the reference's own
+# (kernels/ref_ops.cpp `linear`, any build), on quantized and bf16 weights alike.
+REF_LINEAR = "ref_linear"
+ROWWISE_MATMULS = {CPU_DPBF16: "VDPBF16PS", REF_AVX2: "AVX2 FMA (the reference's matmul)",
+                   REF_LINEAR: "the reference's matmul (quantized weights as stored)"}
 # The other matmuls' kernel_plan names: oneDNN's packed copy, torch.mm on the plain weight.
 ONEDNN_PACKED, TORCH_MM = "onednn_packed", "torch_mm"
 

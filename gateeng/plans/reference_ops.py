@@ -143,10 +143,26 @@ def probe_inputs(seed: int = 0) -> tuple:
     return x.to(torch.bfloat16), w.to(torch.bfloat16)
 
 
+# (GGML type id, bytes per block of 32 values) of the quantized types the probe checks.
+QUANT_PROBES = ((8, 34), (2, 18), (3, 20))
+
+
+def quantized_probe(n: int, k: int, block: int, seed: int) -> torch.Tensor:
+    """GGUF rows [n, k/32 blocks] of random integers with binary16 scales (and minimums)
+    from 2^-24 to 2^4, some tiny enough that products flush."""
+    gen = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (n, k // 32, block), generator=gen, dtype=torch.uint8)
+    scales = (torch.rand(n, k // 32, 2, generator=gen) * 2 - 1) * 2.0 ** torch.randint(-24, 5, (n, k // 32, 2),
+                                                                                    generator=gen)
+    raw[:, :, :4] = scales.to(torch.float16).view(torch.uint8).view(n, k // 32, 4)
+    return raw.view(n, -1)
+
+
 def probe(module) -> str:
     """'' when the module's vector code equals its portable code, bit for bit: the
     matmul against the portable dot on probe_inputs (both outputs, every pair of
-    rows), attention against the portable attention; else what differs."""
+    rows), the quantized matmul of each type against its portable loops, attention
+    against the portable attention; else what differs."""
     x, w = probe_inputs()
     got = module.linear(x, module.pack(w), w.shape[0], True)
     rows = torch.arange(x.shape[0]).repeat_interleave(w.shape[0])
@@ -158,6 +174,11 @@ def probe(module) -> str:
     rounded = module.linear(x, module.pack(w), w.shape[0], False)
     if not torch.equal(rounded.view(torch.int16), want.to(torch.bfloat16).view(torch.int16)):
         return "matmul: the bf16 outputs are not the binary32 sums rounded to nearest even"
+    for ggml, block in QUANT_PROBES:
+        packed = module.qpack(quantized_probe(w.shape[0], x.shape[1], block, seed=ggml), ggml)
+        fast, spec = (module.qlinear(x, packed, w.shape[0], True, portable) for portable in (False, True))
+        if not torch.equal(fast.view(torch.int32), spec.view(torch.int32)):
+            return f"quantized matmul (GGML type {ggml}) differs from the portable code"
     gen = torch.Generator().manual_seed(1)
     for d, group in ((64, 3), (128, 8)):   # the vector scores' head dims and group sizes
         k_cache, v_cache = (torch.randn(12, 16, 2, d, generator=gen).to(torch.bfloat16) for _ in range(2))

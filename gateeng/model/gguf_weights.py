@@ -1,0 +1,174 @@
+"""A GGUF file's weights, read natively and served as stored.
+
+The `gguf` package's reader gives the header (names, types, shapes, offsets); each
+tensor's bytes are then read from the file on their own (no memory map held, so the
+file never counts in the process's memory), converted and packed, and dropped before
+the next one is read: loading holds the model's packed weights plus one tensor.
+
+Q8_0, Q4_0 and Q4_1 weights stay quantized (kernels/SPEC.md, "Quantized weights"),
+in the reference kernels' packed layout (ref_ops.cpp `qpack`). F32, F16 and BF16
+tensors, and every other quantized type (the K-quants, ...), are converted to bf16;
+each such quantized type is named in the start-up log. A stacked projection (q, k
+and v; gate and up) is served quantized only when its parts share one such type.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gateeng.model.fingerprint import Fingerprint
+from gateeng.plans.cpu_linear import Packed
+
+# The types multiplied as stored, by GGML type id (ref_ops.cpp's QTYPES).
+SERVED_QUANTIZED = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3}
+PLAIN_TYPES = ("F32", "F16", "BF16")
+# GGUF architectures read natively; llama.cpp's converter permutes the llama family's
+# q and k rows (rotary pairs interleaved), which loading undoes as transformers does.
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
+PERMUTED = ("llama",)
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    name: str
+    type: str            # the GGML type's name (Q4_0, F32, ...)
+    shape: tuple         # (rows, columns), or (n,) for a vector
+    offset: int          # in the file
+    nbytes: int
+
+
+class GGUFTensors:
+    """The tensors of a GGUF file by name, each read from the file when asked for."""
+
+    def __init__(self, path: Path):
+        from gguf import GGUFReader
+        self.path = Path(path)
+        reader = GGUFReader(str(path))
+        field = reader.fields.get("general.architecture")
+        self.architecture = field.contents() if field is not None else ""
+        self.tensors = {t.name: StoredTensor(t.name, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape)),
+                                             int(t.data_offset), int(t.n_bytes)) for t in reader.tensors}
+        del reader   # its memory map of the whole file goes with it
+
+    def types(self) -> dict:
+        """{stored type: tensor count}."""
+        return dict(sorted(Counter(t.type for t in self.tensors.values()).items()))
+
+    def raw(self, name: str) -> np.ndarray:
+        """The stored bytes, uint8 [rows, bytes per row] (a vector: [1, bytes])."""
+        t = self.tensors[name]
+        buf = np.empty(t.nbytes, dtype=np.uint8)
+        with open(self.path, "rb", buffering=0) as f:
+            f.seek(t.offset)
+            if f.readinto(memoryview(buf)) != t.nbytes:
+                raise ValueError(f"{self.path.name} is truncated: tensor {name} ends past the end of the file")
+        rows = t.shape[0] if len(t.shape) == 2 else 1
+        return buf.reshape(rows, -1)
+
+    def values(self, name: str, raw: np.ndarray) -> torch.Tensor:
+        """The tensor's values in binary32, from its stored bytes (the gguf package's
+        dequantization: numpy binary32 arithmetic, the same bits everywhere)."""
+        from gguf import GGMLQuantizationType, quants
+        t = self.tensors[name]
+        values = quants.dequantize(raw, GGMLQuantizationType[t.type]).astype(np.float32, copy=False)
+        return torch.from_numpy(np.ascontiguousarray(values).reshape(t.shape))
+
+
+def unpermute(rows, heads: int):
+    """Undo llama.cpp's rotary permutation of q or k rows (transformers' reverse_permute_weights)."""
+    shape = rows.shape
+    return rows.reshape(heads, shape[0] // heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+class GGUFLoad:
+    """Loads a GGUF file's weights into a LlamaModel, one stored tensor at a time."""
+
+    def __init__(self, tensors: GGUFTensors, cfg, ops, quantized: bool = True):
+        if tensors.architecture not in ARCHITECTURES:
+            raise ValueError(f"{tensors.path.name}: GGUF architecture {tensors.architecture!r} is not read natively "
+                             f"({', '.join(ARCHITECTURES)} are); pass --dequantize to convert it through transformers")
+        self.tensors, self.cfg, self.ops, self.quantized = tensors, cfg, ops, quantized
+        self.fingerprint = Fingerprint(cfg)
+        self.served = Counter()        # {how a stored type is served: tensor count}
+        self.converted = Counter()     # quantized types converted to bf16: {type: tensor count}
+
+    def _rows(self, name: str, as_stored: bool):
+        """(stored bytes or binary32 values) of one tensor, q and k rows unpermuted;
+        its bytes enter the fingerprint as they are read."""
+        t = self.tensors.tensors[name]
+        raw = self.tensors.raw(name)
+        how = t.type if as_stored else "bf16"
+        self.fingerprint.add(name, f"{t.type}->{how}", t.shape, raw)
+        self.served[f"{t.type} as {'stored' if as_stored else 'bf16'}"] += 1
+        if not as_stored and t.type not in PLAIN_TYPES:
+            self.converted[t.type] += 1
+        rows = raw if as_stored else self.tensors.values(name, raw)
+        if self.tensors.architecture in PERMUTED and (".attn_q." in name or ".attn_k." in name) and len(t.shape) == 2:
+            heads = self.cfg.num_heads if ".attn_q." in name else self.cfg.num_kv_heads
+            rows = unpermute(rows, heads)
+            rows = np.ascontiguousarray(rows) if isinstance(rows, np.ndarray) else rows.contiguous()
+        return rows
+
+    def _fill(self, model, w: torch.Tensor, names: list) -> None:
+        """w from the stored tensors `names`, stacked by rows: packed as stored where they
+        share one type served quantized, else converted to bf16."""
+        types = {self.tensors.tensors[n].type for n in names}
+        kind = next(iter(types)) if len(types) == 1 else None
+        if self.quantized and kind in SERVED_QUANTIZED:
+            raw = np.concatenate([self._rows(n, True) for n in names]) if len(names) > 1 else self._rows(names[0], True)
+            packed = self.ops.qpack(torch.from_numpy(raw), SERVED_QUANTIZED[kind])
+            del raw
+            model.set_packed(w, Packed(packed, w.shape[0], w.shape[1]), self.ops)
+            return
+        with torch.no_grad():
+            start = 0
+            for n in names:   # one part at a time: never the stacked weight in binary32
+                part = self._rows(n, False)
+                w[start:start + part.shape[0]].copy_(part.reshape(-1, *w.shape[1:]).to(w.dtype))
+                start += part.shape[0]
+
+    def into(self, model) -> None:
+        cfg, have = self.cfg, self.tensors.tensors
+        for name in have:
+            if not (name.startswith("blk.") or name in ("token_embd.weight", "output_norm.weight", "output.weight")):
+                raise ValueError(f"{self.tensors.path.name}: tensor {name} is not part of a "
+                                 f"{self.tensors.architecture} decoder gateeng serves")
+        self._fill(model, model.embed, ["token_embd.weight"])
+        for i, layer in enumerate(model.layers):
+            pre = f"blk.{i}."
+            self._fill(model, layer.input_norm, [pre + "attn_norm.weight"])
+            self._fill(model, layer.qkv, [pre + f"attn_{n}.weight" for n in "qkv"])
+            if layer.qkv_bias is not None:
+                self._fill(model, layer.qkv_bias, [pre + f"attn_{n}.bias" for n in "qkv"])
+            if layer.q_norm is not None:
+                self._fill(model, layer.q_norm, [pre + "attn_q_norm.weight"])
+                self._fill(model, layer.k_norm, [pre + "attn_k_norm.weight"])
+            self._fill(model, layer.o, [pre + "attn_output.weight"])
+            if layer.o_bias is not None:
+                self._fill(model, layer.o_bias, [pre + "attn_output.bias"])
+            self._fill(model, layer.post_norm, [pre + "ffn_norm.weight"])
+            self._fill(model, layer.gate_up, [pre + "ffn_gate.weight", pre + "ffn_up.weight"])
+            self._fill(model, layer.down, [pre + "ffn_down.weight"])
+        self._fill(model, model.norm, ["output_norm.weight"])
+        if not cfg.tie_word_embeddings:
+            self._fill(model, model.lm_head, ["output.weight"])
+        model.stored_types = {t.split(" as ")[0]: n for t, n in sorted(self.served.items()) if t.endswith("stored")
+                              and t.split(" as ")[0] in SERVED_QUANTIZED}
+
+    def describe(self) -> str:
+        """What serving the file does to its weights, in words, for the start-up log."""
+        kept = ", ".join(f"{n} {t.split(' as ')[0]}" for t, n in sorted(self.served.items())
+                         if t.endswith("stored"))
+        parts = [f"{self.tensors.path.name}: " + (f"{kept} tensors served as stored" if kept else "no tensor served as stored")]
+        if self.converted:
+            parts.append("dequantized to bf16 (not served as stored): "
+                         + ", ".join(f"{n} {t}" for t, n in sorted(self.converted.items())))
+        plain = sum(n for t, n in self.served.items() if t.split(" as ")[0] in PLAIN_TYPES)
+        if plain:
+            parts.append(f"{plain} F32/F16/BF16 tensors in bf16")
+        return "; ".join(parts)
+
