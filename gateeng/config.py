@@ -114,6 +114,9 @@ BLOCK_SIZE = 16
 class EngineConfig:
     model: Optional[str] = None          # HF directory or .gguf file; None = embedded SmolLM2
     dtype: str = BFLOAT16                # one of DTYPES
+    # A GGUF's quantized weights are served as stored (bf16 on CPU, tensor-parallel size
+    # 1); True serves the file dequantized to `dtype` instead (model.loader).
+    dequantize: bool = False
     device: str = "cpu"                  # cpu | cuda
     plan: str = FAST                     # fast | invariant (server-wide batch-invariant mode)
     block_size: int = BLOCK_SIZE

@@ -9,13 +9,14 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 @pytest.fixture(scope="session")
 def smollm():
-    """The embedded SmolLM2 model, loaded once per session in bf16 and float32."""
+    """The embedded SmolLM2 model, loaded once per session: dequantized to bf16 or
+    float32 ("bfloat16", "float32"), or as shipped, its Q4_1 weights as stored ("as_stored")."""
     from gateeng.model import loader
     cache = {}
 
     def get(dtype="bfloat16"):
         if dtype not in cache:
-            cache[dtype] = loader.load(None, dtype)
+            cache[dtype] = loader.load(None) if dtype == "as_stored" else loader.load(None, dtype, dequantize=True)
         return cache[dtype]
     return get
 

@@ -215,6 +215,61 @@ def attention(q, keys, values, scale: float):
     return to_bf(flush(acc * inv))
 
 
+# ---- quantized weights (Q8_0, Q4_0, Q4_1) -------------------------------------------
+
+def qdot(x, q, d, m=None) -> np.ndarray:
+    """The spec's qdot over the last axis (broadcast): x bf16 bits [..., K], q the
+    integers [..., K] (Q4_0's already n - 8), d binary16 scales [..., K/32] and, for
+    Q4_1, m binary16 minimums [..., K/32]. Per block of 32 the chain of fma on the
+    integers, odd element first; c = d*s (or (d*s) + (m*t), t the plain sum of x);
+    16 lanes of ceil(B/16) consecutive blocks, each a chain of adds from +0; the tree."""
+    xf = bf(x)
+    qf = np.asarray(q).astype(F32)              # -128..127: exact, bf16 values
+    df = flush(np.asarray(d, np.float16).astype(F32))
+    mf = None if m is None else flush(np.asarray(m, np.float16).astype(F32))
+    k = xf.shape[-1]
+    assert k % 32 == 0 and qf.shape[-1] == k and df.shape[-1] == k // 32
+    nb = k // 32
+    shapes = [xf.shape[:-1], qf.shape[:-1], df.shape[:-1]] + ([] if mf is None else [mf.shape[:-1]])
+    shape = np.broadcast_shapes(*shapes)
+    per = (nb + 15) // 16
+    lanes = []
+    for lane in range(16):
+        acc = np.zeros(shape, F32)
+        for g in range(lane * per, min(nb, (lane + 1) * per)):
+            s = np.zeros(shape, F32)
+            t = np.zeros(xf.shape[:-1], F32)
+            for p in range(16):
+                odd, even = 32 * g + 2 * p + 1, 32 * g + 2 * p
+                s = fma(xf[..., odd], qf[..., odd], s)
+                s = fma(xf[..., even], qf[..., even], s)
+                t = flush(t + xf[..., odd])
+                t = flush(t + xf[..., even])
+            c = flush(df[..., g] * s)
+            if mf is not None:
+                c = flush(c + flush(mf[..., g] * t))
+            acc = flush(acc + c)
+        lanes.append(acc)
+    return tree(lanes)
+
+
+def qlinear(x, q, d, m=None, f32: bool = False):
+    """x [M, K] (bf16 bits) @ the quantized W [N, K].T (q [N, K], d and m [N, K/32]):
+    bf16 bits, or the binary32 qdots (f32)."""
+    s = qdot(x[:, None, :], q[None, :, :], d[None, :, :], None if m is None else m[None, :, :])
+    return s if f32 else to_bf(s)
+
+
+def qvalues(q, d, m=None):
+    """A quantized table's rows as bf16 bits: bf16(d*q), or bf16((d*q) + m) (Q4_1)."""
+    qf = np.asarray(q).astype(F32)
+    df = np.repeat(flush(np.asarray(d, np.float16).astype(F32)), 32, axis=-1)
+    v = flush(df * qf)                            # exact: 11 x 8 significant bits
+    if m is not None:
+        v = flush(v + np.repeat(flush(np.asarray(m, np.float16).astype(F32)), 32, axis=-1))
+    return to_bf(v)
+
+
 # ---- token choice -------------------------------------------------------------------
 
 _M = 0xFFFFFFFF

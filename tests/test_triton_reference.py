@@ -98,3 +98,103 @@ def test_the_triton_plan_gives_the_cpu_references_bits():
         outs.append(got)
     for cpu, gpu in zip(*outs):
         assert same(gpu, cpu)
+
+
+# ---- quantized weights (SPEC.md, "Quantized weights"): against the numpy oracle ------
+
+def quant_inputs(kind: str, m: int, n: int, k: int, seed: int, case: str = "plain"):
+    """Random x (bf16 bits) and a Q8_0-, Q4_0- or Q4_1-shaped W (q int8 [n, k], d and m
+    float16 [n, k/32]) as numpy arrays. case "tiny": x and the scales so small that block
+    values and sums fall below 2^-126 (and some x are bf16 denormals); "cancel": block 1
+    is block 0 with its scale (and min) negated, and in half the rows both sum to 0."""
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    nb = k // 32
+    lo, hi = {"Q8_0": (-128, 128), "Q4_0": (-8, 8), "Q4_1": (0, 16)}[kind]
+    q = rng.integers(lo, hi, (n, k)).astype(np.int8)
+    xs = rng.standard_normal((m, k)).astype(np.float32)
+    d = rng.standard_normal((n, nb)) * 0.02
+    mins = rng.standard_normal((n, nb)) * 0.1 if kind == "Q4_1" else None
+    if case == "tiny":   # rows near 2^-112, 2^-124 and 2^-106; columns' scales 2^-24..2^-4
+        xs = xs * np.exp2(np.array([[-112], [-124], [-106]])[:m] + rng.integers(-4, 5, (m, k))).astype(np.float32)
+        d = d * np.exp2(rng.integers(-22, -4, (n, 1)) + rng.integers(-2, 3, (n, nb)))
+        if mins is not None:
+            mins = mins * np.exp2(rng.integers(-22, -4, (n, 1)) + rng.integers(-2, 3, (n, nb)))
+    else:   # exponents spread over 2^-12..2^12: a block's sums are inexact, so their order shows
+        xs = xs * np.exp2(rng.integers(-12, 13, (m, k))).astype(np.float32)
+    d = d.astype(np.float16)
+    mins = None if mins is None else mins.astype(np.float16)
+    if case == "cancel":
+        half = slice(0, n, 2)
+        if kind == "Q4_1":   # s = 4t exactly, and m = -4d: c = d*s + m*t = 0
+            q[half, :32] = 4
+            mins[half, 0] = -4 * d[half, 0]
+        else:                # each pair's odd product cancels its even one: s = 0
+            xs[:, 1:32:2] = xs[:, 0:32:2]
+            q[half, 1:32:2] = -np.clip(q[half, 0:32:2], -127, 127)
+        xs[:, 32:64], q[:, 32:64], d[:, 1] = xs[:, :32], q[:, :32], -d[:, 0]
+        if mins is not None:
+            mins[:, 1] = -mins[:, 0]
+    x = torch.from_numpy(xs).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    return x, q, d, mins
+
+
+def run_qmatmul(x, q, d, mins, f32):
+    return tr.qmatmul(torch.from_numpy(x.view("int16")).view(torch.bfloat16), torch.from_numpy(q),
+                      torch.from_numpy(d), None if mins is None else torch.from_numpy(mins), f32=f32)
+
+
+def oracle_qlinear(x, q, d, mins, f32):
+    from tests import oracle
+    out = oracle.qlinear(x, q, d, mins, f32=f32)
+    return torch.from_numpy(out) if f32 else torch.from_numpy(out.view("int16")).view(torch.bfloat16)
+
+
+@pytest.mark.parametrize("kind,m,k", [("Q8_0", 1, 64), ("Q8_0", 3, 96), ("Q8_0", 3, 576),
+                                      ("Q4_0", 3, 64), ("Q4_0", 1, 96), ("Q4_0", 3, 576),
+                                      ("Q4_1", 3, 64), ("Q4_1", 3, 96), ("Q4_1", 1, 576)])
+@pytest.mark.parametrize("case", ["plain", "tiny", "cancel"])
+def test_qmatmul_gives_the_oracles_bits(kind, m, k, case):
+    """B = 2, 3 and 18 blocks (18: lanes of 2 blocks, the last 7 lanes empty), N = 37 (two
+    column tiles, the second partly masked) or 21 (K = 576, to keep the interpreter
+    quick), M = 1 and 3; the bf16 outputs on the plain inputs (their rounding is
+    matmul's), the binary32 sums on all."""
+    x, q, d, mins = quant_inputs(kind, m, 21 if k > 96 else 37, k, seed=k + m, case=case)
+    for f32 in (True, False) if case == "plain" else (True,):
+        assert same(run_qmatmul(x, q, d, mins, f32), oracle_qlinear(x, q, d, mins, f32)), (kind, case, f32)
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_1"])
+def test_qmatmul_flushes_an_exact_denormal(kind):
+    """SPEC.md's unchecked corner, on purpose: a block chain's step whose exact result is
+    a denormal (1.5*2^-126 - 2^-126, no rounding) is flushed by the rule, here and in the
+    oracle, so the block sum (and t) is 2^-120 and not 2^-120 + 2^-127."""
+    import numpy as np
+    x = np.zeros((1, 64), np.float32)
+    x[0, :4] = [-(2.0 ** -126), 1.5 * 2.0 ** -126, 0.0, 2.0 ** -120]
+    q = np.zeros((3, 64), np.int8)
+    q[:, :4] = [[1, 1, 0, 1], [1, 2, 0, 1], [3, 2, 0, 1]]   # rows 1 and 2: no denormal step
+    d = np.ones((3, 2), np.float16)
+    mins = np.ones((3, 2), np.float16) if kind == "Q4_1" else None   # t: the same steps
+    x = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    got = run_qmatmul(x, q, d, mins, True)
+    assert same(got, oracle_qlinear(x, q, d, mins, True))
+    assert got[0, 0] == (2.0 ** -119 if kind == "Q4_1" else 2.0 ** -120)   # d*s (+ m*t)
+
+
+def test_quant_cases_reach_what_they_test(monkeypatch):
+    """The "tiny" inputs make results below 2^-126 (flushing changes the answer) and the
+    "cancel" inputs make exact zeros out of nonzero block values."""
+    import numpy as np
+    from tests import oracle
+    for kind in ("Q4_0", "Q4_1"):
+        x, q, d, mins = quant_inputs(kind, 3, 37, 64, seed=67, case="tiny")   # as the test above
+        flushed = oracle.qlinear(x, q, d, mins, f32=True)
+        with monkeypatch.context() as mp:
+            mp.setattr(oracle, "flush", lambda v: np.asarray(v, np.float32))
+            kept = oracle.qlinear(x, q, d, mins, f32=True)
+        assert (flushed != kept).sum() > 30, kind                       # flushed parts
+        assert ((flushed == 0) & (np.abs(kept) < 2.0 ** -126) & (kept != 0)).any(), kind   # a flushed result
+        assert (np.abs(flushed) > 2.0 ** -120).any(), kind               # and normal ones
+        x, q, d, mins = quant_inputs(kind, 1, 8, 64, seed=99, case="cancel")   # B = 2: c0 + c1 = 0
+        assert (oracle.qlinear(x, q, d, mins, f32=True) == 0).all(), kind

@@ -140,7 +140,8 @@ class Engine:
                     raise EngineDead(f"the engine loop stopped on an error: {self.failure!r}")
                 if not self.accepting:
                     raise WeightUpdateUnavailable("the engine is shutting down")
-                weights.refuse_unless_supported(self.config, self.core.tp_group is not None)
+                weights.refuse_unless_supported(self.config, self.core.tp_group is not None,
+                                                  self.core.model.quantized)
                 prepared = weights.prepare(self.config, self.model_config, path)
             except Exception as exc:   # refused (WeightsRefused, WeightUpdateUnavailable) or failed: nothing changed
                 log(f"weight update from {path} refused: {exc}")

@@ -85,9 +85,14 @@ def expected_shapes(cfg: ModelConfig) -> dict:
     return shapes
 
 
-def refuse_unless_supported(cfg: EngineConfig, tensor_parallel: bool) -> None:
+def refuse_unless_supported(cfg: EngineConfig, tensor_parallel: bool, quantized: bool = False) -> None:
     """Fail closed where swapping weights is not built: the tensor-parallel workers
-    hold their own shards, and no CUDA engine has been proved to swap correctly."""
+    hold their own shards, no CUDA engine has been proved to swap correctly, and a
+    checkpoint is not the quantized model a GGUF served as stored is."""
+    if quantized:
+        raise WeightUpdateUnavailable(
+            "this server serves a GGUF's quantized weights as stored, and a checkpoint holds bf16 or float32 "
+            "weights: start it with --dequantize to update its weights in place")
     if tensor_parallel:
         raise WeightUpdateUnavailable(
             f"weights cannot be updated in place at --tensor-parallel-size {cfg.tensor_parallel_size}: each "

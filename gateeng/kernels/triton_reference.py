@@ -220,7 +220,7 @@ def _qmatmul_kernel(x_ptr, q_ptr, d_ptr, m_ptr, out_ptr, M, N, K, MIN: tl.conste
             c = _flush(d[None, :] * s)
             if MIN:
                 mn = _flush(tl.load(m_ptr + cols * nb + g, mask=cmask, other=0).to(tl.float32))
-                c = _flush(c + mn[None, :] * t[:, None])
+                c = _flush(c + _flush(mn[None, :] * t[:, None]))
             acc = _flush(acc + c)
         acc, lv0, lv1, lv2, lv3 = _fold(l, acc, lv0, lv1, lv2, lv3)
     where = out_ptr + rows[:, None] * N + cols[None, :]

@@ -84,6 +84,12 @@ class ReferencePlan(ReferenceBase):
         self._packed = {id(w): model.shared.get(id(w)) or cpu_linear.shared_pack(w, ops)
                         for w in model.projections() + [model.lm_head]}
         self._lm_head = id(model.lm_head)
+        # kernel_plan names the quantized types it multiplies (kernels/SPEC.md, "Quantized weights").
+        stored = ", ".join(sorted(model.stored_types))
+        self.version = f"{REFERENCE} ({stored} weights)" if stored else REFERENCE
+
+    def describe(self, dtype: str = BFLOAT16) -> str:
+        return self.version
 
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         p = self._packed[id(w)]

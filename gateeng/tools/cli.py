@@ -24,6 +24,10 @@ def _model_source_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default=DEFAULTS.dtype, choices=DTYPES, help="weights and KV dtype")
+    p.add_argument("--dequantize", action="store_true", default=DEFAULTS.dequantize,
+                   help="serve a GGUF's quantized weights dequantized to --dtype (converted once through "
+                        "transformers and cached), not as stored; a float32 model, CUDA and tensor parallelism "
+                        "always dequantize")
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -137,7 +141,8 @@ def _server_client(args, target: str, admin: bool = False):
 
 
 def _engine_config(args):
-    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, plan=args.plan,
+    return EngineConfig(model=args.model, dtype=args.dtype, dequantize=args.dequantize, device=args.device,
+                        plan=args.plan,
                         margin_threshold=args.margin_threshold, max_window=args.max_window,
                         verified_route=args.verified_route, max_verify_delay=args.max_verify_delay,
                         num_kv_blocks=args.kv_blocks, invariant_rows=args.invariant_rows,
@@ -302,8 +307,8 @@ def cmd_replay(args) -> int:
             dtypes = {it.record.get("dtype") for _, it in items if isinstance(it, rp.Stored)}
             dtype = args.dtype or (dtypes.pop() if len(dtypes) == 1 else DEFAULTS.dtype)
             # Direct: every VERIFIED decode on the invariant plan (the same bits; no plan pricing at start-up).
-            target = rp.LocalTarget(EngineConfig(model=args.model, dtype=dtype, num_threads=args.threads,
-                                                 verified_route=DIRECT))
+            target = rp.LocalTarget(EngineConfig(model=args.model, dtype=dtype, dequantize=args.dequantize,
+                                                 num_threads=args.threads, verified_route=DIRECT))
     except (ValueError, OSError, rp.Unreplayable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -402,7 +407,7 @@ def cmd_calibrate(args) -> int:
             sizes = [int(b) for b in args.batch_sizes.split(",")]
         if not (0 < args.target_miss < 1):
             raise ValueError(f"--target-miss must be in (0, 1), got {args.target_miss}")
-        loaded = load(args.model, args.dtype)
+        loaded = load(args.model, args.dtype, dequantize=args.dequantize)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -626,6 +631,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="local engine: HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     r.add_argument("--dtype", default=None, choices=DTYPES,
                    help="local engine: weights and KV dtype (default: the stored records' dtype)")
+    r.add_argument("--dequantize", action="store_true",
+                   help="local engine: serve a GGUF dequantized, as a server started with --dequantize does")
     r.add_argument("--threads", type=int, default=None, help="local engine: torch CPU threads")
     _api_key_args(r, "with --server or --openai: the server's API key, sent as `Authorization: Bearer KEY`")
     r.set_defaults(func=cmd_replay)

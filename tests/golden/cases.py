@@ -29,11 +29,19 @@ CASES = {
     "tiny": [dict(prompts=[[5, 17, 200, 3], list(range(40, 80))], chat=False, params=GREEDY),
              dict(prompts=[[5, 17, 200, 3], list(range(40, 80))], chat=False, params=SEEDED, seeds=[1, 2])],
 }
+CASES["smollm2-q4_1"] = CASES["smollm2"]
+CASES["tiny-q8_0"] = CASES["tiny-q4_0"] = CASES["tiny"]
 
 
 def _smollm():
     from gateeng.model import loader
-    return loader.load(None, "bfloat16")
+    return loader.load(None, "bfloat16", dequantize=True)
+
+
+def _smollm_as_stored():
+    """The embedded GGUF as shipped: Q4_1 weights (and a Q8_0 embedding) as stored."""
+    from gateeng.model import loader
+    return loader.load(None)
 
 
 def _tiny():
@@ -41,7 +49,21 @@ def _tiny():
     return spec_tiny()
 
 
-MODELS = {"smollm2": _smollm, "tiny": _tiny}
+def _tiny_quantized(kind: str):
+    """A tiny random Llama GGUF, every matrix in `kind` (tests/tiny_gguf.py), as stored."""
+    def load():
+        import tempfile
+        from pathlib import Path
+
+        from gateeng.model import loader
+        from tests.tiny_gguf import write_tiny_gguf
+        where = Path(tempfile.mkdtemp(prefix="gateeng-golden-"))
+        return loader.load(str(write_tiny_gguf(where / f"tiny-{kind}.gguf", kind, tie=False)["path"]))
+    return load
+
+
+MODELS = {"smollm2": _smollm, "tiny": _tiny, "smollm2-q4_1": _smollm_as_stored,
+          "tiny-q8_0": _tiny_quantized("Q8_0"), "tiny-q4_0": _tiny_quantized("Q4_0")}
 
 
 def record(completion) -> dict:

@@ -1,0 +1,132 @@
+"""A GGUF served as stored: Q8_0, Q4_0 and Q4_1 weights stay quantized and are
+multiplied by the reference (kernels/SPEC.md, "Quantized weights"), in every build,
+in both plans; other types are converted to bf16 and named in the log; what is not
+served quantized fails closed."""
+import numpy as np
+import pytest
+import torch
+
+from gateeng.config import EngineConfig
+from gateeng.engine.client import Engine
+from gateeng.model import loader
+from gateeng.plans import reference_ops
+from gateeng.plans.kernel_names import REFERENCE, REFERENCE_ISAS
+from gateeng.request import DeterminismParams, Mode, SamplingParams
+from tests.tiny_gguf import write_tiny_gguf
+
+TYPES = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3}
+BUILDS = [pytest.param(isa, marks=pytest.mark.skipif(isa not in reference_ops.runnable(),
+                                                      reason=f"this CPU cannot run the {isa} build"))
+          for isa in REFERENCE_ISAS]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    where = tmp_path_factory.mktemp("quantized")
+    out = {t: write_tiny_gguf(where / f"tiny-{t}.gguf", t) for t in TYPES}
+    out["mixed"] = write_tiny_gguf(where / "tiny-mixed.gguf", {"blk.*.ffn_down.weight": "Q6_K", "*": "Q4_0"},
+                                   tie=False, intermediate=256, seed=1)
+    return out
+
+
+def stored(gguf_type: str, n: int, k: int, seed: int = 0):
+    """(GGUF rows [n, row bytes], the integers [n, k], scales [n, k/32], minimums or None)."""
+    from gguf import GGMLQuantizationType, quants
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    w[1] *= 2.0 ** -20            # scales near binary16's smallest
+    raw = quants.quantize(w, GGMLQuantizationType[gguf_type]).view(np.uint8).reshape(n, -1)
+    blocks = raw.reshape(n, k // 32, -1)
+    d = blocks[:, :, :2].copy().view(np.float16)[:, :, 0]
+    m = blocks[:, :, 2:4].copy().view(np.float16)[:, :, 0] if gguf_type == "Q4_1" else None
+    qs = blocks[:, :, 4 if m is not None else 2:]
+    if gguf_type == "Q8_0":
+        q = qs.view(np.int8).reshape(n, k).astype(np.int64)
+    else:
+        n4 = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, k).astype(np.int64)
+        q = n4 if m is not None else n4 - 8
+    return np.ascontiguousarray(raw), q, d, m
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+@pytest.mark.parametrize("gguf_type", list(TYPES))
+def test_every_build_multiplies_quantized_weights_as_the_oracle(gguf_type, isa):
+    from tests import oracle
+    ops = reference_ops.load(isa)
+    for n, k, m in ((37, 96, 3), (21, 576, 2)):
+        raw, q, d, mins = stored(gguf_type, n, k, seed=n)
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).to(torch.bfloat16)
+        x[0, :7] = 2.0 ** -128                    # denormal inputs: read as zero
+        x[1, 32:64] = x[1, :32]                   # cancellations across blocks
+        packed = ops.qpack(torch.from_numpy(raw), TYPES[gguf_type])
+        xb = x.view(torch.int16).numpy().view(np.uint16)
+        for f32 in (True, False):
+            got = ops.qlinear(x, packed, n, f32)
+            want = oracle.qlinear(xb, q, d, mins, f32=f32)
+            assert np.array_equal(got.view(torch.int32 if f32 else torch.int16).numpy(),
+                                  np.asarray(want).view(np.int32 if f32 else np.int16)), (gguf_type, n, k, f32)
+            assert torch.equal(got, ops.linear(x, packed, n, f32))   # linear takes a quantized packed weight
+        rows = ops.qrows(packed, torch.arange(n))
+        assert np.array_equal(rows.view(torch.int16).numpy(), np.asarray(oracle.qvalues(q, d, mins)).view(np.int16))
+
+
+def test_a_gguf_is_served_as_stored_by_default(files):
+    loaded = loader.load(str(files["Q4_0"]["path"]))
+    assert loaded.model.quantized and loaded.model.stored_types == {"Q4_0": 15}   # GGUF tensors: embed (tied) + 7 per layer
+    deq = loader.load(str(files["Q4_0"]["path"]), dequantize=True)
+    assert not deq.model.quantized
+    assert loaded.fingerprint != deq.fingerprint, "the same file served two ways is two models"
+    assert loader.load(str(files["Q4_0"]["path"])).fingerprint == loaded.fingerprint
+    # float32 serves the file dequantized (the log says so)
+    assert not loader.load(str(files["Q4_0"]["path"]), dtype="float32").model.quantized
+
+
+@pytest.mark.parametrize("gguf_type", list(TYPES))
+def test_quantized_logits_follow_the_file_and_the_plans_agree(files, gguf_type):
+    """Logits of the quantized model are close to transformers' on the dequantized file,
+    and the fast plan, the reference and a batch give the same VERIFIED tokens."""
+    from transformers import AutoModelForCausalLM
+    path = files[gguf_type]["path"]
+    loaded = loader.load(str(path))
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    prompt = [1, 500, 9000, 77, 4242, 31000]
+    with torch.no_grad():
+        want = hf(torch.tensor([prompt])).logits[0, -1]
+    engine = Engine(EngineConfig(plan="fast", num_kv_blocks=64, max_model_len=128), loaded=loaded)
+    verified, params = DeterminismParams(Mode.VERIFIED), SamplingParams(max_tokens=8, ignore_eos=True, logprobs=1)
+    try:
+        alone = engine.submit(prompt, params, verified).result()
+        many = engine.submit_many([prompt, prompt[:3], [5, 6, 7, 8, 9]], [params] * 3, verified)
+        assert many[0].result().token_ids == alone.token_ids
+        assert [lp.logprob for lp in many[0].result().logprobs] == [lp.logprob for lp in alone.logprobs]
+        record = alone.reproducibility
+        assert f"{REFERENCE} ({gguf_type} weights)" in record.kernel_plan
+        assert record.model_fingerprint == loaded.fingerprint
+    finally:
+        engine.shutdown()
+    assert int(want.argmax()) == alone.token_ids[0]
+
+
+def test_other_types_are_converted_to_bf16_and_named(files, capsys):
+    loaded = loader.load(str(files["mixed"]["path"]))
+    assert loaded.model.stored_types == {"Q4_0": 14}   # all but the two Q6_K ffn_down
+    err = capsys.readouterr().err
+    assert "dequantized to bf16 (not served as stored): 2 Q6_K" in err, err
+
+
+def test_quantized_weights_fail_closed(files, tmp_path):
+    from gateeng.engine.weights import WeightUpdateUnavailable
+    loaded = loader.load(str(files["Q8_0"]["path"]))
+    with pytest.raises(ValueError, match="no transformers checkpoint"):
+        loaded.model.hf_state_dict()
+    with pytest.raises(RuntimeError, match="no plain copy"):
+        loaded.model.restore_plain_weights()
+    engine = Engine(EngineConfig(num_kv_blocks=32, max_model_len=64), loaded=loaded)
+    try:
+        with pytest.raises(WeightUpdateUnavailable, match="--dequantize"):
+            engine.update_weights(str(tmp_path))
+        assert engine.submit([1, 2, 3], SamplingParams(max_tokens=2)).result().token_ids   # still serving
+    finally:
+        engine.shutdown()
+    with pytest.raises(ValueError, match="tensor-parallel size 1"):
+        Engine(EngineConfig(num_kv_blocks=32, max_model_len=64, tensor_parallel_size=2), loaded=loaded)
