@@ -466,7 +466,9 @@ Out out_to(torch::Tensor& result, int64_t n) {
 // SPEC.md, "Quantized weights". A GGUF weight of type Q8_0, Q4_0 or Q4_1 keeps its
 // integers and per-block binary16 scales, repacked once (qpack) for 16 output columns
 // at a time, like the bf16 layout: uint8 [ceil(N/16)][B][record], one record per block
-// of 32 values of K and column block. A record is the 16 columns' scales d (binary16),
+// of 32 values of K and column block. Within a column block the records are in the
+// order the kernels read them (QLayout): step by step, the s-th block of every lane
+// that has one, so a column block is one sequential stream. A record is the 16 columns' scales d (binary16),
 // for Q4_1 their minimums m, then the integers pair by pair, the 16 columns' (even, odd)
 // values side by side: Q8_0 as int8 [16 pairs][16][2]; Q4 as bytes [8][16][2] whose low
 // nibble is pair 2j and high nibble pair 2j + 1. The record size names the type.
@@ -513,12 +515,33 @@ inline float qint(const QType& t, const uint8_t* rec, int p, int c, int e) {
   return static_cast<float>(t.mins ? n : n - 8);
 }
 
+// The lanes (SPEC.md: lane l sums blocks l*per .. min(B, (l+1)*per) - 1) and where each
+// block's record sits in a column block: step s holds block l*per + s of each lane l
+// that has more than s blocks (a prefix of the lanes: only the last ones are short),
+// steps one after another.
+struct QLayout {
+  int64_t nb, per;
+  std::vector<int64_t> base, live;   // per step: its first record, how many lanes it holds
+  explicit QLayout(int64_t blocks) : nb(blocks), per((blocks + 15) / 16), base(per), live(per) {
+    int64_t at = 0;
+    for (int64_t s = 0; s < per; ++s) {
+      int64_t lanes = 0;
+      while (lanes < 16 && lanes * per + s < nb) ++lanes;
+      base[s] = at;
+      live[s] = lanes;
+      at += lanes;
+    }
+  }
+  int64_t record(int64_t g) const { return base[g % per] + g / per; }   // block g's position
+};
+
 torch::Tensor qpack(torch::Tensor raw, int64_t ggml) {
   const QType& t = qtype_of_ggml(ggml);
   TORCH_CHECK(raw.scalar_type() == torch::kUInt8 && raw.dim() == 2 && raw.device().is_cpu() &&
                   raw.size(1) % t.raw == 0, "raw must be uint8 [N, blocks * ", t.raw, "] (the GGUF rows)");
   raw = raw.contiguous();
   const int64_t n = raw.size(0), nb = raw.size(1) / t.raw, cbs = (n + 15) / 16;
+  const QLayout lay(nb);
   auto out = torch::zeros({cbs, nb, t.rec}, raw.options());
   const uint8_t* src = raw.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
@@ -527,7 +550,7 @@ torch::Tensor qpack(torch::Tensor raw, int64_t ggml) {
       for (int64_t c = 0; c < 16 && cb * 16 + c < n; ++c) {
         for (int64_t g = 0; g < nb; ++g) {
           const uint8_t* b = src + (cb * 16 + c) * raw.size(1) + g * t.raw;
-          uint8_t* rec = dst + (cb * nb + g) * t.rec;
+          uint8_t* rec = dst + (cb * nb + lay.record(g)) * t.rec;
           std::memcpy(rec + 2 * c, b, 2);                        // d
           if (t.mins) std::memcpy(rec + 32 + 2 * c, b + 2, 2);   // m
           const uint8_t* qs = b + (t.mins ? 4 : 2);
@@ -564,26 +587,27 @@ std::vector<float> block_sums(const u16* x, int64_t m, int64_t k) {
   return t;
 }
 
-// Which blocks lane l sums: [first, end).
-inline void lane_blocks(int l, int64_t nb, int64_t per, int64_t* first, int64_t* end) {
-  *first = std::min(nb, l * per);
-  *end = std::min(nb, (l + 1) * per);
+// The vector tiles read one column block while the next one's same records are fetched
+// into L2, line by line: DRAM then streams at the bandwidth one core can draw.
+inline void prefetch_records(const uint8_t* next, int64_t from, int64_t bytes) {
+#if defined(__x86_64__) || defined(__i386__)
+  if (next == nullptr) return;
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(next + from + off), _MM_HINT_T1);
+#endif
 }
 
 // The portable tile: MR rows x 16 columns of one column block, the spec written out.
 template <int MR>
-void qtile_portable(const QType& t, const u16* x, int64_t k, const float* tx, const uint8_t* w, const Out& out,
-                    int64_t row, int64_t col) {
-  const int64_t nb = k / QK, per = (nb + 15) / 16;
+void qtile_portable(const QType& t, const QLayout& lay, const u16* x, int64_t k, const float* tx, const uint8_t* w,
+                    const Out& out, int64_t row, int64_t col) {
+  const int64_t nb = lay.nb, per = lay.per;
   float lvl[5][MR][16];
   for (int l = 0; l < 16; ++l) {
     float lane[MR][16];
     for (int i = 0; i < MR; ++i)
       for (int c = 0; c < 16; ++c) lane[i][c] = 0.f;
-    int64_t first, end;
-    lane_blocks(l, nb, per, &first, &end);
-    for (int64_t g = first; g < end; ++g) {
-      const uint8_t* rec = w + g * t.rec;
+    for (int64_t g = std::min(nb, l * per); g < std::min(nb, (l + 1) * per); ++g) {
+      const uint8_t* rec = w + lay.record(g) * t.rec;
       for (int i = 0; i < MR; ++i) {
         const u16* xg = x + i * k + g * QK;
         for (int c = 0; c < 16; ++c) {
@@ -630,35 +654,30 @@ struct QTables {
 };
 
 template <int MR, int LN>
-void qtile_dpbf16(const QType& t, const u16* x, int64_t k, const float* tx, const uint8_t* w, const uint8_t* next,
-                  const Out& out, int64_t row, int64_t col) {
+void qtile_dpbf16(const QType& t, const QLayout& lay, const u16* x, int64_t k, const float* tx, const uint8_t* w,
+                  const uint8_t* next, const Out& out, int64_t row, int64_t col) {
   static const QTables tables;
   const __m512i table = t.mins ? tables.q4_1 : tables.q4_0;
   const __m512i nib = _mm512_set1_epi16(0x0F);
-  const int64_t nb = k / QK, per = (nb + 15) / 16;
-  const int64_t qoff = t.mins ? 64 : 32;
-  __m512 lvl[5][MR];
-  for (int l0 = 0; l0 < 16; l0 += LN) {
-    __m512 lane[LN][MR];
-    int64_t first[LN], end[LN];
-    for (int j = 0; j < LN; ++j) {
-      lane_blocks(l0 + j, nb, per, &first[j], &end[j]);
-      for (int i = 0; i < MR; ++i) lane[j][i] = _mm512_setzero_ps();
-    }
-    for (int64_t s = 0; s < per; ++s) {
+  const int64_t nb = lay.nb, per = lay.per, qoff = t.mins ? 64 : 32;
+  alignas(64) float lanes[16][MR][16];
+  for (int l = 0; l < 16; ++l)
+    for (int i = 0; i < MR; ++i) _mm512_store_ps(lanes[l][i], _mm512_setzero_ps());
+  for (int64_t s = 0; s < per; ++s) {
+    const int64_t live = lay.live[s];
+    for (int64_t j0 = 0; j0 < live; j0 += LN) {
+      const int64_t count = std::min<int64_t>(LN, live - j0);
+      const uint8_t* recs = w + (lay.base[s] + j0) * t.rec;   // `count` records, one after another
+      prefetch_records(next, (lay.base[s] + j0) * t.rec, count * t.rec);
       __m512 acc[LN][MR];
-      bool live[LN];
-      for (int j = 0; j < LN; ++j) {
-        live[j] = first[j] + s < end[j];
+      for (int j = 0; j < LN; ++j)
         for (int i = 0; i < MR; ++i) acc[j][i] = _mm512_setzero_ps();
-      }
-      if (next != nullptr) _mm_prefetch(reinterpret_cast<const char*>(next + (l0 * per + s) * t.rec), _MM_HINT_T1);
       if (t.q8) {
         for (int p = 0; p < 16; ++p) {
           for (int j = 0; j < LN; ++j) {
-            if (!live[j]) continue;
-            const int64_t g = first[j] + s;
-            const int8_t* q = reinterpret_cast<const int8_t*>(w + g * t.rec + qoff + p * 32);
+            if (j >= count) break;
+            const int64_t g = (j0 + j) * per + s;
+            const int8_t* q = reinterpret_cast<const int8_t*>(recs + j * t.rec + qoff + p * 32);
             const __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
             const __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))));
             const __m512bh wv = _mm512_cvtne2ps_pbh(f1, f0);
@@ -672,10 +691,10 @@ void qtile_dpbf16(const QType& t, const u16* x, int64_t k, const float* tx, cons
       } else {
         for (int pp = 0; pp < 8; ++pp) {
           for (int j = 0; j < LN; ++j) {
-            if (!live[j]) continue;
-            const int64_t g = first[j] + s;
+            if (j >= count) break;
+            const int64_t g = (j0 + j) * per + s;
             const __m512i words = _mm512_cvtepu8_epi16(
-                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * t.rec + qoff + pp * 32)));
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(recs + j * t.rec + qoff + pp * 32)));
             const __m512bh w0 = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(words, nib), table);
             const __m512bh w1 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), table);
             for (int i = 0; i < MR; ++i) {
@@ -688,28 +707,30 @@ void qtile_dpbf16(const QType& t, const u16* x, int64_t k, const float* tx, cons
           }
         }
       }
-      for (int j = 0; j < LN; ++j) {
-        if (!live[j]) continue;
-        const int64_t g = first[j] + s;
-        const uint8_t* rec = w + g * t.rec;
+      for (int j = 0; j < count; ++j) {
+        const int64_t g = (j0 + j) * per + s;
+        const uint8_t* rec = recs + j * t.rec;
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec)));
         const __m512 m = t.mins ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32)))
                                 : _mm512_setzero_ps();
         for (int i = 0; i < MR; ++i) {
           __m512 v = _mm512_mul_ps(d, acc[j][i]);
           if (t.mins) v = _mm512_add_ps(v, _mm512_mul_ps(m, _mm512_set1_ps(tx[i * nb + g])));
-          lane[j][i] = _mm512_add_ps(lane[j][i], v);
+          float* lane = lanes[j0 + j][i];
+          _mm512_store_ps(lane, _mm512_add_ps(_mm512_load_ps(lane), v));
         }
       }
     }
-    for (int j = 0; j < LN; ++j) {
-      const int l = l0 + j;
-      int lev = 0;
-      for (; (l >> lev) & 1; ++lev) {
-        for (int i = 0; i < MR; ++i) lane[j][i] = _mm512_add_ps(lvl[lev][i], lane[j][i]);
-      }
-      for (int i = 0; i < MR; ++i) lvl[lev][i] = lane[j][i];
+  }
+  __m512 lvl[5][MR];
+  for (int l = 0; l < 16; ++l) {
+    __m512 v[MR];
+    for (int i = 0; i < MR; ++i) v[i] = _mm512_load_ps(lanes[l][i]);
+    int lev = 0;
+    for (; (l >> lev) & 1; ++lev) {
+      for (int i = 0; i < MR; ++i) v[i] = _mm512_add_ps(lvl[lev][i], v[i]);
     }
+    for (int i = 0; i < MR; ++i) lvl[lev][i] = v[i];
   }
   for (int i = 0; i < MR; ++i) {
     store8(out, row + i, col, _mm512_castps512_ps256(lvl[4][i]));
@@ -723,42 +744,37 @@ void qtile_dpbf16(const QType& t, const u16* x, int64_t k, const float* tx, cons
 // pair's even and odd integers come out of the record as binary32 (exact) and take
 // one FMA each, odd first: VDPBF16PS's two steps, under Flush's DAZ/FTZ.
 template <int MR, int LN>
-void qtile_avx2(const QType& t, const float* xo, const float* xe, int64_t k, const float* tx, const uint8_t* w,
-                const uint8_t* next, const Out& out, int64_t row, int64_t col) {
-  const int64_t nb = k / QK, per = (nb + 15) / 16, pairs = k / 2;
-  const int64_t qoff = t.mins ? 64 : 32;
+void qtile_avx2(const QType& t, const QLayout& lay, const float* xo, const float* xe, int64_t k, const float* tx,
+                const uint8_t* w, const uint8_t* next, const Out& out, int64_t row, int64_t col) {
+  const int64_t nb = lay.nb, per = lay.per, pairs = k / 2, qoff = t.mins ? 64 : 32;
   const __m256i nib = _mm256_set1_epi32(0x0F), bias = _mm256_set1_epi32(t.mins ? 0 : 8);
-  alignas(32) float lvl[5][MR][16];
-  for (int l0 = 0; l0 < 16; l0 += LN) {
-    alignas(32) float lane[LN][MR][16];
-    int64_t first[LN], end[LN];
-    for (int j = 0; j < LN; ++j) {
-      lane_blocks(l0 + j, nb, per, &first[j], &end[j]);
-      for (int i = 0; i < MR; ++i)
-        for (int c = 0; c < 16; ++c) lane[j][i][c] = 0.f;
-    }
-    for (int64_t s = 0; s < per; ++s) {
+  alignas(32) float lanes[16][MR][16];
+  for (int l = 0; l < 16; ++l)
+    for (int i = 0; i < MR; ++i)
+      for (int c = 0; c < 16; ++c) lanes[l][i][c] = 0.f;
+  for (int64_t s = 0; s < per; ++s) {
+    const int64_t live = lay.live[s];
+    for (int64_t j0 = 0; j0 < live; j0 += LN) {
+      const int64_t count = std::min<int64_t>(LN, live - j0);
+      const uint8_t* recs = w + (lay.base[s] + j0) * t.rec;
+      prefetch_records(next, (lay.base[s] + j0) * t.rec, count * t.rec);
       __m256 acc[LN][MR][2];
-      bool live[LN];
-      for (int j = 0; j < LN; ++j) {
-        live[j] = first[j] + s < end[j];
+      for (int j = 0; j < LN; ++j)
         for (int i = 0; i < MR; ++i) acc[j][i][0] = acc[j][i][1] = _mm256_setzero_ps();
-      }
-      if (next != nullptr) _mm_prefetch(reinterpret_cast<const char*>(next + (l0 * per + s) * t.rec), _MM_HINT_T1);
       for (int p = 0; p < 16; ++p) {
         for (int j = 0; j < LN; ++j) {
-          if (!live[j]) continue;
-          const int64_t g = first[j] + s, xp = g * QK / 2 + p;
+          if (j >= count) break;
+          const int64_t xp = ((j0 + j) * per + s) * QK / 2 + p;
           for (int h = 0; h < 2; ++h) {
             __m256 e, o;
             if (t.q8) {
               const __m256i v = _mm256_cvtepi8_epi16(
-                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + g * t.rec + qoff + p * 32 + h * 16)));
+                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(recs + j * t.rec + qoff + p * 32 + h * 16)));
               e = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 16), 16));
               o = _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 16));
             } else {
               const __m256i v = _mm256_cvtepu16_epi32(
-                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + g * t.rec + qoff + (p / 2) * 32 + h * 16)));
+                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(recs + j * t.rec + qoff + (p / 2) * 32 + h * 16)));
               const int sh = (p % 2) * 4;
               e = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(_mm256_srli_epi32(v, sh), nib), bias));
               o = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(_mm256_srli_epi32(v, 8 + sh), nib), bias));
@@ -771,10 +787,9 @@ void qtile_avx2(const QType& t, const float* xo, const float* xe, int64_t k, con
           }
         }
       }
-      for (int j = 0; j < LN; ++j) {
-        if (!live[j]) continue;
-        const int64_t g = first[j] + s;
-        const uint8_t* rec = w + g * t.rec;
+      for (int j = 0; j < count; ++j) {
+        const int64_t g = (j0 + j) * per + s;
+        const uint8_t* rec = recs + j * t.rec;
         for (int h = 0; h < 2; ++h) {
           const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + h * 16)));
           const __m256 m = t.mins ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 32 + h * 16)))
@@ -782,20 +797,21 @@ void qtile_avx2(const QType& t, const float* xo, const float* xe, int64_t k, con
           for (int i = 0; i < MR; ++i) {
             __m256 v = _mm256_mul_ps(d, acc[j][i][h]);
             if (t.mins) v = _mm256_add_ps(v, _mm256_mul_ps(m, _mm256_set1_ps(tx[i * nb + g])));
-            _mm256_store_ps(lane[j][i] + h * 8, _mm256_add_ps(_mm256_load_ps(lane[j][i] + h * 8), v));
+            float* lane = lanes[j0 + j][i] + h * 8;
+            _mm256_store_ps(lane, _mm256_add_ps(_mm256_load_ps(lane), v));
           }
         }
       }
     }
-    for (int j = 0; j < LN; ++j) {
-      const int l = l0 + j;
-      int lev = 0;
-      for (; (l >> lev) & 1; ++lev) {
-        for (int i = 0; i < MR; ++i)
-          for (int c = 0; c < 16; ++c) lane[j][i][c] = lvl[lev][i][c] + lane[j][i][c];
-      }
-      std::memcpy(lvl[lev], lane[j], sizeof(lane[j]));
+  }
+  alignas(32) float lvl[5][MR][16];
+  for (int l = 0; l < 16; ++l) {
+    int lev = 0;
+    for (; (l >> lev) & 1; ++lev) {
+      for (int i = 0; i < MR; ++i)
+        for (int c = 0; c < 16; ++c) lanes[l][i][c] = lvl[lev][i][c] + lanes[l][i][c];
     }
+    std::memcpy(lvl[lev], lanes[l], sizeof(lanes[l]));
   }
   for (int i = 0; i < MR; ++i) {
     store8(out, row + i, col, _mm256_load_ps(lvl[4][i]));
@@ -818,6 +834,7 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor packed, int64_t n, bool f32
   check_qpacked(x, packed, n);
   x = x.contiguous();
   const QType& t = qtype_of_record(packed.size(2));
+  const QLayout lay(packed.size(1));
   const int64_t m = x.size(0), k = x.size(1), cbs = packed.size(0), stride = packed.size(1) * t.rec;
   auto result = torch::empty({m, n}, x.options().dtype(f32 ? torch::kFloat : torch::kBFloat16));
   if (m == 0 || n == 0) return result;
@@ -831,7 +848,7 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor packed, int64_t n, bool f32
   }
   if (portable) {
     for_each_tile<4>(m, cbs, [&](auto rows, int64_t r, int64_t b, int64_t) {
-      qtile_portable<decltype(rows)::value>(t, xp + r * k, k, tx.data() + r * (k / QK), wp + b * stride, out, r,
+      qtile_portable<decltype(rows)::value>(t, lay, xp + r * k, k, tx.data() + r * (k / QK), wp + b * stride, out, r,
                                             b * 16);
     });
     return result;
@@ -839,7 +856,7 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor packed, int64_t n, bool f32
 #if defined(GATEENG_REF_AVX512BF16)
   for_each_tile<8>(m, cbs, [&](auto rows, int64_t r, int64_t b, int64_t nb) {
     constexpr int MR = decltype(rows)::value;
-    qtile_dpbf16<MR, std::max(1, 8 / MR)>(t, xp + r * k, k, tx.data() + r * (k / QK), wp + b * stride,
+    qtile_dpbf16<MR, std::max(1, 8 / MR)>(t, lay, xp + r * k, k, tx.data() + r * (k / QK), wp + b * stride,
                                           nb >= 0 ? wp + nb * stride : nullptr, out, r, b * 16);
   });
 #elif defined(GATEENG_REF_AVX2)
@@ -848,13 +865,13 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor packed, int64_t n, bool f32
   for (int64_t i = 0; i < m * pairs; ++i) xo[i] = bf(xp[2 * i + 1]), xe[i] = bf(xp[2 * i]);
   for_each_tile<4>(m, cbs, [&](auto rows, int64_t r, int64_t b, int64_t nb) {
     constexpr int MR = decltype(rows)::value;
-    qtile_avx2<MR, std::max(1, 4 / MR)>(t, xo.data() + r * pairs, xe.data() + r * pairs, k,
+    qtile_avx2<MR, std::max(1, 4 / MR)>(t, lay, xo.data() + r * pairs, xe.data() + r * pairs, k,
                                         tx.data() + r * (k / QK), wp + b * stride,
                                         nb >= 0 ? wp + nb * stride : nullptr, out, r, b * 16);
   });
 #else
   for_each_tile<4>(m, cbs, [&](auto rows, int64_t r, int64_t b, int64_t) {
-    qtile_portable<decltype(rows)::value>(t, xp + r * k, k, tx.data() + r * (k / QK), wp + b * stride, out, r,
+    qtile_portable<decltype(rows)::value>(t, lay, xp + r * k, k, tx.data() + r * (k / QK), wp + b * stride, out, r,
                                           b * 16);
   });
 #endif
@@ -869,6 +886,7 @@ torch::Tensor qrows(torch::Tensor packed, torch::Tensor ids) {
   const QType& t = qtype_of_record(packed.size(2));
   ids = ids.to(torch::kLong).contiguous();
   const int64_t nb = packed.size(1), k = nb * QK, rows = ids.numel();
+  const QLayout lay(nb);
   auto out = torch::empty({rows, k}, torch::kBFloat16);
   u16* o = reinterpret_cast<u16*>(out.data_ptr<at::BFloat16>());
   const int64_t* id = ids.data_ptr<int64_t>();
@@ -878,7 +896,7 @@ torch::Tensor qrows(torch::Tensor packed, torch::Tensor ids) {
     const int64_t cb = id[r] / 16, c = id[r] % 16;
     TORCH_CHECK(id[r] >= 0 && cb < packed.size(0), "row id ", id[r], " out of range");
     for (int64_t g = 0; g < nb; ++g) {
-      const uint8_t* rec = wp + (cb * nb + g) * t.rec;
+      const uint8_t* rec = wp + (cb * nb + lay.record(g)) * t.rec;
       u16 dh, mh = 0;
       std::memcpy(&dh, rec + 2 * c, 2);
       if (t.mins) std::memcpy(&mh, rec + 32 + 2 * c, 2);
