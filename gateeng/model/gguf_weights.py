@@ -69,13 +69,18 @@ class GGUFTensors:
         rows = t.shape[0] if len(t.shape) == 2 else 1
         return buf.reshape(rows, -1)
 
-    def values(self, name: str, raw: np.ndarray) -> torch.Tensor:
-        """The tensor's values in binary32, from its stored bytes (the gguf package's
-        dequantization: numpy binary32 arithmetic, the same bits everywhere)."""
+    def values(self, name: str, raw: np.ndarray, rows_per_slice: int = 4096) -> torch.Tensor:
+        """The tensor's values rounded to bf16, from its stored bytes: the gguf package's
+        dequantization (numpy binary32 arithmetic, the same bits everywhere), a slice
+        of rows at a time, so a large tensor is never whole in binary32."""
         from gguf import GGMLQuantizationType, quants
         t = self.tensors[name]
-        values = quants.dequantize(raw, GGMLQuantizationType[t.type]).astype(np.float32, copy=False)
-        return torch.from_numpy(np.ascontiguousarray(values).reshape(t.shape))
+        kind = GGMLQuantizationType[t.type]
+        out = torch.empty(raw.shape[0], int(np.prod(t.shape)) // raw.shape[0], dtype=torch.bfloat16)
+        for start in range(0, raw.shape[0], rows_per_slice):
+            part = quants.dequantize(raw[start:start + rows_per_slice], kind).astype(np.float32, copy=False)
+            out[start:start + part.shape[0]] = torch.from_numpy(np.ascontiguousarray(part).reshape(part.shape[0], -1))
+        return out.reshape(t.shape)
 
 
 def unpermute(rows, heads: int):
@@ -97,7 +102,7 @@ class GGUFLoad:
         self.converted = Counter()     # quantized types converted to bf16: {type: tensor count}
 
     def _rows(self, name: str, as_stored: bool):
-        """(stored bytes or binary32 values) of one tensor, q and k rows unpermuted;
+        """(stored bytes or bf16 values) of one tensor, q and k rows unpermuted;
         its bytes enter the fingerprint as they are read."""
         t = self.tensors.tensors[name]
         raw = self.tensors.raw(name)
@@ -106,7 +111,7 @@ class GGUFLoad:
         self.served[f"{t.type} as {'stored' if as_stored else 'bf16'}"] += 1
         if not as_stored and t.type not in PLAIN_TYPES:
             self.converted[t.type] += 1
-        rows = raw if as_stored else self.tensors.values(name, raw)
+        rows = raw if as_stored else self.tensors.values(name, raw, self.cfg.hidden_size)
         if self.tensors.architecture in PERMUTED and (".attn_q." in name or ".attn_k." in name) and len(t.shape) == 2:
             heads = self.cfg.num_heads if ".attn_q." in name else self.cfg.num_kv_heads
             rows = unpermute(rows, heads)
@@ -126,9 +131,9 @@ class GGUFLoad:
             return
         with torch.no_grad():
             start = 0
-            for n in names:   # one part at a time: never the stacked weight in binary32
+            for n in names:   # one part at a time, in slices of rows: never a whole weight in binary32
                 part = self._rows(n, False)
-                w[start:start + part.shape[0]].copy_(part.reshape(-1, *w.shape[1:]).to(w.dtype))
+                w[start:start + part.shape[0]].copy_(part.reshape(-1, *w.shape[1:]))
                 start += part.shape[0]
 
     def into(self, model) -> None:
