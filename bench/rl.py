@@ -69,7 +69,8 @@ class Server:
         self.token = workdir / "admin-token"
         self.token.write_text(os.urandom(16).hex())
         self.log = open(workdir / "server.log", "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "gateeng.tools.cli", "serve", "--port", str(self.grpc),
+        # --dequantize: the bf16 model the policy computes and update-weights replaces
+        self.proc = subprocess.Popen([sys.executable, "-m", "gateeng.tools.cli", "serve", "--dequantize", "--port", str(self.grpc),
                                       "--http-port", str(self.http), "--metrics-port", "-1",
                                       "--admin-token-file", str(self.token)], stdout=self.log,
                                      stderr=subprocess.STDOUT)

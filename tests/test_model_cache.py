@@ -117,13 +117,14 @@ def test_killed_conversion_leaves_no_cache_and_is_cleaned_up(cache):
 
 @pytest.mark.model
 def test_killed_real_conversion_then_load(tmp_path, monkeypatch):
-    """The user's case: the server is killed during its first conversion of the
-    embedded model; the next start converts again and serves, and the cache holds
-    one copy."""
+    """The user's case: the server (--dequantize) is killed during its first
+    conversion of the embedded model; the next start converts again and serves, and
+    the cache holds one copy."""
     from gateeng.model.loader import load
     root = tmp_path / "cache"
     env = dict(os.environ, GATEENG_CACHE=str(root))
-    proc = subprocess.Popen([sys.executable, "-c", "from gateeng.model.loader import load; load(None)"], env=env)
+    proc = subprocess.Popen([sys.executable, "-c", "from gateeng.model.loader import load; load(None, dequantize=True)"],
+                            env=env)
     deadline = time.time() + 300
     while time.time() < deadline and not list(root.glob("*.tmp-*/model.safetensors")):
         assert proc.poll() is None, "conversion finished before it could be interrupted"
@@ -132,7 +133,7 @@ def test_killed_real_conversion_then_load(tmp_path, monkeypatch):
     proc.wait(timeout=30)
     assert all(".tmp-" in name for name in entries(root))
     monkeypatch.setenv("GATEENG_CACHE", str(root))
-    loaded = load(None)
+    loaded = load(None, dequantize=True)
     target = root / entries(root)[0]
     assert entries(root) == [target.name] and ".tmp-" not in target.name
     assert model_cache.check(target) is None and len(loaded.fingerprint) == 64
