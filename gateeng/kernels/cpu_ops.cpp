@@ -421,6 +421,162 @@ torch::Tensor linear_dpbf16(torch::Tensor x, torch::Tensor packed, int64_t n) {
 }
 #endif
 
+#if defined(GATEENG_AVX512_BF16) && defined(__AVX512VNNI__)
+#define GATEENG_AVX512_VNNI 1
+// The fast plan's matmul on quantized weights (GGUF Q8_0, Q4_0, Q4_1 as stored), in
+// the layout of the reference's `qpack` (kernels/ref_ops.cpp owns it: per column block,
+// records of 16 columns' binary16 scales (and Q4_1's minimums) then integers pair by
+// pair, in the order QLayout gives). Not the reference's arithmetic: each row's block
+// of 32 inputs is quantized to int8 with its own scale (as llama.cpp does), the
+// integer dot products run on VNNI (VPDPBUSD for 4-bit weights, VPDPWSSD for 8-bit)
+// and each block's sum is scaled into a binary32 accumulator. A row's output depends
+// on that row only (row-invariant), not on the reference's bits.
+namespace qvnni {
+
+constexpr int64_t QK = 32, REC_Q8_0 = 32 + 512, REC_Q4_0 = 32 + 256, REC_Q4_1 = 64 + 256;
+
+// One row's inputs by block: int8 values, their scale, the sum of the int8s, the sum of x.
+void quantize_rows(const u16* x, int64_t m, int64_t k, int8_t* q, float* d, int32_t* qsum, float* xsum) {
+  const int64_t nb = k / QK;
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t g = 0; g < nb; ++g) {
+      float v[QK], amax = 0.f, sum = 0.f;
+      for (int j = 0; j < QK; ++j) {
+        v[j] = c10::bit_cast<float>(static_cast<uint32_t>(x[i * k + g * QK + j]) << 16);
+        amax = std::max(amax, std::fabs(v[j]));
+        sum += v[j];
+      }
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      int32_t s = 0;
+      for (int j = 0; j < QK; ++j) {
+        const int8_t iq = static_cast<int8_t>(std::nearbyint(v[j] * inv));
+        q[i * k + g * QK + j] = iq;
+        s += iq;
+      }
+      d[i * nb + g] = amax / 127.f;
+      qsum[i * nb + g] = s;
+      xsum[i * nb + g] = sum;
+    }
+  }
+}
+
+template <int MR>
+void tile(int64_t rec_bytes, int64_t nb, const std::vector<int64_t>& base, const std::vector<int64_t>& live,
+          const uint8_t* w, const uint8_t* next, const int8_t* xq, const int32_t* xpairs, const float* xd,
+          const int32_t* xqs, const float* xs, int64_t k, void* out, bool f32, int64_t n, int64_t row, int64_t col) {
+  const bool q8 = rec_bytes == REC_Q8_0, mins = rec_bytes == REC_Q4_1;
+  const int64_t per = static_cast<int64_t>(base.size()), qoff = mins ? 64 : 32;
+  const __m512i nib = _mm512_set1_epi32(0x0F0F0F0F);
+  __m512 acc[MR];
+  for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < per; ++s) {
+    for (int64_t l = 0; l < live[s]; ++l) {
+      const int64_t g = l * per + s, at = (base[s] + l) * rec_bytes;
+      const uint8_t* rec = w + at;
+      if (next != nullptr) {
+        for (int64_t off = 0; off < rec_bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(next + at + off), _MM_HINT_T1);
+      }
+      __m512i dot[MR];
+      for (int i = 0; i < MR; ++i) dot[i] = _mm512_setzero_si512();
+      if (q8) {
+        for (int p = 0; p < 16; ++p) {
+          const __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32 + p * 32)));
+          for (int i = 0; i < MR; ++i)
+            dot[i] = _mm512_dpwssd_epi32(dot[i], wv, _mm512_set1_epi32(xpairs[i * (k / 2) + g * QK / 2 + p]));
+        }
+      } else {
+        for (int pp = 0; pp < 8; ++pp) {
+          const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + qoff + pp * 32)));
+          // per column the dword of its 4 nibbles in K order: lo(b0), lo(b1), hi(b0), hi(b1)
+          const __m512i wv = _mm512_and_si512(_mm512_or_si512(v, _mm512_slli_epi32(v, 12)), nib);
+          for (int i = 0; i < MR; ++i) {
+            int32_t four;
+            std::memcpy(&four, xq + i * k + g * QK + 4 * pp, sizeof(four));
+            dot[i] = _mm512_dpbusd_epi32(dot[i], wv, _mm512_set1_epi32(four));
+          }
+        }
+      }
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec)));
+      for (int i = 0; i < MR; ++i) {
+        __m512 f = _mm512_cvtepi32_ps(dot[i]);
+        if (!q8 && !mins) f = _mm512_sub_ps(f, _mm512_set1_ps(8.f * static_cast<float>(xqs[i * nb + g])));
+        acc[i] = _mm512_fmadd_ps(f, _mm512_mul_ps(d, _mm512_set1_ps(xd[i * nb + g])), acc[i]);
+        if (mins) {
+          const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32)));
+          acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[i * nb + g]), acc[i]);
+        }
+      }
+    }
+  }
+  const int64_t valid = std::min<int64_t>(16, n - col);
+  const __mmask16 mask = valid == 16 ? 0xFFFF : static_cast<__mmask16>((1u << valid) - 1);
+  for (int i = 0; i < MR; ++i) {
+    if (f32) {
+      _mm512_mask_storeu_ps(static_cast<float*>(out) + (row + i) * n + col, mask, acc[i]);
+    } else {
+      _mm256_mask_storeu_epi16(static_cast<u16*>(out) + (row + i) * n + col, mask, (__m256i)_mm512_cvtneps_pbh(acc[i]));
+    }
+  }
+}
+
+}  // namespace qvnni
+
+// x @ w.T on a quantized packed weight (the reference's qpack), bf16 or binary32 out:
+// the signature of the reference's linear, so decode_layers_with takes it too.
+torch::Tensor qlinear_vnni(torch::Tensor x, torch::Tensor packed, int64_t n, bool f32) {
+  using namespace qvnni;
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.device().is_cpu(), "x must be bf16 [M, K]");
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.dim() == 3 && packed.is_contiguous() &&
+                  (packed.size(2) == REC_Q8_0 || packed.size(2) == REC_Q4_0 || packed.size(2) == REC_Q4_1),
+              "packed must come from the reference's qpack");
+  const int64_t m = x.size(0), k = x.size(1), nb = packed.size(1), cbs = packed.size(0), rec = packed.size(2);
+  TORCH_CHECK(nb * QK == k && (n + 15) / 16 == cbs, "packed weight does not match x or n");
+  x = x.contiguous();
+  auto out = torch::empty({m, n}, x.options().dtype(f32 ? torch::kFloat : torch::kBFloat16));
+  if (m == 0 || n == 0) return out;
+  // the reference's QLayout: step s holds block l * per + s of each lane l that has one
+  const int64_t per = (nb + 15) / 16;
+  std::vector<int64_t> base(per), live(per);
+  for (int64_t s = 0, at = 0; s < per; ++s) {
+    int64_t lanes = 0;
+    while (lanes < 16 && lanes * per + s < nb) ++lanes;
+    base[s] = at;
+    live[s] = lanes;
+    at += lanes;
+  }
+  std::vector<int8_t> xq(m * k);
+  std::vector<float> xd(m * nb), xs(m * nb);
+  std::vector<int32_t> xqs(m * nb);
+  quantize_rows(reinterpret_cast<const u16*>(x.data_ptr<at::BFloat16>()), m, k, xq.data(), xd.data(), xqs.data(),
+                xs.data());
+  std::vector<int32_t> xpairs(rec == REC_Q8_0 ? m * k / 2 : 0);   // VPDPWSSD's operand: two int16 inputs per dword
+  for (size_t j = 0; j < xpairs.size(); ++j)
+    xpairs[j] = static_cast<int32_t>(static_cast<uint16_t>(static_cast<int16_t>(xq[2 * j]))) |
+                static_cast<int32_t>(static_cast<uint32_t>(static_cast<uint16_t>(static_cast<int16_t>(xq[2 * j + 1]))) << 16);
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  void* op = f32 ? static_cast<void*>(out.data_ptr<float>()) : static_cast<void*>(out.data_ptr<at::BFloat16>());
+  const int64_t stride = nb * rec;
+  at::parallel_for(0, cbs, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const uint8_t* next = b + 1 < end ? wp + (b + 1) * stride : nullptr;
+      for (int64_t r = 0; r < m; r += 4) {
+        const int64_t rows = std::min<int64_t>(4, m - r);
+        auto run = [&](auto mr) {
+          tile<decltype(mr)::value>(rec, nb, base, live, wp + b * stride, next, xq.data() + r * k,
+                                    xpairs.data() + (xpairs.empty() ? 0 : r * k / 2), xd.data() + r * nb,
+                                    xqs.data() + r * nb, xs.data() + r * nb, k, op, f32, n, r, b * 16);
+        };
+        if (rows == 4) run(std::integral_constant<int, 4>{});
+        else if (rows == 3) run(std::integral_constant<int, 3>{});
+        else if (rows == 2) run(std::integral_constant<int, 2>{});
+        else run(std::integral_constant<int, 1>{});
+      }
+    }
+  });
+  return out;
+}
+#endif
+
 template <typename T>
 void dispatch_head_dim(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const int64_t* tables,
                        const int64_t* lens, torch::Tensor& out, int64_t batch, int64_t hq, int64_t hkv, int64_t d,
@@ -739,6 +895,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_store", &rope_store, "RoPE on q and k heads; k and v stored at their cache slots; returns q");
   m.def("decode_layers_with", &decode_layers_with, "decode_layers on another extension's matmul (the reference's)",
         py::call_guard<py::gil_scoped_release>());
+#ifdef GATEENG_AVX512_VNNI
+  m.def("qlinear_vnni", &qlinear_vnni, "x @ w.T on a quantized weight packed by the reference's qpack (int8 VNNI)",
+        py::call_guard<py::gil_scoped_release>());
+  m.attr("qvnni") = true;
+#else
+  m.attr("qvnni") = false;
+#endif
 #ifdef GATEENG_AVX512_BF16
   m.def("linear_dpbf16", &linear_dpbf16, "x @ w.T on a weight packed by the reference's pack (row-invariant)",
         py::call_guard<py::gil_scoped_release>());

@@ -139,6 +139,7 @@ class LlamaModel(torch.nn.Module):
         # Weights served as stored in a GGUF file (model.gguf_weights): {type: tensors}, and
         # the reference kernels their packed copies need (embedding rows, plain copies).
         self.stored_types, self.quant_ops = {}, None
+        self.fast_quantized_matmul = None   # the fast plan's matmul on them, by kernel_plan name (pack_fast)
         self.invariant_packed = {}   # the same for the machine-specific invariant plan, whose bits
         self.invariant_matmul = kernel_names.TORCH_MM   # depend on the kernel: its name in kernel_plan
         # pack_fast's probe: the fast plan takes the row-invariant kernel up to this many
@@ -297,24 +298,34 @@ class LlamaModel(torch.nn.Module):
                                  None if name == kernel_names.CPU_DPBF16 else ref.linear)
 
     def _pack_quantized(self, kernels, ref) -> None:
-        """pack_fast for weights served as stored: the reference's matmul is the one
-        kernel that takes them (and the model's bf16 weights too, in the same call), so
-        the fast plan multiplies exactly as the reference does, at any row count."""
+        """pack_fast for weights served as stored: the fast plan multiplies them with
+        cpu_ops' int8 VNNI kernel where the CPU has one (its own arithmetic), else with
+        the reference's matmul, the one kernel that takes them (bf16 weights beside
+        them: the reference's matmul too, which takes both layouts)."""
         weights = self.projections()
-        fns = {id(w): cpu_linear.rowwise(kernel_names.REF_LINEAR, self.shared[id(w)], kernels, ref)
-               for w in weights + [self.lm_head]}
-        self.packed = {id(w): fns[id(w)] for w in weights}
-        self.lm_head_bf16 = fns[id(self.lm_head)]
-        self.dense_head = cpu_linear.dense_head(self.shared[id(self.lm_head)], ref)
-        self.invariant_packed, self.invariant_matmul = dict(self.packed), kernel_names.REF_LINEAR
+        vnni = bool(getattr(kernels, "qvnni", False))
+        self.fast_quantized_matmul = kernel_names.CPU_QVNNI if vnni else kernel_names.REF_LINEAR
+
+        def fast(w, f32=False):
+            p = self.shared[id(w)]
+            fn = kernels.qlinear_vnni if vnni and p.data.dtype == torch.uint8 else ref.linear
+            return lambda x: fn(x.contiguous(), p.data, p.n, f32)
+        self.packed = {id(w): fast(w) for w in weights}
+        self.lm_head_bf16 = fast(self.lm_head)
+        self.dense_head = fast(self.lm_head, True)
+        self.invariant_packed = {id(w): cpu_linear.rowwise(kernel_names.REF_LINEAR, self.shared[id(w)], kernels, ref)
+                                 for w in weights}
+        self.invariant_matmul = kernel_names.REF_LINEAR
         self.plain_needed = False
         plain_layers = all(w is None for layer in self.step_layers
                            for w in (layer.qkv_bias, layer.o_bias, layer.q_norm, layer.k_norm))
         if plain_layers and self.tp is None:
             layers = self.step_layers
-            self.fused_layers = ([self.shared[id(w)].data for lw in layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down)],
-                                 [self.shared[id(w)].n for lw in layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down)],
-                                 [w for lw in layers for w in (lw.post_norm, lw.next_norm)], ref.linear)
+            packed = [self.shared[id(w)] for lw in layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down)]
+            every_quantized = all(p.data.dtype == torch.uint8 for p in packed)
+            self.fused_layers = ([p.data for p in packed], [p.n for p in packed],
+                                 [w for lw in layers for w in (lw.post_norm, lw.next_norm)],
+                                 kernels.qlinear_vnni if vnni and every_quantized else ref.linear)
 
     def release_plain_weights(self) -> int:
         """Free the plain projection and lm_head weights where no plan multiplies them

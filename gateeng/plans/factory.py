@@ -97,6 +97,8 @@ def _reference_ops(model) -> tuple:
 def _fast_matmul(model, cfg: EngineConfig) -> str:
     if not model.packed or not cfg.pack_fast_weights:
         return "plain weights"
+    if model.fast_quantized_matmul is not None:
+        return f"{kernel_names.QUANTIZED_MATMULS[model.fast_quantized_matmul]}, on the one packed copy"
     kernel = kernel_names.ROWWISE_MATMULS.get(model.invariant_matmul)
     if kernel is None:
         return "oneDNN packed weights"
