@@ -407,7 +407,8 @@ def cmd_calibrate(args) -> int:
             sizes = [int(b) for b in args.batch_sizes.split(",")]
         if not (0 < args.target_miss < 1):
             raise ValueError(f"--target-miss must be in (0, 1), got {args.target_miss}")
-        loaded = load(args.model, args.dtype, dequantize=args.dequantize)
+        # quantized weights are served at tensor-parallel size 1 only (a GGUF is dequantized above it)
+        loaded = load(args.model, args.dtype, dequantize=args.dequantize or args.tensor_parallel_size > 1)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -419,7 +420,7 @@ def cmd_calibrate(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     meta = {"model": loaded.source, "dtype": args.dtype, "prompts": len(prompts), "tokens": args.tokens,
-            "batch_sizes": sizes}
+            "batch_sizes": sizes, "weights": "quantized as stored" if loaded.model.quantized else args.dtype}
     js, png = cal.write(report, Path(args.out), meta)
     print(cal.markdown(report))
     print(f"\nwrote {js} and {png}", file=sys.stderr)
