@@ -303,6 +303,7 @@ class LlamaModel(torch.nn.Module):
         the reference's matmul, the one kernel that takes them (bf16 weights beside
         them: the reference's matmul too, which takes both layouts)."""
         weights = self.projections()
+        ref = ref or self.quant_ops   # the build that packed them reads them in any case
         vnni = bool(getattr(kernels, "qvnni", False))
         self.fast_quantized_matmul = kernel_names.CPU_QVNNI if vnni else kernel_names.REF_LINEAR
 
