@@ -96,3 +96,24 @@ def test_weights_are_checked_while_their_plain_copy_is_at_hand(monkeypatch):
     weights = len(loaded.model.projections()) + 1   # and the lm_head
     second_copy = loaded.model.fast_rowwise_max_rows is not None
     assert len(calls) <= 1 + (weights if second_copy else 0)
+
+
+@pytest.mark.parametrize("available", [1 << 40, 1 << 10])
+def test_a_second_copy_is_kept_only_where_it_fits(monkeypatch, available):
+    """Where the start-up probe finds another kernel faster above some row count, its
+    copy of the weights is made only if it fits in half the memory available: else
+    the row-invariant kernel on the one packed copy serves every row count, and no
+    plain weight comes back."""
+    if cpu_ops.load() is None:
+        pytest.skip("no C++ kernels here")
+    monkeypatch.setattr(cpu_linear, "rowwise_max_rows", lambda *a: 8)   # the probe, as on AMX
+    monkeypatch.setattr(cpu_linear, "available_bytes", lambda: available)
+    loaded = tiny_loaded("bfloat16")
+    factory.build(EngineConfig(block_size=4), loaded.model, loaded.config, torch.bfloat16, owned=True)
+    model = loaded.model
+    if model.rowwise_checked_name is None:
+        pytest.skip("no row-invariant matmul here")
+    fits = available > 1 << 20
+    assert (model.fast_rowwise_max_rows == 8) is fits
+    if not fits:
+        assert not model.plain_needed and all(w.untyped_storage().nbytes() == 0 for w in _weights(model))

@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from gateeng.config import ModelConfig
+from gateeng.logs import log
 from gateeng.model import rope
 from gateeng.plans import cpu_linear, kernel_names
 
@@ -269,6 +270,11 @@ class LlamaModel(torch.nn.Module):
             probe = self.layers[0].gate_up
             self.fast_rowwise_max_rows = cpu_linear.rowwise_max_rows(rowwise[id(probe)], other(probe),
                                                                      probe.shape[1])
+            copy_bytes = sum(w.numel() * w.element_size() for w in every)
+            if self.fast_rowwise_max_rows is not None and not cpu_linear.second_copy_fits(copy_bytes):
+                log(f"fast plan: one copy of the weights; a second ({copy_bytes / 2**20:.0f} MiB), faster above "
+                    f"{self.fast_rowwise_max_rows} rows, does not fit in the memory available")
+                self.fast_rowwise_max_rows = None
         need_other = not rowwise or self.fast_rowwise_max_rows is not None   # it serves some row counts
         self.plain_needed = not rowwise or (need_other and not onednn)
         if self.plain_needed:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -33,8 +34,11 @@ from gateeng.plans.kernel_names import AVX2, CPU_DPBF16, REF_AVX2, REF_LINEAR
 # Row counts the probe compares the two kernels at (decode batches, then prefill chunks).
 PROBE_ROWS = (1, 8, 32, 128, 512)
 # A second copy of every weight must buy at least this much speed at some probed
-# row count to be kept.
+# row count to be kept, and fit in this share of the memory still available once the
+# weights are loaded (the KV cache and the requests need the rest): a model that
+# barely fits is served from one copy rather than stopped by the OOM killer.
 SECOND_COPY_SPEEDUP = 1.25
+SECOND_COPY_MEMORY_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -147,6 +151,31 @@ def rowwise_max_rows(rowwise_fn, other, k: int) -> Optional[int]:
             smaller = [r for r in PROBE_ROWS if r < rows]
             return smaller[-1] if smaller else 0
     return None
+
+
+def available_bytes() -> Optional[int]:
+    """Memory this process may still take: the kernel's MemAvailable, capped by a
+    cgroup v2 limit where one is set; None where neither can be read."""
+    found = []
+    try:
+        found += [int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()
+                  if line.startswith("MemAvailable:")]
+    except (OSError, ValueError):
+        pass
+    cgroup = Path("/sys/fs/cgroup")
+    try:
+        limit = (cgroup / "memory.max").read_text().strip()
+        if limit != "max":
+            found.append(int(limit) - int((cgroup / "memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
+
+
+def second_copy_fits(nbytes: int) -> bool:
+    """Whether a second copy of nbytes of weights fits (SECOND_COPY_MEMORY_SHARE)."""
+    available = available_bytes()
+    return available is None or nbytes <= SECOND_COPY_MEMORY_SHARE * available
 
 
 def fast_linear(rowwise_fn, other, max_rows: Optional[int]):
