@@ -103,8 +103,9 @@ def _fast_matmul(model, cfg: EngineConfig) -> str:
     if kernel is None:
         return "oneDNN packed weights"
     if model.fast_rowwise_max_rows is None:
-        return f"{kernel} on the shared packed weights (no other kernel is much faster at any probed row count)"
-    return f"{kernel} on the shared packed weights up to {model.fast_rowwise_max_rows} rows, another kernel above"
+        return f"{kernel} on the shared packed weights at every row count"
+    return (f"{kernel} on the shared packed weights up to {model.fast_rowwise_max_rows} rows, a second copy of "
+            "the weights above (oneDNN's, or the plain ones)")
 
 
 def _cuda_plans(cfg: EngineConfig, model, mc, dtype) -> Plans:
