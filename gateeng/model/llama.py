@@ -266,15 +266,14 @@ class LlamaModel(torch.nn.Module):
         def other(w):   # the fast plan's alternative to the row-invariant kernel
             plain = self.plain(w)   # (a copy read back only for the probe: `others` come after a restore)
             return cpu_linear.pack(plain) if onednn else (lambda x: torch.nn.functional.linear(x, plain))
-        if rowwise:
+        copy_bytes = sum(w.numel() * w.element_size() for w in every)
+        if rowwise and not cpu_linear.second_copy_fits(copy_bytes):
+            log(f"fast plan: no second copy of the weights is tried ({copy_bytes / 2**20:.0f} MiB would not fit "
+                "in the memory available)")
+        elif rowwise:
             probe = self.layers[0].gate_up
             self.fast_rowwise_max_rows = cpu_linear.rowwise_max_rows(rowwise[id(probe)], other(probe),
                                                                      probe.shape[1])
-            copy_bytes = sum(w.numel() * w.element_size() for w in every)
-            if self.fast_rowwise_max_rows is not None and not cpu_linear.second_copy_fits(copy_bytes):
-                log(f"fast plan: one copy of the weights; a second ({copy_bytes / 2**20:.0f} MiB), faster above "
-                    f"{self.fast_rowwise_max_rows} rows, does not fit in the memory available")
-                self.fast_rowwise_max_rows = None
         need_other = not rowwise or self.fast_rowwise_max_rows is not None   # it serves some row counts
         self.plain_needed = not rowwise or (need_other and not onednn)
         if self.plain_needed:
