@@ -139,6 +139,17 @@ def _log(x):
 # ---- the matmul -------------------------------------------------------------------
 
 @triton.jit
+def _store_out(out_ptr, acc, rows, cols, rmask, cmask, N, F32: tl.constexpr):
+    """A matmul tile's binary32 sums into out [M, N]: as they are (F32), else rounded to bf16."""
+    where = out_ptr + rows[:, None] * N + cols[None, :]
+    mask = rmask[:, None] & cmask[None, :]
+    if F32:
+        tl.store(where, acc, mask=mask)
+    else:
+        tl.store(where, _to_bf(acc), mask=mask)
+
+
+@triton.jit
 def _matmul_kernel(x_ptr, w_ptr, out_ptr, M, N, K, F32: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """out[m, n] = dot(x[m], w[n]): per output one lane, its 16 block chains in order,
     each pair's odd element first, folded by the tree."""
@@ -160,12 +171,7 @@ def _matmul_kernel(x_ptr, w_ptr, out_ptr, M, N, K, F32: tl.constexpr, BM: tl.con
             we = _bf(tl.load(w_ptr + cols * K + 2 * p, mask=cmask, other=0))
             acc = _flush(tl.fma(xe[:, None], we[None, :], acc))
         acc, lv0, lv1, lv2, lv3 = _fold(l, acc, lv0, lv1, lv2, lv3)
-    where = out_ptr + rows[:, None] * N + cols[None, :]
-    mask = rmask[:, None] & cmask[None, :]
-    if F32:
-        tl.store(where, acc, mask=mask)
-    else:
-        tl.store(where, _to_bf(acc), mask=mask)
+    _store_out(out_ptr, acc, rows, cols, rmask, cmask, N, F32)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -182,7 +188,6 @@ def matmul(x: torch.Tensor, w: torch.Tensor, f32: bool = False) -> torch.Tensor:
     _matmul_kernel[grid](_bits(x), _bits(w), out if f32 else out.view(torch.int16), m, n, k, F32=f32,
                          BM=16, BN=32, **OPTIONS)
     return out
-
 
 
 @triton.jit
@@ -223,12 +228,7 @@ def _qmatmul_kernel(x_ptr, q_ptr, d_ptr, m_ptr, out_ptr, M, N, K, MIN: tl.conste
                 c = _flush(c + _flush(mn[None, :] * t[:, None]))
             acc = _flush(acc + c)
         acc, lv0, lv1, lv2, lv3 = _fold(l, acc, lv0, lv1, lv2, lv3)
-    where = out_ptr + rows[:, None] * N + cols[None, :]
-    mask = rmask[:, None] & cmask[None, :]
-    if F32:
-        tl.store(where, acc, mask=mask)
-    else:
-        tl.store(where, _to_bf(acc), mask=mask)
+    _store_out(out_ptr, acc, rows, cols, rmask, cmask, N, F32)
 
 
 def qmatmul(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m=None, f32: bool = False) -> torch.Tensor:
