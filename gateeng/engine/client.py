@@ -19,8 +19,9 @@ from gateeng.engine.aio import Submitted, stream_request
 from gateeng.engine.core import EngineCore, Observer
 from gateeng.engine.errors import EngineDead, QueueFull, WeightUpdateUnavailable
 from gateeng.engine.output_processor import RequestHandle
+from gateeng.heap import trim_heap
 from gateeng.logs import log
-from gateeng.model.loader import LoadedModel, trim_heap
+from gateeng.model.loader import LoadedModel
 from gateeng.request import DeterminismParams, SamplingParams
 
 

@@ -34,9 +34,10 @@ from gateeng.engine.route import RoutePolicy
 from gateeng.engine.scheduler import Scheduler
 from gateeng.engine.stopping import StopChecker
 from gateeng.engine.verification import VerificationStage, discard_speculation
+from gateeng.heap import trim_heap
 from gateeng.model.chat import encode_prompt
 from gateeng.model.llama import KVCache
-from gateeng.model.loader import DTYPES, LoadedModel, load, trim_heap
+from gateeng.model.loader import DTYPES, LoadedModel, load
 from gateeng.outputs import Completion
 from gateeng.plans import factory, host_load
 from gateeng.plans.runner import ModelRunner

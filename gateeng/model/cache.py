@@ -36,8 +36,9 @@ from gateeng.logs import log
 
 MANIFEST = "gateeng.json"
 # What a conversion writes; an entry written to another format is converted again.
-# 2: the conversion records the GGUF's tensor types (loader.GGUF_TYPES).
-FORMAT = 2
+# 2: the conversion records the GGUF's tensor types (loader.GGUF_TYPES); 3: a header
+# conversion records the GGUF's tensor table (gguf_weights.TENSOR_TABLE).
+FORMAT = 3
 
 def hash_dir(hf_dir: Path) -> dict:
     """{file name: {size, sha256}} for every file but the manifest."""

@@ -2,8 +2,8 @@
 
 A GGUF file is served as stored (gateeng.model.gguf_weights): its Q8_0, Q4_0 and Q4_1
 weights stay quantized, read from the file one tensor at a time at every start; only
-its config and tokenizer are converted once through transformers and cached
-(gateeng.model.cache, a few small files). Where quantized weights are not served (a
+its config and tokenizer are converted once through transformers and cached with
+its tensor table (gateeng.model.cache, a few small files). Where quantized weights are not served (a
 float32 model, CUDA, tensor parallelism) or `dequantize` asks for it, the file is
 converted once through transformers into a float32 safetensors directory and served
 in the model's dtype, as a checkpoint. Serving reads either without transformers
@@ -89,8 +89,11 @@ def convert_gguf(gguf: Path, out: Path) -> None:
 
 
 def convert_gguf_header(gguf: Path, out: Path) -> None:
-    """A GGUF file's config.json and tokenizer files, through transformers: no weights."""
+    """A GGUF file's config.json and tokenizer files, through transformers, and its
+    tensor table (gguf_weights.TENSOR_TABLE): no weights."""
     from transformers import AutoConfig, AutoTokenizer
+
+    from gateeng.model.gguf_weights import write_table
 
     t0 = time.time()
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -99,6 +102,7 @@ def convert_gguf_header(gguf: Path, out: Path) -> None:
     config["dtype"] = BFLOAT16
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     tok.save_pretrained(out)
+    write_table(gguf, out)
     log(f"  config and tokenizer read ({time.time() - t0:.0f}s)")
 
 
@@ -195,12 +199,12 @@ def load(path: Optional[str], dtype: str = BFLOAT16, device: str = "cpu", dequan
 
 def load_gguf(src: Path) -> LoadedModel:
     """A GGUF file served as stored, in bf16 on CPU (model.gguf_weights)."""
-    from gateeng.model.gguf_weights import SERVED_QUANTIZED, GGUFLoad, GGUFTensors
+    from gateeng.model.gguf_weights import SERVED_QUANTIZED, TENSOR_TABLE, GGUFLoad, GGUFTensors
     from gateeng.plans import reference_ops
 
     header = converted(src, lambda gguf, out: convert_in_child(gguf, out, header_only=True), kind="header")
     cfg = read_model_config(header)
-    tensors = GGUFTensors(src)
+    tensors = GGUFTensors(src, header / TENSOR_TABLE)
     ops = None
     if any(t.type in SERVED_QUANTIZED for t in tensors.tensors.values()):
         try:
@@ -257,14 +261,3 @@ class Checkpoint(Mapping):
 
     def __len__(self) -> int:
         return len(self._where)
-
-
-def trim_heap() -> None:
-    """Hand the memory freed at start-up (a float32 tensor read while loading, plain
-    weights that were packed and released) back to the OS. glibc keeps freed blocks
-    of up to 32 MiB in its heap for reuse, so without this the process holds on to
-    them; elsewhere there is nothing to do."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass

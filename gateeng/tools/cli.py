@@ -6,7 +6,7 @@ import json
 import os
 import sys
 
-from gateeng import __version__, logs
+from gateeng import __version__, heap, logs
 from gateeng.config import (DEVICES, DIRECT, DTYPES, HTTP_BODY_SLACK_BYTES, KV_POSITIONS_PER_SEQ, LOCAL_SERVER, PLANS,
                             REQUEST_MODES, ROUTE_POLICIES, EngineConfig, ConnectionLimits, GateBounds, ServerConfig)
 from gateeng.plans.kernel_names import ISA_ENV, REFERENCE, REFERENCE_ISAS, TORCH_MM
@@ -705,6 +705,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    heap.limit_arenas()   # before any command starts its threads (gateeng.heap says why)
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     args.argv = argv
