@@ -10,8 +10,8 @@ It covers
   2. speed of each invariant kernel relative to its cuBLAS / flashinfer / torch
      counterpart, in the same run (anchor: batch-invariant matmul within ~20% of cuBLAS);
   3. the reference (gateeng-ref-1): each Triton reference kernel on the device against
-     the CPU reference build on the same inputs, bit for bit (matmul, RMSNorm, SiLU,
-     attention, exp and log, Gumbel noise);
+     the CPU reference build on the same inputs, bit for bit (matmul, the quantized
+     matmul and embedding rows, RMSNorm, SiLU, attention, exp and log, Gumbel noise);
   4. the golden file's tiny-model answers (tests/golden), made on a CPU, decoded
      again on the device: token ids and logprob bits;
   5. end to end, a random-weight ~1B Llama decoding a batch of 64 with the fast
@@ -184,6 +184,32 @@ def check_reference(dev):
         got = tr.decode_attention(q.to(dev), k_cache.to(dev), v_cache.to(dev), tables.to(dev), lens.to(dev), d ** -0.5)
         ok &= same(got, want)
     row("reference", "attention (head dim 64 and 128, up to 1000 keys) == CPU build", str(ok), "ok" if ok else "FAIL")
+    ok = quantized_same(ops, dev, 64, 1536, 2048)
+    row("reference", "quantized matmul and embedding rows (Q8_0, Q4_0, Q4_1; 64x2048x1536) == CPU build", str(ok),
+        "ok" if ok else "FAIL")
+
+
+def quantized_same(ops, dev, m: int, n: int, k: int) -> bool:
+    """Whether the Triton reference's qmatmul (both outputs) and qrows on `dev` give the CPU
+    build's bits, for each type served as stored, on reference_ops' probe records (scales
+    from 2^-24 to 2^4) as the loader splits them (gguf_weights.split_blocks)."""
+    from gateeng.kernels import triton_reference as tr
+    from gateeng.model.gguf_weights import SERVED_QUANTIZED, split_blocks
+    from gateeng.plans import reference_ops
+    x = (torch.randn(m, k) * 4).to(torch.bfloat16)
+    ids = torch.randint(0, n, (m,))
+    ok = True
+    for kind, ggml in SERVED_QUANTIZED.items():
+        raw = reference_ops.quantized_probe(n, k, dict(reference_ops.QUANT_PROBES)[ggml], seed=ggml)
+        packed = ops.qpack(raw, ggml)
+        q, d, mins = (None if a is None else torch.from_numpy(a).to(dev) for a in split_blocks(raw.numpy(), kind, k))
+        for f32 in (True, False):
+            got, want = tr.qmatmul(x.to(dev), q, d, mins, f32=f32), ops.linear(x, packed, n, f32)
+            ok &= torch.equal(got.cpu().view(torch.int32 if f32 else torch.int16),
+                              want.view(torch.int32 if f32 else torch.int16))
+        ok &= torch.equal(tr.qrows(q, d, mins, ids.to(dev)).cpu().view(torch.int16),
+                          ops.qrows(packed, ids).view(torch.int16))
+    return bool(ok)
 
 
 def check_golden(dev):

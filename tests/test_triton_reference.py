@@ -5,6 +5,7 @@ import torch
 
 from gateeng.kernels import triton_reference as tr
 from gateeng.plans import reference_ops
+from gateeng.plans.kernel_names import REFERENCE
 
 pytestmark = pytest.mark.kernels
 
@@ -73,31 +74,61 @@ def test_gumbel_noise(ops):
     assert same(tr.gumbel(key, 3000), ops.gumbel(key, 3000))
 
 
+def two_steps(model, plan):
+    """The hidden states of a prefill of two sequences, then of a decode step of both."""
+    from gateeng.model.llama import KVCache
+    from gateeng.plans.rows import Rows
+    kv = KVCache(model.cfg, 16, 4, torch.bfloat16, "cpu")
+    tables = [[3, 7], [5]]
+    got = []
+    for chunks in ([(list(range(60, 65)), 0), ([9, 200], 0)], [([42], 5), ([7], 2)]):
+        rows = Rows([], [], [], [], [])
+        for (ids, first), table in zip(chunks, tables):
+            start = rows.add_chunk(ids, first, table, 4)
+            rows.sample_rows.append(start + len(ids) - 1)
+        got.append(plan.hidden(model, kv, rows))
+    return got
+
+
 def test_the_triton_plan_gives_the_cpu_references_bits():
     """TritonReferencePlan (the CUDA invariant plan of a bf16 model), run on CPU tensors in
     the interpreter: the same hidden states and logits as ReferencePlan, for a prefill of
     two sequences and then a decode step of both."""
-    from gateeng.model.llama import KVCache
     from gateeng.plans.gpu import TritonReferencePlan
     from gateeng.plans.reference import ReferencePlan
-    from gateeng.plans.rows import Rows
     from tests.tiny import spec_tiny
     model = spec_tiny(head_dim=16).model
     outs = []
     for plan in (ReferencePlan(model, reference_ops.load(), 4), TritonReferencePlan(4)):
-        kv = KVCache(model.cfg, 16, 4, torch.bfloat16, "cpu")
-        tables = [[3, 7], [5]]
-        got = []
-        for chunks in ([(list(range(60, 65)), 0), ([9, 200], 0)], [([42], 5), ([7], 2)]):
-            rows = Rows([], [], [], [], [])
-            for (ids, first), table in zip(chunks, tables):
-                start = rows.add_chunk(ids, first, table, 4)
-                rows.sample_rows.append(start + len(ids) - 1)
-            hidden = plan.hidden(model, kv, rows)
-            got += [hidden, plan.full_logits(model, hidden)]
-        outs.append(got)
+        outs.append([out for hidden in two_steps(model, plan) for out in (hidden, plan.full_logits(model, hidden))])
     for cpu, gpu in zip(*outs):
         assert same(gpu, cpu)
+
+
+@pytest.mark.parametrize("qtype,tie", [("Q4_0", False), ({"token_embd.weight": "Q8_0", "*": "Q4_1"}, True)])
+def test_the_triton_plan_serves_a_quantized_gguf_as_the_cpu_reference(tmp_path, qtype, tie):
+    """A GGUF served as stored: its quantized weights kept as the Triton reference reads
+    them (load_gguf(blocks_on=...)) give ReferencePlan's bits on the CPU reference's
+    packed copy, the quantized embedding looked up and the lm_head multiplied as stored
+    (the interpreter multiplies only the lm_head's first 96 rows: each logit is its own
+    row's)."""
+    from gateeng.model.llama import QuantBlocks
+    from gateeng.model.loader import load_gguf
+    from gateeng.plans.gpu import TritonReferencePlan
+    from gateeng.plans.reference import ReferencePlan
+    from tests.tiny_gguf import write_tiny_gguf
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", qtype, tie=tie)["path"]
+    cpu, blocks = load_gguf(path), load_gguf(path, blocks_on="cpu")
+    assert blocks.model.quantized and not blocks.model.shared and cpu.fingerprint == blocks.fingerprint
+    ref, tri = ReferencePlan(cpu.model, reference_ops.load(), 4), TritonReferencePlan(4, blocks.model)
+    assert tri.describe() == ref.describe() != REFERENCE   # "gateeng-ref-1 (... weights)"
+    want, got = two_steps(cpu.model, ref), two_steps(blocks.model, tri)
+    head = blocks.model.blocks[id(blocks.model.lm_head)]
+    blocks.model.blocks[id(blocks.model.lm_head)] = QuantBlocks(*(None if t is None else t[:96] for t in
+                                                                    (head.q, head.d, head.m)))
+    for a, b in zip(want, got):
+        assert same(b, a)
+        assert same(tri.full_logits(blocks.model, b), ref.full_logits(cpu.model, a)[:, :96])
 
 
 # ---- quantized weights (SPEC.md, "Quantized weights"): against the numpy oracle ------

@@ -249,6 +249,33 @@ def qmatmul(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m=None, f32: bool
     return out
 
 
+@triton.jit
+def _qrows_kernel(ids_ptr, q_ptr, d_ptr, m_ptr, out_ptr, K, MIN: tl.constexpr, BLOCK: tl.constexpr):
+    """One embedding row of a quantized table: bf16(d*q), or bf16((d*q) + m) (MIN)."""
+    row = tl.program_id(0)
+    src = tl.load(ids_ptr + row).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < K
+    q = tl.load(q_ptr + src * K + offs, mask=mask, other=0).to(tl.float32)
+    d = _flush(tl.load(d_ptr + src * (K // 32) + offs // 32, mask=mask, other=0).to(tl.float32))
+    v = _flush(d * q)   # exact: 11 x 8 significant bits
+    if MIN:
+        v = _flush(v + _flush(tl.load(m_ptr + src * (K // 32) + offs // 32, mask=mask, other=0).to(tl.float32)))
+    tl.store(out_ptr + row * K + offs, _to_bf(v), mask=mask)
+
+
+def qrows(q: torch.Tensor, d: torch.Tensor, m, ids: torch.Tensor) -> torch.Tensor:
+    """The rows `ids` of a quantized table (q, d, m as qmatmul takes them), as bf16
+    (SPEC.md, "Embedding rows")."""
+    k = q.shape[1]
+    out = torch.empty(ids.shape[0], k, dtype=torch.bfloat16, device=q.device)
+    d = d.contiguous()
+    _qrows_kernel[(ids.shape[0], triton.cdiv(k, 256))](ids.contiguous(), q.contiguous(), d,
+                                                      d if m is None else m.contiguous(), out.view(torch.int16),
+                                                      k, MIN=m is not None, BLOCK=256, **OPTIONS)
+    return out
+
+
 # ---- the row-wise ops -------------------------------------------------------------
 
 @triton.jit

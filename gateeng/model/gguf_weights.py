@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from gateeng.model.fingerprint import Fingerprint
+from gateeng.model.llama import QuantBlocks
 from gateeng.plans.cpu_linear import Packed
 
 # The types multiplied as stored, by GGML type id (ref_ops.cpp's QTYPES).
@@ -118,6 +119,24 @@ class GGUFTensors:
         return out.reshape(t.shape)
 
 
+def split_blocks(raw: np.ndarray, kind: str, k: int) -> tuple:
+    """A Q8_0, Q4_0 or Q4_1 tensor's stored rows [N, bytes] as (q int8 [N, k], d float16
+    [N, k/32], m float16 [N, k/32] or None): the integers and scales of SPEC.md's
+    table. A block's record is its binary16 d (and, Q4_1, m), then its values: Q8_0's
+    32 int8; Q4's 16 bytes, byte j holding value j in its low nibble and value j + 16
+    in its high one (Q4_0 stores n = q + 8)."""
+    rows = raw.shape[0]
+    rec = raw.reshape(rows, k // 32, -1)
+    d = np.ascontiguousarray(rec[:, :, 0:2]).view(np.float16)[..., 0]
+    if kind == "Q8_0":
+        return np.ascontiguousarray(rec[:, :, 2:]).view(np.int8).reshape(rows, k), d, None
+    nibbles = rec[:, :, 4 if kind == "Q4_1" else 2:]
+    q = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1).astype(np.int8).reshape(rows, k)
+    if kind == "Q4_0":
+        return q - np.int8(8), d, None
+    return q, d, np.ascontiguousarray(rec[:, :, 2:4]).view(np.float16)[..., 0]
+
+
 def unpermute(rows, heads: int):
     """Undo llama.cpp's rotary permutation of q or k rows (transformers' reverse_permute_weights)."""
     shape = rows.shape
@@ -127,11 +146,14 @@ def unpermute(rows, heads: int):
 class GGUFLoad:
     """Loads a GGUF file's weights into a LlamaModel, one stored tensor at a time."""
 
-    def __init__(self, tensors: GGUFTensors, cfg, ops, quantized: bool = True):
+    def __init__(self, tensors: GGUFTensors, cfg, ops, quantized: bool = True, blocks_on: Optional[str] = None):
         if tensors.architecture not in ARCHITECTURES:
             raise ValueError(f"{tensors.path.name}: GGUF architecture {tensors.architecture!r} is not read natively "
                              f"({', '.join(ARCHITECTURES)} are); pass --dequantize to convert it through transformers")
         self.tensors, self.cfg, self.ops, self.quantized = tensors, cfg, ops, quantized
+        # Where set, weights served as stored are kept as QuantBlocks on that device (the
+        # Triton reference's form), not packed by `ops` (the CPU reference kernels').
+        self.blocks_on = blocks_on
         self.fingerprint = Fingerprint(cfg)
         self.served = Counter()        # {how a stored type is served: tensor count}
         self.converted = Counter()     # quantized types converted to bf16: {type: tensor count}
@@ -160,6 +182,11 @@ class GGUFLoad:
         kind = next(iter(types)) if len(types) == 1 else None
         if self.quantized and kind in SERVED_QUANTIZED:
             raw = np.concatenate([self._rows(n, True) for n in names]) if len(names) > 1 else self._rows(names[0], True)
+            if self.blocks_on is not None:
+                q, d, m = (None if a is None else torch.from_numpy(a).to(self.blocks_on)
+                           for a in split_blocks(raw, kind, w.shape[1]))
+                model.set_blocks(w, QuantBlocks(q, d, m))
+                return
             packed = self.ops.qpack(torch.from_numpy(raw), SERVED_QUANTIZED[kind])
             del raw
             model.set_packed(w, Packed(packed, w.shape[0], w.shape[1]), self.ops)

@@ -31,6 +31,16 @@ def _release(t: torch.Tensor) -> int:
     return freed
 
 
+@dataclass(frozen=True)
+class QuantBlocks:
+    """A Q8_0, Q4_0 or Q4_1 weight [N, K] as its integers and block scales (kernels/SPEC.md,
+    "Quantized weights"), on any device: q int8 [N, K] (Q4_0's n - 8), d float16
+    [N, K/32], m float16 [N, K/32] for Q4_1, else None."""
+    q: torch.Tensor
+    d: torch.Tensor
+    m: Optional[torch.Tensor]
+
+
 class KVCache:
     """Per layer, K and V as [num_blocks, block_size, num_kv_heads, head_dim]."""
 
@@ -137,6 +147,7 @@ class LlamaModel(torch.nn.Module):
                             for layer, norm in zip(self.layers, norms)]
         self.packed = {}   # id(weight) -> x @ weight.T for the fast plan (pack_fast)
         self.shared = {}   # id(weight) -> cpu_linear.Packed: the one packed copy (pack_shared, set_packed)
+        self.blocks = {}   # id(weight) -> QuantBlocks: a quantized weight on a device (set_blocks)
         # Weights served as stored in a GGUF file (model.gguf_weights): {type: tensors}, and
         # the reference kernels their packed copies need (embedding rows, plain copies).
         self.stored_types, self.quant_ops = {}, None
@@ -179,8 +190,15 @@ class LlamaModel(torch.nn.Module):
 
     @property
     def quantized(self) -> bool:
-        """Whether some weights are served quantized, as stored (set_packed)."""
-        return any(p.data.dtype == torch.uint8 for p in self.shared.values())
+        """Whether some weights are served quantized, as stored (set_packed, set_blocks)."""
+        return bool(self.blocks) or any(p.data.dtype == torch.uint8 for p in self.shared.values())
+
+    def set_blocks(self, w: torch.Tensor, blocks: "QuantBlocks") -> None:
+        """w's one copy is `blocks`, a quantized weight as the Triton reference reads it
+        (kernels/triton_reference.py qmatmul, qrows): w keeps its shape, without
+        storage. Call after finalize."""
+        _release(w)
+        self.blocks[id(w)] = blocks
 
     def set_packed(self, w: torch.Tensor, packed: cpu_linear.Packed, ops) -> None:
         """w's one copy is `packed`, a quantized weight in the reference kernels' layout

@@ -197,8 +197,11 @@ def load(path: Optional[str], dtype: str = BFLOAT16, device: str = "cpu", dequan
     return LoadedModel(model, tok, cfg, model_fingerprint(cfg, checkpoint), str(src))
 
 
-def load_gguf(src: Path) -> LoadedModel:
-    """A GGUF file served as stored, in bf16 on CPU (model.gguf_weights)."""
+def load_gguf(src: Path, blocks_on: Optional[str] = None) -> LoadedModel:
+    """A GGUF file served as stored, in bf16 on CPU (model.gguf_weights). `blocks_on`: a
+    device on which the quantized weights are kept as the Triton reference reads them
+    (LlamaModel.set_blocks), the model with them, instead of the CPU reference's packed
+    copy."""
     from gateeng.model.gguf_weights import SERVED_QUANTIZED, TENSOR_TABLE, GGUFLoad, GGUFTensors
     from gateeng.plans import reference_ops
 
@@ -206,15 +209,15 @@ def load_gguf(src: Path) -> LoadedModel:
     cfg = read_model_config(header)
     tensors = GGUFTensors(src, header / TENSOR_TABLE)
     ops = None
-    if any(t.type in SERVED_QUANTIZED for t in tensors.tensors.values()):
+    if blocks_on is None and any(t.type in SERVED_QUANTIZED for t in tensors.tensors.values()):
         try:
             ops = reference_ops.load()
         except reference_ops.ReferenceUnavailable as exc:
             raise ValueError(f"{src.name}'s quantized weights are multiplied only by the reference kernels, and "
                              f"{exc}; pass --dequantize to serve it in bf16") from exc
-    model = LlamaModel(cfg, torch.bfloat16, "cpu")
+    model = LlamaModel(cfg, torch.bfloat16, blocks_on or "cpu")
     model.finalize()
-    weights = GGUFLoad(tensors, cfg, ops)
+    weights = GGUFLoad(tensors, cfg, ops, blocks_on=blocks_on)
     weights.into(model)
     log(weights.describe())
     return LoadedModel(model, Tokenizer.from_dir(header), cfg, weights.fingerprint.hexdigest(), str(src))

@@ -123,7 +123,7 @@ def _cuda_plans(cfg: EngineConfig, model, mc, dtype) -> Plans:
     matmul = "torch matmuls (cuBLAS)"
     if ops is not None:
         sample, logprobs = host_sampler(ops)
-        invariant = TritonReferencePlan(cfg.block_size)
+        invariant = TritonReferencePlan(cfg.block_size, model)
         return Plans(fast, invariant, sample, logprobs, matmul, lambda: None,
                      builds=f"{type(fast).__name__}, {type(invariant).__name__}, {ops.isa} {ops.digest}")
     invariant = TritonInvariantPlan(cfg.attention_split)

@@ -21,6 +21,7 @@ import torch
 from gateeng.config import BFLOAT16, BLOCK_SIZE
 from gateeng.kernels import fixed_order as ref
 from gateeng.plans.generic import FastPlan, InvariantAttnMeta, InvariantPlan
+from gateeng.plans.kernel_names import REFERENCE
 from gateeng.plans.reference import ReferenceBase
 from gateeng.plans.rows import Rows, seq_block_tables
 
@@ -67,14 +68,26 @@ class TritonInvariantPlan(InvariantPlan):
 
 
 class TritonReferencePlan(ReferenceBase):
-    """Every op of the reference in Triton; rows run unpadded, one forward per step."""
+    """Every op of the reference in Triton; rows run unpadded, one forward per step.
+    `model`'s quantized weights (LlamaModel.set_blocks) are multiplied and looked up
+    as stored (kernels/SPEC.md, "Quantized weights"); every other weight is bf16."""
 
-    def __init__(self, block_size: int = BLOCK_SIZE):
+    def __init__(self, block_size: int = BLOCK_SIZE, model=None):
         from gateeng.kernels import triton_reference
         super().__init__(triton_reference, block_size)
+        self._blocks = model.blocks if model is not None else {}
+        self._version = self.reference_version(model) if model is not None else REFERENCE
 
-    def linear(self, x, w):
-        return self.ops.matmul(x, w)
+    def describe(self, dtype: str = BFLOAT16) -> str:
+        return self._version
+
+    def embed(self, model, ids: torch.Tensor) -> torch.Tensor:
+        b = self._blocks.get(id(model.embed))
+        return super().embed(model, ids) if b is None else self.ops.qrows(b.q, b.d, b.m, ids)
+
+    def linear(self, x, w, f32: bool = False):
+        b = self._blocks.get(id(w))
+        return self.ops.matmul(x, w, f32=f32) if b is None else self.ops.qmatmul(x, b.q, b.d, b.m, f32=f32)
 
     def add_rms_norm(self, h, add, w, eps):
         h = self.ops.add(h, add)
@@ -90,7 +103,7 @@ class TritonReferencePlan(ReferenceBase):
 
     @torch.inference_mode()
     def full_logits(self, model, hidden):
-        return self.ops.matmul(hidden.contiguous(), model.lm_head, f32=True)
+        return self.linear(hidden.contiguous(), model.lm_head, f32=True)
 
 
 def host_sampler(ops):

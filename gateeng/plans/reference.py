@@ -57,6 +57,13 @@ class ReferenceBase(InvariantPlan):
         """The reference's version: what its bits depend on besides the model and dtype."""
         return REFERENCE
 
+    @staticmethod
+    def reference_version(model) -> str:
+        """The reference's version for `model`: kernel_plan names the quantized types it
+        multiplies (kernels/SPEC.md, "Quantized weights")."""
+        stored = ", ".join(sorted(model.stored_types))
+        return f"{REFERENCE} ({stored} weights)" if stored else REFERENCE
+
     def add(self, x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return self.ops.add(x, b)
 
@@ -84,12 +91,10 @@ class ReferencePlan(ReferenceBase):
         self._packed = {id(w): model.shared.get(id(w)) or cpu_linear.shared_pack(w, ops)
                         for w in model.projections() + [model.lm_head]}
         self._lm_head = id(model.lm_head)
-        # kernel_plan names the quantized types it multiplies (kernels/SPEC.md, "Quantized weights").
-        stored = ", ".join(sorted(model.stored_types))
-        self.version = f"{REFERENCE} ({stored} weights)" if stored else REFERENCE
+        self._version = self.reference_version(model)
 
     def describe(self, dtype: str = BFLOAT16) -> str:
-        return self.version
+        return self._version
 
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         p = self._packed[id(w)]
