@@ -1,14 +1,12 @@
 """The process's C heap (glibc malloc): how many arenas it keeps, and handing what
 start-up freed back to the OS. Elsewhere (another libc) both do nothing.
 
-glibc gives each thread that allocates while another holds the heap an arena of its
-own, up to 8 per core. A server's threads (the engine's step loop, torch's OpenMP
+glibc gives each thread that allocates an arena of its own, up to 8 per core (then
+they share). A server's threads (the engine's step loop, torch's OpenMP
 workers, gRPC's and the HTTP front's) each fill one with short-lived tensors and
-buffers, and each arena keeps its own partly used pages: on a 1.17B Q8_0 model that
-was about 20 MB more resident after a load than before it, and none of it came back
-with malloc_trim. Two arenas hold the same load within 2 MB, at the same speed
-(bench/peer.py). Large tensors (the weights, the KV cache) are memory maps of their
-own and are not in any arena.
+buffers, and each arena keeps its own partly used pages: serving bench/peer.py's load
+on a 1.17B Q8_0 model left the process about 20 MB larger than before it, none of it
+given back by malloc_trim; with two arenas, about 2 MB.
 """
 from __future__ import annotations
 
@@ -26,9 +24,10 @@ def _libc():
 
 
 def limit_arenas(arenas: int = SERVER_ARENAS) -> bool:
-    """Cap the arenas at `arenas`. glibc fixes its cap when the ninth arena is made, so
-    this is called before the threads start (the command line's entry does). True
-    where glibc took it."""
+    """Cap the arenas at `arenas`: threads that start allocating afterwards share them.
+    glibc settles its cap for good once it has made more than eight arenas, so this is
+    called before the threads start (the command line's entry does). True where glibc
+    took it."""
     libc = _libc()
     return bool(libc is not None and hasattr(libc, "mallopt") and libc.mallopt(M_ARENA_MAX, arenas) == 1)
 

@@ -193,7 +193,7 @@ class LlamaModel(torch.nn.Module):
         """Whether some weights are served quantized, as stored (set_packed, set_blocks)."""
         return bool(self.blocks) or any(p.data.dtype == torch.uint8 for p in self.shared.values())
 
-    def set_blocks(self, w: torch.Tensor, blocks: "QuantBlocks") -> None:
+    def set_blocks(self, w: torch.Tensor, blocks: QuantBlocks) -> None:
         """w's one copy is `blocks`, a quantized weight as the Triton reference reads it
         (kernels/triton_reference.py qmatmul, qrows): w keeps its shape, without
         storage. Call after finalize."""
