@@ -36,6 +36,8 @@
 
 namespace {
 
+using u16 = uint16_t;
+
 // Conversions written as bit operations, which the compiler vectorizes (the
 // c10::BFloat16 ones check for NaN and do not). Values are finite (see above).
 inline float f32(float v) { return v; }
@@ -367,7 +369,6 @@ void decode_attention_bf16(const at::BFloat16* q, const at::BFloat16* k, const a
 // takes which columns: the kernel is row-invariant at any M, with no padding rows.
 // Rows go 8 at a time (MR <= 8 accumulators per column block, 2 column blocks per
 // pass: 16 of the 32 vector registers), each pass over the whole K.
-using u16 = uint16_t;
 
 // `next`: the next column tile's weights (for_each_tile), prefetched into L2 a
 // cache line per block per step, or nullptr.
@@ -421,17 +422,20 @@ torch::Tensor linear_dpbf16(torch::Tensor x, torch::Tensor packed, int64_t n) {
 }
 #endif
 
-#if defined(GATEENG_AVX512_BF16) && defined(__AVX512VNNI__)
-#define GATEENG_AVX512_VNNI 1
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#define GATEENG_QINT8 1
 // The fast plan's matmul on quantized weights (GGUF Q8_0, Q4_0, Q4_1 as stored), in
 // the layout of the reference's `qpack` (kernels/ref_ops.cpp owns it: per column block,
 // records of 16 columns' binary16 scales (and Q4_1's minimums) then integers pair by
 // pair, in the order QLayout gives). Not the reference's arithmetic: each row's block
 // of 32 inputs is quantized to int8 with its own scale (as llama.cpp does), the
-// integer dot products run on VNNI (VPDPBUSD for 4-bit weights, VPDPWSSD for 8-bit)
-// and each block's sum is scaled into a binary32 accumulator. A row's output depends
-// on that row only (row-invariant), not on the reference's bits.
-namespace qvnni {
+// integer dot products are exact in int32 and each block's sum is scaled into a
+// binary32 accumulator. Two tiles compute that: AVX-512 VNNI (VPDPBUSD for 4-bit
+// weights, VPDPWSSD for 8-bit; qvnni) and AVX2 (VPMADDUBSW then VPMADDWD for 4-bit,
+// VPMADDWD for 8-bit; qavx2), the same float steps in the same order, so the same
+// bits. A row's output depends on that row only (row-invariant), not on the
+// reference's bits.
+namespace qint8 {
 
 constexpr int64_t QK = 32, REC_Q8_0 = 32 + 512, REC_Q4_0 = 32 + 256, REC_Q4_1 = 64 + 256;
 
@@ -459,6 +463,156 @@ void quantize_rows(const u16* x, int64_t m, int64_t k, int8_t* q, float* d, int3
     }
   }
 }
+
+// x @ w.T on a quantized packed weight, the tile `Tile::run<rows>` computing 16 columns
+// of up to 4 rows: the inputs' int8 blocks, the layout's steps and the column blocks
+// across threads, which both tiles share.
+template <typename Tile>
+torch::Tensor qlinear_on(torch::Tensor x, torch::Tensor packed, int64_t n, bool f32) {
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.device().is_cpu(), "x must be bf16 [M, K]");
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.dim() == 3 && packed.is_contiguous() &&
+                  (packed.size(2) == REC_Q8_0 || packed.size(2) == REC_Q4_0 || packed.size(2) == REC_Q4_1),
+              "packed must come from the reference's qpack");
+  const int64_t m = x.size(0), k = x.size(1), nb = packed.size(1), cbs = packed.size(0), rec = packed.size(2);
+  TORCH_CHECK(nb * QK == k && (n + 15) / 16 == cbs, "packed weight does not match x or n");
+  x = x.contiguous();
+  auto out = torch::empty({m, n}, x.options().dtype(f32 ? torch::kFloat : torch::kBFloat16));
+  if (m == 0 || n == 0) return out;
+  // the reference's QLayout: step s holds block l * per + s of each lane l that has one
+  const int64_t per = (nb + 15) / 16;
+  std::vector<int64_t> base(per), live(per);
+  for (int64_t s = 0, at = 0; s < per; ++s) {
+    int64_t lanes = 0;
+    while (lanes < 16 && lanes * per + s < nb) ++lanes;
+    base[s] = at;
+    live[s] = lanes;
+    at += lanes;
+  }
+  std::vector<int8_t> xq(m * k);
+  std::vector<float> xd(m * nb), xs(m * nb);
+  std::vector<int32_t> xqs(m * nb);
+  quantize_rows(reinterpret_cast<const u16*>(x.data_ptr<at::BFloat16>()), m, k, xq.data(), xd.data(), xqs.data(),
+                xs.data());
+  std::vector<int32_t> xpairs(rec == REC_Q8_0 ? m * k / 2 : 0);   // VPDPWSSD's operand: two int16 inputs per dword
+  for (size_t j = 0; j < xpairs.size(); ++j)
+    xpairs[j] = static_cast<int32_t>(static_cast<uint16_t>(static_cast<int16_t>(xq[2 * j]))) |
+                static_cast<int32_t>(static_cast<uint32_t>(static_cast<uint16_t>(static_cast<int16_t>(xq[2 * j + 1]))) << 16);
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  void* op = f32 ? static_cast<void*>(out.data_ptr<float>()) : static_cast<void*>(out.data_ptr<at::BFloat16>());
+  const int64_t stride = nb * rec;
+  at::parallel_for(0, cbs, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const uint8_t* next = b + 1 < end ? wp + (b + 1) * stride : nullptr;
+      for (int64_t r = 0; r < m; r += 4) {
+        const int64_t rows = std::min<int64_t>(4, m - r);
+        auto run = [&](auto mr) {
+          Tile::template run<decltype(mr)::value>(rec, nb, base, live, wp + b * stride, next, xq.data() + r * k,
+                                                  xpairs.data() + (xpairs.empty() ? 0 : r * k / 2), xd.data() + r * nb,
+                                                  xqs.data() + r * nb, xs.data() + r * nb, k, op, f32, n, r, b * 16);
+        };
+        if (rows == 4) run(std::integral_constant<int, 4>{});
+        else if (rows == 3) run(std::integral_constant<int, 3>{});
+        else if (rows == 2) run(std::integral_constant<int, 2>{});
+        else run(std::integral_constant<int, 1>{});
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace qint8
+
+namespace qavx2 {
+using namespace qint8;
+
+// The VNNI tile's steps on 8-lane vectors: each 16-column record as two halves.
+template <int MR>
+void tile(int64_t rec_bytes, int64_t nb, const std::vector<int64_t>& base, const std::vector<int64_t>& live,
+          const uint8_t* w, const uint8_t* next, const int8_t* xq, const int32_t* xpairs, const float* xd,
+          const int32_t* xqs, const float* xs, int64_t k, void* out, bool f32, int64_t n, int64_t row, int64_t col) {
+  const bool q8 = rec_bytes == REC_Q8_0, mins = rec_bytes == REC_Q4_1;
+  const int64_t per = static_cast<int64_t>(base.size()), qoff = mins ? 64 : 32;
+  const __m256i nib = _mm256_set1_epi32(0x0F0F0F0F), ones = _mm256_set1_epi16(1);
+  __m256 acc[MR][2];
+  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < per; ++s) {
+    for (int64_t l = 0; l < live[s]; ++l) {
+      const int64_t g = l * per + s, at = (base[s] + l) * rec_bytes;
+      const uint8_t* rec = w + at;
+      if (next != nullptr) {
+        for (int64_t off = 0; off < rec_bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(next + at + off), _MM_HINT_T1);
+      }
+      __m256i dot[MR][2];
+      for (int i = 0; i < MR; ++i) dot[i][0] = dot[i][1] = _mm256_setzero_si256();
+      if (q8) {
+        for (int p = 0; p < 16; ++p) {
+          const __m128i* src = reinterpret_cast<const __m128i*>(rec + 32 + p * 32);
+          const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(src)), w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(src + 1));
+          for (int i = 0; i < MR; ++i) {
+            const __m256i xv = _mm256_set1_epi32(xpairs[i * (k / 2) + g * QK / 2 + p]);
+            dot[i][0] = _mm256_add_epi32(dot[i][0], _mm256_madd_epi16(w0, xv));
+            dot[i][1] = _mm256_add_epi32(dot[i][1], _mm256_madd_epi16(w1, xv));
+          }
+        }
+      } else {
+        for (int pp = 0; pp < 8; ++pp) {
+          const __m128i* src = reinterpret_cast<const __m128i*>(rec + qoff + pp * 32);
+          const __m256i v0 = _mm256_cvtepu16_epi32(_mm_loadu_si128(src)), v1 = _mm256_cvtepu16_epi32(_mm_loadu_si128(src + 1));
+          // per column the dword of its 4 nibbles in K order: lo(b0), lo(b1), hi(b0), hi(b1)
+          const __m256i w0 = _mm256_and_si256(_mm256_or_si256(v0, _mm256_slli_epi32(v0, 12)), nib);
+          const __m256i w1 = _mm256_and_si256(_mm256_or_si256(v1, _mm256_slli_epi32(v1, 12)), nib);
+          for (int i = 0; i < MR; ++i) {
+            int32_t four;
+            std::memcpy(&four, xq + i * k + g * QK + 4 * pp, sizeof(four));
+            const __m256i xv = _mm256_set1_epi32(four);   // pairs of u4 x s8 fit int16: no saturation
+            dot[i][0] = _mm256_add_epi32(dot[i][0], _mm256_madd_epi16(_mm256_maddubs_epi16(w0, xv), ones));
+            dot[i][1] = _mm256_add_epi32(dot[i][1], _mm256_madd_epi16(_mm256_maddubs_epi16(w1, xv), ones));
+          }
+        }
+      }
+      for (int h = 0; h < 2; ++h) {
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec) + h));
+        for (int i = 0; i < MR; ++i) {
+          __m256 f = _mm256_cvtepi32_ps(dot[i][h]);
+          if (!q8 && !mins) f = _mm256_sub_ps(f, _mm256_set1_ps(8.f * static_cast<float>(xqs[i * nb + g])));
+          acc[i][h] = _mm256_fmadd_ps(f, _mm256_mul_ps(d, _mm256_set1_ps(xd[i * nb + g])), acc[i][h]);
+          if (mins) {
+            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 32) + h));
+            acc[i][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[i * nb + g]), acc[i][h]);
+          }
+        }
+      }
+    }
+  }
+  for (int h = 0; h < 2; ++h) {
+    const int64_t c = col + 8 * h, valid = std::min<int64_t>(8, n - c);
+    for (int i = 0; i < MR && valid > 0; ++i) {
+      alignas(32) float v[8];
+      _mm256_store_ps(v, acc[i][h]);
+      for (int64_t j = 0; j < valid; ++j) {
+        if (f32) static_cast<float*>(out)[(row + i) * n + c + j] = v[j];
+        else static_cast<at::BFloat16*>(out)[(row + i) * n + c + j] = to<at::BFloat16>(v[j]);
+      }
+    }
+  }
+}
+
+struct Tile {
+  template <int MR, typename... Args>
+  static void run(Args... args) { tile<MR>(args...); }
+};
+
+}  // namespace qavx2
+
+torch::Tensor qlinear_avx2(torch::Tensor x, torch::Tensor packed, int64_t n, bool f32) {
+  return qint8::qlinear_on<qavx2::Tile>(x, packed, n, f32);
+}
+#endif
+
+#if defined(GATEENG_AVX512_BF16) && defined(__AVX512VNNI__) && defined(GATEENG_QINT8)
+#define GATEENG_AVX512_VNNI 1
+namespace qvnni {
+using namespace qint8;
 
 template <int MR>
 void tile(int64_t rec_bytes, int64_t nb, const std::vector<int64_t>& base, const std::vector<int64_t>& live,
@@ -519,61 +673,17 @@ void tile(int64_t rec_bytes, int64_t nb, const std::vector<int64_t>& base, const
   }
 }
 
+struct Tile {
+  template <int MR, typename... Args>
+  static void run(Args... args) { tile<MR>(args...); }
+};
+
 }  // namespace qvnni
 
 // x @ w.T on a quantized packed weight (the reference's qpack), bf16 or binary32 out:
 // the signature of the reference's linear, so decode_layers_with takes it too.
 torch::Tensor qlinear_vnni(torch::Tensor x, torch::Tensor packed, int64_t n, bool f32) {
-  using namespace qvnni;
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.device().is_cpu(), "x must be bf16 [M, K]");
-  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.dim() == 3 && packed.is_contiguous() &&
-                  (packed.size(2) == REC_Q8_0 || packed.size(2) == REC_Q4_0 || packed.size(2) == REC_Q4_1),
-              "packed must come from the reference's qpack");
-  const int64_t m = x.size(0), k = x.size(1), nb = packed.size(1), cbs = packed.size(0), rec = packed.size(2);
-  TORCH_CHECK(nb * QK == k && (n + 15) / 16 == cbs, "packed weight does not match x or n");
-  x = x.contiguous();
-  auto out = torch::empty({m, n}, x.options().dtype(f32 ? torch::kFloat : torch::kBFloat16));
-  if (m == 0 || n == 0) return out;
-  // the reference's QLayout: step s holds block l * per + s of each lane l that has one
-  const int64_t per = (nb + 15) / 16;
-  std::vector<int64_t> base(per), live(per);
-  for (int64_t s = 0, at = 0; s < per; ++s) {
-    int64_t lanes = 0;
-    while (lanes < 16 && lanes * per + s < nb) ++lanes;
-    base[s] = at;
-    live[s] = lanes;
-    at += lanes;
-  }
-  std::vector<int8_t> xq(m * k);
-  std::vector<float> xd(m * nb), xs(m * nb);
-  std::vector<int32_t> xqs(m * nb);
-  quantize_rows(reinterpret_cast<const u16*>(x.data_ptr<at::BFloat16>()), m, k, xq.data(), xd.data(), xqs.data(),
-                xs.data());
-  std::vector<int32_t> xpairs(rec == REC_Q8_0 ? m * k / 2 : 0);   // VPDPWSSD's operand: two int16 inputs per dword
-  for (size_t j = 0; j < xpairs.size(); ++j)
-    xpairs[j] = static_cast<int32_t>(static_cast<uint16_t>(static_cast<int16_t>(xq[2 * j]))) |
-                static_cast<int32_t>(static_cast<uint32_t>(static_cast<uint16_t>(static_cast<int16_t>(xq[2 * j + 1]))) << 16);
-  const uint8_t* wp = packed.data_ptr<uint8_t>();
-  void* op = f32 ? static_cast<void*>(out.data_ptr<float>()) : static_cast<void*>(out.data_ptr<at::BFloat16>());
-  const int64_t stride = nb * rec;
-  at::parallel_for(0, cbs, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const uint8_t* next = b + 1 < end ? wp + (b + 1) * stride : nullptr;
-      for (int64_t r = 0; r < m; r += 4) {
-        const int64_t rows = std::min<int64_t>(4, m - r);
-        auto run = [&](auto mr) {
-          tile<decltype(mr)::value>(rec, nb, base, live, wp + b * stride, next, xq.data() + r * k,
-                                    xpairs.data() + (xpairs.empty() ? 0 : r * k / 2), xd.data() + r * nb,
-                                    xqs.data() + r * nb, xs.data() + r * nb, k, op, f32, n, r, b * 16);
-        };
-        if (rows == 4) run(std::integral_constant<int, 4>{});
-        else if (rows == 3) run(std::integral_constant<int, 3>{});
-        else if (rows == 2) run(std::integral_constant<int, 2>{});
-        else run(std::integral_constant<int, 1>{});
-      }
-    }
-  });
-  return out;
+  return qint8::qlinear_on<qvnni::Tile>(x, packed, n, f32);
 }
 #endif
 
@@ -895,6 +1005,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_store", &rope_store, "RoPE on q and k heads; k and v stored at their cache slots; returns q");
   m.def("decode_layers_with", &decode_layers_with, "decode_layers on another extension's matmul (the reference's)",
         py::call_guard<py::gil_scoped_release>());
+#ifdef GATEENG_QINT8
+  m.def("qlinear_avx2", &qlinear_avx2, "x @ w.T on a quantized weight packed by the reference's qpack (int8 AVX2)",
+        py::call_guard<py::gil_scoped_release>());
+  m.attr("qavx2") = true;
+#else
+  m.attr("qavx2") = false;
+#endif
 #ifdef GATEENG_AVX512_VNNI
   m.def("qlinear_vnni", &qlinear_vnni, "x @ w.T on a quantized weight packed by the reference's qpack (int8 VNNI)",
         py::call_guard<py::gil_scoped_release>());

@@ -322,17 +322,20 @@ class LlamaModel(torch.nn.Module):
 
     def _pack_quantized(self, kernels, ref) -> None:
         """pack_fast for weights served as stored: the fast plan multiplies them with
-        cpu_ops' int8 VNNI kernel where the CPU has one (its own arithmetic), else with
-        the reference's matmul, the one kernel that takes them (bf16 weights beside
-        them: the reference's matmul too, which takes both layouts)."""
+        cpu_ops' int8 kernel where the CPU has one (AVX-512 VNNI, else AVX2: its own
+        arithmetic), else with the reference's matmul, the one kernel that takes them
+        (bf16 weights beside them: the reference's matmul too, which takes both
+        layouts)."""
         weights = self.projections()
         ref = ref or self.quant_ops   # the build that packed them reads them in any case
-        vnni = bool(getattr(kernels, "qvnni", False))
-        self.fast_quantized_matmul = kernel_names.CPU_QVNNI if vnni else kernel_names.REF_LINEAR
+        int8, self.fast_quantized_matmul = (
+            (kernels.qlinear_vnni, kernel_names.CPU_QVNNI) if getattr(kernels, "qvnni", False) else
+            (kernels.qlinear_avx2, kernel_names.CPU_QAVX2) if getattr(kernels, "qavx2", False) else
+            (None, kernel_names.REF_LINEAR))
 
         def fast(w, f32=False):
             p = self.shared[id(w)]
-            fn = kernels.qlinear_vnni if vnni and p.data.dtype == torch.uint8 else ref.linear
+            fn = int8 if int8 is not None and p.data.dtype == torch.uint8 else ref.linear
             return lambda x: fn(x.contiguous(), p.data, p.n, f32)
         self.packed = {id(w): fast(w) for w in weights}
         self.lm_head_bf16 = fast(self.lm_head)
@@ -349,7 +352,7 @@ class LlamaModel(torch.nn.Module):
             every_quantized = all(p.data.dtype == torch.uint8 for p in packed)
             self.fused_layers = ([p.data for p in packed], [p.n for p in packed],
                                  [w for lw in layers for w in (lw.post_norm, lw.next_norm)],
-                                 kernels.qlinear_vnni if vnni and every_quantized else ref.linear)
+                                 int8 if int8 is not None and every_quantized else ref.linear)
 
     def release_plain_weights(self) -> int:
         """Free the plain projection and lm_head weights where no plan multiplies them

@@ -12,11 +12,13 @@ CPU_DPBF16, REF_AVX2 = "cpu_dpbf16", "ref_avx2"
 REF_LINEAR = "ref_linear"
 ROWWISE_MATMULS = {CPU_DPBF16: "VDPBF16PS", REF_AVX2: "AVX2 FMA (the reference's matmul)",
                    REF_LINEAR: "the reference's matmul (quantized weights as stored)"}
-# The fast plan's own matmul on quantized weights where the CPU has AVX-512 VNNI
-# (kernels/cpu_ops.cpp `qlinear_vnni`): inputs quantized to int8 per block of 32,
-# integer dot products; row-invariant, not the reference's bits.
-CPU_QVNNI = "cpu_qvnni"
+# The fast plan's own matmul on quantized weights (kernels/cpu_ops.cpp `qlinear_vnni`
+# where the CPU has AVX-512 VNNI, else `qlinear_avx2`; the same bits): inputs
+# quantized to int8 per block of 32, integer dot products; row-invariant, not the
+# reference's bits.
+CPU_QVNNI, CPU_QAVX2 = "cpu_qvnni", "cpu_qavx2"
 QUANTIZED_MATMULS = {CPU_QVNNI: "int8 VNNI dot products on the weights as stored (inputs quantized per block of 32)",
+                     CPU_QAVX2: "int8 AVX2 dot products on the weights as stored (inputs quantized per block of 32)",
                      REF_LINEAR: ROWWISE_MATMULS[REF_LINEAR]}
 # The other matmuls' kernel_plan names: oneDNN's packed copy, torch.mm on the plain weight.
 ONEDNN_PACKED, TORCH_MM = "onednn_packed", "torch_mm"
