@@ -464,11 +464,16 @@ void quantize_rows(const u16* x, int64_t m, int64_t k, int8_t* q, float* d, int3
   }
 }
 
-// x @ w.T on a quantized packed weight, the tile `Tile::run<rows>` computing 16 columns
-// of up to 4 rows: the inputs' int8 blocks, the layout's steps and the column blocks
-// across threads, which both tiles share.
-template <typename Tile>
-torch::Tensor qlinear_on(torch::Tensor x, torch::Tensor packed, int64_t n, bool f32) {
+// A tile: 16 columns (one column block) of MR rows, over the whole K.
+using TileFn = void (*)(int64_t rec_bytes, int64_t nb, const std::vector<int64_t>& base,
+                        const std::vector<int64_t>& live, const uint8_t* w, const uint8_t* next, const int8_t* xq,
+                        const int32_t* xpairs, const float* xd, const int32_t* xqs, const float* xs, int64_t k,
+                        void* out, bool f32, int64_t n, int64_t row, int64_t col);
+
+// x @ w.T on a quantized packed weight, `tiles[MR - 1]` computing MR = 1..4 rows: the
+// inputs' int8 blocks, the layout's steps and the column blocks across threads, which
+// both tiles share.
+torch::Tensor qlinear_on(torch::Tensor x, torch::Tensor packed, int64_t n, bool f32, const TileFn (&tiles)[4]) {
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.device().is_cpu(), "x must be bf16 [M, K]");
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.dim() == 3 && packed.is_contiguous() &&
                   (packed.size(2) == REC_Q8_0 || packed.size(2) == REC_Q4_0 || packed.size(2) == REC_Q4_1),
@@ -505,15 +510,9 @@ torch::Tensor qlinear_on(torch::Tensor x, torch::Tensor packed, int64_t n, bool 
       const uint8_t* next = b + 1 < end ? wp + (b + 1) * stride : nullptr;
       for (int64_t r = 0; r < m; r += 4) {
         const int64_t rows = std::min<int64_t>(4, m - r);
-        auto run = [&](auto mr) {
-          Tile::template run<decltype(mr)::value>(rec, nb, base, live, wp + b * stride, next, xq.data() + r * k,
-                                                  xpairs.data() + (xpairs.empty() ? 0 : r * k / 2), xd.data() + r * nb,
-                                                  xqs.data() + r * nb, xs.data() + r * nb, k, op, f32, n, r, b * 16);
-        };
-        if (rows == 4) run(std::integral_constant<int, 4>{});
-        else if (rows == 3) run(std::integral_constant<int, 3>{});
-        else if (rows == 2) run(std::integral_constant<int, 2>{});
-        else run(std::integral_constant<int, 1>{});
+        tiles[rows - 1](rec, nb, base, live, wp + b * stride, next, xq.data() + r * k,
+                        xpairs.data() + (xpairs.empty() ? 0 : r * k / 2), xd.data() + r * nb, xqs.data() + r * nb,
+                        xs.data() + r * nb, k, op, f32, n, r, b * 16);
       }
     }
   });
@@ -597,15 +596,11 @@ void tile(int64_t rec_bytes, int64_t nb, const std::vector<int64_t>& base, const
   }
 }
 
-struct Tile {
-  template <int MR, typename... Args>
-  static void run(Args... args) { tile<MR>(args...); }
-};
-
 }  // namespace qavx2
 
 torch::Tensor qlinear_avx2(torch::Tensor x, torch::Tensor packed, int64_t n, bool f32) {
-  return qint8::qlinear_on<qavx2::Tile>(x, packed, n, f32);
+  using namespace qavx2;
+  return qint8::qlinear_on(x, packed, n, f32, {tile<1>, tile<2>, tile<3>, tile<4>});
 }
 #endif
 
@@ -673,17 +668,13 @@ void tile(int64_t rec_bytes, int64_t nb, const std::vector<int64_t>& base, const
   }
 }
 
-struct Tile {
-  template <int MR, typename... Args>
-  static void run(Args... args) { tile<MR>(args...); }
-};
-
 }  // namespace qvnni
 
 // x @ w.T on a quantized packed weight (the reference's qpack), bf16 or binary32 out:
 // the signature of the reference's linear, so decode_layers_with takes it too.
 torch::Tensor qlinear_vnni(torch::Tensor x, torch::Tensor packed, int64_t n, bool f32) {
-  return qint8::qlinear_on<qvnni::Tile>(x, packed, n, f32);
+  using namespace qvnni;
+  return qint8::qlinear_on(x, packed, n, f32, {tile<1>, tile<2>, tile<3>, tile<4>});
 }
 #endif
 
