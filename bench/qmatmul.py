@@ -9,7 +9,8 @@ hidden 2048, MLP 5632, 4 KV heads of 64) in Q4_0 and Q8_0, at 1 and 8 rows.
 Per type and row count: the time of one decoder layer's four projections (qkv, o,
 gate/up, down) per kernel (the best of 5 means over --repeats), and each kernel's
 speed against the reference's avx2 build. Under the AVX2 emulation
-(GATEENG_CPU_ISA=avx2 ...) cpu_ops is built for AVX2, so the VNNI column is absent.
+(GATEENG_CPU_ISA=avx2 ...) the reference's avx2 build and cpu_ops built for AVX2 run,
+so the avx512_bf16 and VNNI columns are absent.
 Prints the command, the commit and the machine first.
 """
 from __future__ import annotations
@@ -63,7 +64,8 @@ def main() -> int:
     args = ap.parse_args()
     print(header())
     kernels = cpu_ops.load()
-    refs = {isa: reference_ops.load(isa) for isa in reference_ops.runnable() if isa != "scalar"}
+    isas = [reference_ops.requested()] if reference_ops.requested() else reference_ops.runnable()
+    refs = {isa: reference_ops.load(isa) for isa in isas if isa != "scalar"}
     matmuls = {f"reference ({isa})": ref.linear for isa, ref in refs.items()}
     for name in ("avx2", "vnni"):
         if getattr(kernels, "q" + name, False):
