@@ -464,6 +464,23 @@ void quantize_rows(const u16* x, int64_t m, int64_t k, int8_t* q, float* d, int3
   }
 }
 
+// Each record of a column block's weights in the layout's order, as f(block g, record),
+// the next column block's same record prefetched into L2.
+template <typename F>
+inline void for_each_record(int64_t rec_bytes, const std::vector<int64_t>& base, const std::vector<int64_t>& live,
+                            const uint8_t* w, const uint8_t* next, F&& f) {
+  const int64_t per = static_cast<int64_t>(base.size());
+  for (int64_t s = 0; s < per; ++s) {
+    for (int64_t l = 0; l < live[s]; ++l) {
+      const int64_t at = (base[s] + l) * rec_bytes;
+      if (next != nullptr) {
+        for (int64_t off = 0; off < rec_bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(next + at + off), _MM_HINT_T1);
+      }
+      f(l * per + s, w + at);
+    }
+  }
+}
+
 // A tile: 16 columns (one column block) of MR rows, over the whole K.
 using TileFn = void (*)(int64_t rec_bytes, int64_t nb, const std::vector<int64_t>& base,
                         const std::vector<int64_t>& live, const uint8_t* w, const uint8_t* next, const int8_t* xq,
@@ -530,59 +547,52 @@ void tile(int64_t rec_bytes, int64_t nb, const std::vector<int64_t>& base, const
           const uint8_t* w, const uint8_t* next, const int8_t* xq, const int32_t* xpairs, const float* xd,
           const int32_t* xqs, const float* xs, int64_t k, void* out, bool f32, int64_t n, int64_t row, int64_t col) {
   const bool q8 = rec_bytes == REC_Q8_0, mins = rec_bytes == REC_Q4_1;
-  const int64_t per = static_cast<int64_t>(base.size()), qoff = mins ? 64 : 32;
+  const int64_t qoff = mins ? 64 : 32;
   const __m256i nib = _mm256_set1_epi32(0x0F0F0F0F), ones = _mm256_set1_epi16(1);
   __m256 acc[MR][2];
   for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-  for (int64_t s = 0; s < per; ++s) {
-    for (int64_t l = 0; l < live[s]; ++l) {
-      const int64_t g = l * per + s, at = (base[s] + l) * rec_bytes;
-      const uint8_t* rec = w + at;
-      if (next != nullptr) {
-        for (int64_t off = 0; off < rec_bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(next + at + off), _MM_HINT_T1);
-      }
-      __m256i dot[MR][2];
-      for (int i = 0; i < MR; ++i) dot[i][0] = dot[i][1] = _mm256_setzero_si256();
-      if (q8) {
-        for (int p = 0; p < 16; ++p) {
-          const __m128i* src = reinterpret_cast<const __m128i*>(rec + 32 + p * 32);
-          const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(src)), w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(src + 1));
-          for (int i = 0; i < MR; ++i) {
-            const __m256i xv = _mm256_set1_epi32(xpairs[i * (k / 2) + g * QK / 2 + p]);
-            dot[i][0] = _mm256_add_epi32(dot[i][0], _mm256_madd_epi16(w0, xv));
-            dot[i][1] = _mm256_add_epi32(dot[i][1], _mm256_madd_epi16(w1, xv));
-          }
-        }
-      } else {
-        for (int pp = 0; pp < 8; ++pp) {
-          const __m128i* src = reinterpret_cast<const __m128i*>(rec + qoff + pp * 32);
-          const __m256i v0 = _mm256_cvtepu16_epi32(_mm_loadu_si128(src)), v1 = _mm256_cvtepu16_epi32(_mm_loadu_si128(src + 1));
-          // per column the dword of its 4 nibbles in K order: lo(b0), lo(b1), hi(b0), hi(b1)
-          const __m256i w0 = _mm256_and_si256(_mm256_or_si256(v0, _mm256_slli_epi32(v0, 12)), nib);
-          const __m256i w1 = _mm256_and_si256(_mm256_or_si256(v1, _mm256_slli_epi32(v1, 12)), nib);
-          for (int i = 0; i < MR; ++i) {
-            int32_t four;
-            std::memcpy(&four, xq + i * k + g * QK + 4 * pp, sizeof(four));
-            const __m256i xv = _mm256_set1_epi32(four);   // pairs of u4 x s8 fit int16: no saturation
-            dot[i][0] = _mm256_add_epi32(dot[i][0], _mm256_madd_epi16(_mm256_maddubs_epi16(w0, xv), ones));
-            dot[i][1] = _mm256_add_epi32(dot[i][1], _mm256_madd_epi16(_mm256_maddubs_epi16(w1, xv), ones));
-          }
-        }
-      }
-      for (int h = 0; h < 2; ++h) {
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec) + h));
+  for_each_record(rec_bytes, base, live, w, next, [&](int64_t g, const uint8_t* rec) {
+    __m256i dot[MR][2];
+    for (int i = 0; i < MR; ++i) dot[i][0] = dot[i][1] = _mm256_setzero_si256();
+    if (q8) {
+      for (int p = 0; p < 16; ++p) {
+        const __m128i* src = reinterpret_cast<const __m128i*>(rec + 32 + p * 32);
+        const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(src)), w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(src + 1));
         for (int i = 0; i < MR; ++i) {
-          __m256 f = _mm256_cvtepi32_ps(dot[i][h]);
-          if (!q8 && !mins) f = _mm256_sub_ps(f, _mm256_set1_ps(8.f * static_cast<float>(xqs[i * nb + g])));
-          acc[i][h] = _mm256_fmadd_ps(f, _mm256_mul_ps(d, _mm256_set1_ps(xd[i * nb + g])), acc[i][h]);
-          if (mins) {
-            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 32) + h));
-            acc[i][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[i * nb + g]), acc[i][h]);
-          }
+          const __m256i xv = _mm256_set1_epi32(xpairs[i * (k / 2) + g * QK / 2 + p]);
+          dot[i][0] = _mm256_add_epi32(dot[i][0], _mm256_madd_epi16(w0, xv));
+          dot[i][1] = _mm256_add_epi32(dot[i][1], _mm256_madd_epi16(w1, xv));
+        }
+      }
+    } else {
+      for (int pp = 0; pp < 8; ++pp) {
+        const __m128i* src = reinterpret_cast<const __m128i*>(rec + qoff + pp * 32);
+        const __m256i v0 = _mm256_cvtepu16_epi32(_mm_loadu_si128(src)), v1 = _mm256_cvtepu16_epi32(_mm_loadu_si128(src + 1));
+        // per column the dword of its 4 nibbles in K order: lo(b0), lo(b1), hi(b0), hi(b1)
+        const __m256i w0 = _mm256_and_si256(_mm256_or_si256(v0, _mm256_slli_epi32(v0, 12)), nib);
+        const __m256i w1 = _mm256_and_si256(_mm256_or_si256(v1, _mm256_slli_epi32(v1, 12)), nib);
+        for (int i = 0; i < MR; ++i) {
+          int32_t four;
+          std::memcpy(&four, xq + i * k + g * QK + 4 * pp, sizeof(four));
+          const __m256i xv = _mm256_set1_epi32(four);   // pairs of u4 x s8 fit int16: no saturation
+          dot[i][0] = _mm256_add_epi32(dot[i][0], _mm256_madd_epi16(_mm256_maddubs_epi16(w0, xv), ones));
+          dot[i][1] = _mm256_add_epi32(dot[i][1], _mm256_madd_epi16(_mm256_maddubs_epi16(w1, xv), ones));
         }
       }
     }
-  }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec) + h));
+      for (int i = 0; i < MR; ++i) {
+        __m256 f = _mm256_cvtepi32_ps(dot[i][h]);
+        if (!q8 && !mins) f = _mm256_sub_ps(f, _mm256_set1_ps(8.f * static_cast<float>(xqs[i * nb + g])));
+        acc[i][h] = _mm256_fmadd_ps(f, _mm256_mul_ps(d, _mm256_set1_ps(xd[i * nb + g])), acc[i][h]);
+        if (mins) {
+          const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 32) + h));
+          acc[i][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[i * nb + g]), acc[i][h]);
+        }
+      }
+    }
+  });
   for (int h = 0; h < 2; ++h) {
     const int64_t c = col + 8 * h, valid = std::min<int64_t>(8, n - c);
     for (int i = 0; i < MR && valid > 0; ++i) {
@@ -614,49 +624,42 @@ void tile(int64_t rec_bytes, int64_t nb, const std::vector<int64_t>& base, const
           const uint8_t* w, const uint8_t* next, const int8_t* xq, const int32_t* xpairs, const float* xd,
           const int32_t* xqs, const float* xs, int64_t k, void* out, bool f32, int64_t n, int64_t row, int64_t col) {
   const bool q8 = rec_bytes == REC_Q8_0, mins = rec_bytes == REC_Q4_1;
-  const int64_t per = static_cast<int64_t>(base.size()), qoff = mins ? 64 : 32;
+  const int64_t qoff = mins ? 64 : 32;
   const __m512i nib = _mm512_set1_epi32(0x0F0F0F0F);
   __m512 acc[MR];
   for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
-  for (int64_t s = 0; s < per; ++s) {
-    for (int64_t l = 0; l < live[s]; ++l) {
-      const int64_t g = l * per + s, at = (base[s] + l) * rec_bytes;
-      const uint8_t* rec = w + at;
-      if (next != nullptr) {
-        for (int64_t off = 0; off < rec_bytes; off += 64) _mm_prefetch(reinterpret_cast<const char*>(next + at + off), _MM_HINT_T1);
+  for_each_record(rec_bytes, base, live, w, next, [&](int64_t g, const uint8_t* rec) {
+    __m512i dot[MR];
+    for (int i = 0; i < MR; ++i) dot[i] = _mm512_setzero_si512();
+    if (q8) {
+      for (int p = 0; p < 16; ++p) {
+        const __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32 + p * 32)));
+        for (int i = 0; i < MR; ++i)
+          dot[i] = _mm512_dpwssd_epi32(dot[i], wv, _mm512_set1_epi32(xpairs[i * (k / 2) + g * QK / 2 + p]));
       }
-      __m512i dot[MR];
-      for (int i = 0; i < MR; ++i) dot[i] = _mm512_setzero_si512();
-      if (q8) {
-        for (int p = 0; p < 16; ++p) {
-          const __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32 + p * 32)));
-          for (int i = 0; i < MR; ++i)
-            dot[i] = _mm512_dpwssd_epi32(dot[i], wv, _mm512_set1_epi32(xpairs[i * (k / 2) + g * QK / 2 + p]));
-        }
-      } else {
-        for (int pp = 0; pp < 8; ++pp) {
-          const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + qoff + pp * 32)));
-          // per column the dword of its 4 nibbles in K order: lo(b0), lo(b1), hi(b0), hi(b1)
-          const __m512i wv = _mm512_and_si512(_mm512_or_si512(v, _mm512_slli_epi32(v, 12)), nib);
-          for (int i = 0; i < MR; ++i) {
-            int32_t four;
-            std::memcpy(&four, xq + i * k + g * QK + 4 * pp, sizeof(four));
-            dot[i] = _mm512_dpbusd_epi32(dot[i], wv, _mm512_set1_epi32(four));
-          }
-        }
-      }
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec)));
-      for (int i = 0; i < MR; ++i) {
-        __m512 f = _mm512_cvtepi32_ps(dot[i]);
-        if (!q8 && !mins) f = _mm512_sub_ps(f, _mm512_set1_ps(8.f * static_cast<float>(xqs[i * nb + g])));
-        acc[i] = _mm512_fmadd_ps(f, _mm512_mul_ps(d, _mm512_set1_ps(xd[i * nb + g])), acc[i]);
-        if (mins) {
-          const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32)));
-          acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[i * nb + g]), acc[i]);
+    } else {
+      for (int pp = 0; pp < 8; ++pp) {
+        const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + qoff + pp * 32)));
+        // per column the dword of its 4 nibbles in K order: lo(b0), lo(b1), hi(b0), hi(b1)
+        const __m512i wv = _mm512_and_si512(_mm512_or_si512(v, _mm512_slli_epi32(v, 12)), nib);
+        for (int i = 0; i < MR; ++i) {
+          int32_t four;
+          std::memcpy(&four, xq + i * k + g * QK + 4 * pp, sizeof(four));
+          dot[i] = _mm512_dpbusd_epi32(dot[i], wv, _mm512_set1_epi32(four));
         }
       }
     }
-  }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec)));
+    for (int i = 0; i < MR; ++i) {
+      __m512 f = _mm512_cvtepi32_ps(dot[i]);
+      if (!q8 && !mins) f = _mm512_sub_ps(f, _mm512_set1_ps(8.f * static_cast<float>(xqs[i * nb + g])));
+      acc[i] = _mm512_fmadd_ps(f, _mm512_mul_ps(d, _mm512_set1_ps(xd[i * nb + g])), acc[i]);
+      if (mins) {
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32)));
+        acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[i * nb + g]), acc[i]);
+      }
+    }
+  });
   const int64_t valid = std::min<int64_t>(16, n - col);
   const __mmask16 mask = valid == 16 ? 0xFFFF : static_cast<__mmask16>((1u << valid) - 1);
   for (int i = 0; i < MR; ++i) {
