@@ -1,14 +1,15 @@
 """Tensor parallelism's arithmetic: a row-parallel projection's ranks, each summing its
 slice of K (linear_partial) and combined by the tree (combine_partials), give the
-bits of one device, in every reference build this CPU runs; and the sizes a model
-admits."""
+bits of one device, in every reference build this CPU runs, for bf16 and quantized
+weights; and the sizes a model admits."""
 import pytest
 import torch
 
 from gateeng.config import ModelConfig
 from gateeng.plans import reference_ops
-from gateeng.plans.tp_shapes import k_slice, refusal
+from gateeng.plans.tp_shapes import QUANT_BLOCK, k_slice, refusal
 from tests import oracle
+from tests.test_quantized import TYPES, stored
 from tests.test_reference import BUILDS, bits, randn, same
 
 SIZES = [1, 2, 4, 8, 16]
@@ -40,6 +41,35 @@ def test_ranks_combined_equal_one_device(ops, size, m, n, k):
         assert same(sharded(ops, x, w, size, f32), bits(ops.linear(x, packed, n, f32)))
 
 
+def quantized_columns(raw: torch.Tensor, k: int, s) -> torch.Tensor:
+    """The GGUF rows' blocks of K values [s.start, s.stop)."""
+    block = raw.shape[1] // (k // QUANT_BLOCK)
+    return raw[:, s.start // QUANT_BLOCK * block: s.stop // QUANT_BLOCK * block].contiguous()
+
+
+@pytest.mark.parametrize("gguf_type", list(TYPES))
+@pytest.mark.parametrize("n,k", [(37, 576), (21, 1536), (16, 64)])
+def test_quantized_ranks_combined_equal_one_device(ops, gguf_type, n, k):
+    # 576: 18 blocks in lanes of 2, so at 4 ranks and up the last ranks hold fewer
+    # blocks, or none; 64: two blocks, one lane each.
+    raw = torch.from_numpy(stored(gguf_type, n, k, seed=k)[0])
+    ggml = TYPES[gguf_type]
+    x = randn(3, k, seed=k, scale=2.0)
+    packed = ops.qpack(raw, ggml)
+    assert torch.equal(ops.qunpack(packed, n), raw) and ops.qtype(packed) == ggml
+    want = {f32: bits(ops.linear(x, packed, n, f32)) for f32 in (True, False)}
+    for size in SIZES:
+        partials = []
+        for rank in range(size):
+            s = k_slice(k, size, rank, QUANT_BLOCK)
+            mine = quantized_columns(raw, k, s)
+            part = ops.qpack(mine, ggml, s.per)   # as model.shard packs it: the whole K's lanes
+            assert torch.equal(ops.qunpack(part, n, s.per), mine)
+            partials.append(ops.linear_partial(x[:, s.start:s.stop].contiguous(), part, n, s.per, s.blocks))
+        for f32 in (True, False):
+            assert same(ops.combine_partials(torch.stack(partials), f32), want[f32]), (size, f32)
+
+
 @pytest.mark.parametrize("size", [2, 4])
 def test_each_rank_returns_its_subtree_as_the_oracle_computes_it(ops, size):
     x, w = randn(4, 96, seed=3, scale=3.0), randn(19, 96, seed=4)
@@ -55,6 +85,26 @@ def test_denormal_probes_combine_to_one_device(ops, size):
     x, w = reference_ops.probe_inputs()
     want = ops.linear(x, ops.pack(w), w.shape[0], True)
     assert same(sharded(ops, x, w, size, True), bits(want))
+
+
+def test_a_quantized_part_is_multiplied_whole_by_every_matmul_that_reads_it(ops):
+    """The fast plan multiplies a rank's part of a quantized weight on its own (then the
+    all-reduce): the reference's linear and cpu_ops' int8 matmuls read its lanes."""
+    from gateeng.plans import cpu_ops
+    kernels = cpu_ops.load()
+    raw = torch.from_numpy(stored("Q4_1", 24, 576, seed=3)[0])
+    x = randn(5, 576, seed=4)
+    s = k_slice(576, 2, 0, QUANT_BLOCK)   # 16 of 18 blocks, in 8 lanes of 2
+    mine = quantized_columns(raw, 576, s)
+    part, alone = ops.qpack(mine, 3, s.per), ops.qpack(mine, 3)
+    xs = x[:, s.start:s.stop].contiguous()
+    want = ops.linear(xs, alone, 24, True)
+    matmuls = [ops.linear] + [getattr(kernels, f"qlinear_{n}") for n in ("vnni", "avx2") if getattr(kernels, "q" + n)]
+    for matmul in matmuls:
+        got = matmul(xs, part, 24, True, s.per)
+        assert float((got - want).norm()) <= 0.02 * float(want.norm()), matmul   # int8 inputs: ~0.5% off
+    # the build's own tiles read the lanes as the spec's plain loops do
+    assert torch.equal(ops.linear(xs, part, 24, True, s.per), ops.qlinear(xs, part, 24, True, True, s.per))
 
 
 def test_partial_refuses_shapes_that_are_not_a_subtree(ops):
@@ -76,6 +126,13 @@ def test_k_slices_tile_k_and_split_evenly_on_whole_blocks():
             assert all(a.stop == b.start for a, b in zip(slices, slices[1:]))
             if k % 32 == 0:
                 assert [s.stop - s.start for s in slices] == [k // size] * size
+    for k in (64, 576, 1536, 5632):   # a quantized weight's K, in GGUF blocks of 32
+        for size in SIZES:
+            slices = [k_slice(k, size, r, QUANT_BLOCK) for r in range(size)]
+            assert slices[0].start == 0 and slices[-1].stop == k
+            assert all(a.stop == b.start and a.stop % QUANT_BLOCK == 0 for a, b in zip(slices, slices[1:]))
+            if k % (16 * QUANT_BLOCK) == 0:   # whole lanes of whole blocks: the even split, as for bf16
+                assert [s[:2] for s in slices] == [(r * k // size, (r + 1) * k // size) for r in range(size)]
     with pytest.raises(ValueError):
         k_slice(64, 3, 0)
 

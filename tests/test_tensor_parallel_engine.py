@@ -1,7 +1,8 @@
 """Tensor parallelism end to end on the tiny random-weight Llama: an Engine whose
 model is split over 2 processes (gloo, one thread each) gives VERIFIED tokens and
-logprob bits equal to one process, alone and in a mixed batch; OFF works; a killed
-worker makes the engine fail closed; sizes it cannot run are refused at start-up."""
+logprob bits equal to one process, alone and in a mixed batch, and so does a GGUF
+served with its quantized weights as stored; OFF works; a killed worker makes the
+engine fail closed; sizes it cannot run are refused at start-up."""
 import os
 import signal
 import time
@@ -12,9 +13,11 @@ import pytest
 from gateeng.config import EngineConfig, ModelConfig
 from gateeng.engine.client import Engine
 from gateeng.engine.errors import EngineDead
-from gateeng.model import shard
+from gateeng.model import loader, shard
+from gateeng.plans.tp_shapes import QUANT_BLOCK
 from gateeng.request import DeterminismParams, Mode, SamplingParams
 from tests.tiny import tiny_loaded
+from tests.tiny_gguf import write_tiny_gguf
 
 VERIFIED = DeterminismParams(Mode.VERIFIED)
 PROMPTS = ["hello world", "abc", "the quick brown fox jumps over", "x" * 40]
@@ -88,6 +91,44 @@ def test_attention_whole_on_every_rank_at_four_ranks_keeps_the_bits(one):
                 assert bits(four.generate(prompt, params, VERIFIED)) == bits(one.generate(prompt, params, VERIFIED))
     finally:
         four.shutdown()
+
+
+@pytest.mark.parametrize("qtype,size,shape", [
+    # heads and o's GGUF blocks split alike: attention by head
+    ("Q4_0", 2, dict(hidden=64, heads=4, kv_heads=2, head_dim=128, intermediate=512)),
+    # SmolLM2's shape and types as shipped: attention whole on every rank; o's 18 blocks in
+    # lanes of 2, so at 4 ranks the last holds none
+    ({"token_embd.weight": "Q8_0", "*": "Q4_1"}, 4, dict(hidden=576, heads=9, kv_heads=3, head_dim=64,
+                                                        intermediate=1536, layers=1)),
+], ids=["q4_0-by-head", "smollm2-mix-whole-attention"])
+def test_a_quantized_gguf_served_as_stored_has_the_bits_of_one_process(tmp_path, qtype, size, shape):
+    path = write_tiny_gguf(tmp_path / "q.gguf", qtype, **shape)["path"]
+    answers, plans = {}, {}
+    for n in (1, size):
+        e = Engine(EngineConfig(model=str(path), tensor_parallel_size=n, num_kv_blocks=64, max_num_seqs=8,
+                                num_threads=1))
+        try:
+            assert e.core.model.quantized
+            if n > 1:
+                assert e.core.model.tp.layout.attention_split == (shape["heads"] == 4)
+            done = [e.generate(p, params, VERIFIED) for p in PROMPTS[:2] for params in (GREEDY, SEEDED)]
+            answers[n] = [bits(c) for c in done]
+            plans[n] = {c.reproducibility.kernel_plan for c in done}
+        finally:
+            e.shutdown()
+    assert answers[size] == answers[1]
+    assert plans[size] == plans[1] and all("weights)" in p for p in plans[1])   # the reference names the types
+
+
+def test_layers_that_mix_quantized_and_bf16_split_only_where_both_split_alike(tmp_path):
+    # down is F16 (served in bf16) in layer 0 and Q4_0 in layer 1: 128 MLP columns are 4
+    # GGUF blocks, one lane each, so the two split differently over 2 ranks; 512 are 16.
+    mixed = {"blk.0.ffn_down.weight": "F16", "*": "Q4_0"}
+    narrow = loader.load(str(write_tiny_gguf(tmp_path / "a.gguf", mixed)["path"]))
+    with pytest.raises(ValueError, match="down projections are quantized in some layers.*--dequantize"):
+        shard.row_units(narrow.model, 2)
+    wide = loader.load(str(write_tiny_gguf(tmp_path / "b.gguf", mixed, intermediate=512)["path"]))
+    assert shard.row_units(wide.model, 2) == (QUANT_BLOCK, 2)   # o quantized in every layer; down mixed: pairs
 
 
 def kill_a_worker(e: Engine) -> None:
@@ -190,6 +231,27 @@ def test_layouts_tile_the_model():
     assert [lay.heads for lay in lays] == [range(0, 2), range(2, 4)]
     assert [lay.kv_heads for lay in lays] == [range(0, 1), range(1, 2)]
     assert [lay.vocab for lay in lays] == [range(0, 125), range(125, 250)]
+
+
+def test_quantized_layouts_split_on_gguf_blocks():
+    units = (QUANT_BLOCK, QUANT_BLOCK)
+    smollm2 = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+                          num_kv_heads=3, head_dim=64)
+    lays = [shard.layout(smollm2, 4, r, units) for r in range(4)]
+    # o's 18 blocks in lanes of 2: 8, 8, 2 and 0 blocks; down's 48 in lanes of 3: even
+    assert [(lay.o.start, lay.o.stop) for lay in lays] == [(0, 256), (256, 512), (512, 576), (576, 576)]
+    assert [lay.mlp for lay in lays] == [range(r * 384, (r + 1) * 384) for r in range(4)]
+    tinyllama = ModelConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_layers=22, num_heads=32,
+                            num_kv_heads=4, head_dim=64)
+    for size in (2, 4):   # 2048 and 5632 values are 64 and 176 blocks: whole lanes, even splits, heads split
+        quantized, plain = ([(lay.attention_split, lay.heads, lay.mlp, lay.o[:2], lay.down[:2])
+                             for lay in (shard.layout(tinyllama, size, r, u) for r in range(size))]
+                            for u in (units, (2, 2)))
+        assert quantized == plain and all(split for split, *_ in quantized)
+    # heads that divide evenly but whose GGUF blocks do not: attention whole on every rank
+    narrow = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=512, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=16)
+    assert shard.layout(narrow, 2, 0).attention_split and not shard.layout(narrow, 2, 0, units).attention_split
 
 
 def test_calibrate_runs_both_plans_at_two_ranks():

@@ -88,11 +88,10 @@ class EngineCore:
         cfg.validate()
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
-        self.loaded = loaded or load(cfg.model, cfg.dtype, cfg.device,
-                                     dequantize=cfg.dequantize or cfg.tensor_parallel_size > 1)
-        if self.loaded.model.quantized and (cfg.device != "cpu" or cfg.tensor_parallel_size > 1):
-            raise ValueError("quantized weights are served on CPU at tensor-parallel size 1: load the model "
-                             "with dequantize=True (--dequantize)")
+        self.loaded = loaded or load(cfg.model, cfg.dtype, cfg.device, dequantize=cfg.dequantize)
+        if self.loaded.model.quantized and cfg.device != "cpu":
+            raise ValueError("quantized weights are served on CPU: load the model with dequantize=True "
+                             "(--dequantize)")
         self.model, self.tokenizer = self.loaded.model, self.loaded.tokenizer
         mc = self.model_config = self.loaded.config
         self.max_model_len = resolve_max_model_len(cfg, mc)

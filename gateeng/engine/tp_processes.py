@@ -57,7 +57,8 @@ from gateeng.logs import log
 from gateeng.model import shard
 from gateeng.model.llama import KVCache
 from gateeng.model.loader import DTYPES
-from gateeng.plans import factory, sharded
+from gateeng.plans import factory, reference_ops, sharded
+from gateeng.plans.cpu_linear import Packed
 from gateeng.step import Kind
 
 HOST = "127.0.0.1"
@@ -221,7 +222,7 @@ class Group:
     """The driver's side of the group: starts the workers, announces calls
     (`command`), sends heartbeats, watches the workers, and closes the group."""
 
-    def __init__(self, cfg: EngineConfig, model, timeout: float):
+    def __init__(self, cfg: EngineConfig, model, units: tuple, timeout: float):
         self.size = cfg.tensor_parallel_size
         self.timeout = timeout
         self.on_death: list = []   # callables(exc), called on the watcher thread when a worker dies
@@ -242,10 +243,11 @@ class Group:
         threads = threads_per_rank(cfg)
         self.workers = []
         for rank in range(1, self.size):
-            lay = shard.layout(model.cfg, self.size, rank)
+            lay = shard.layout(model.cfg, self.size, rank, units)
             tensors = shard.shard_tensors(model, lay)
             p = ctx.Process(target=_worker_main, name=f"gateeng-tp{rank}", daemon=True,
-                            args=(rank, self._store.port, secret, timeout, cfg, model.cfg, lay, tensors, threads))
+                            args=(rank, self._store.port, secret, timeout, cfg, model.cfg, lay, tensors,
+                                  model.stored_types, threads))
             p.start()
             self.workers.append(p)
             del tensors
@@ -356,16 +358,18 @@ def start(cfg: EngineConfig, model, timeout: float):
         raise ValueError("this process already runs a tensor-parallel engine: shut it down first (one "
                          "torch.distributed group per process)")
     torch.set_num_threads(threads_per_rank(cfg))
-    lay = shard.layout(model.cfg, cfg.tensor_parallel_size, 0)
-    mine = shard.build_shard(model.cfg, lay, shard.shard_tensors(model, lay))
+    units = shard.row_units(model, cfg.tensor_parallel_size)
+    lay = shard.layout(model.cfg, cfg.tensor_parallel_size, 0, units)
+    mine = shard.build_shard(model.cfg, lay, shard.shard_tensors(model, lay), model.stored_types, model.quant_ops)
     plans = factory.build(cfg, mine, mine.cfg, DTYPES[cfg.dtype], owned=True)
     if plans.unavailable or not hasattr(plans.invariant, "linear_partial"):
         raise ValueError("tensor parallelism needs the reference (gateeng-ref-1) on this machine: "
                          + (plans.unavailable or "its kernels did not build"))
-    group = Group(cfg, model, timeout)
+    group = Group(cfg, model, units, timeout)
     plans = replace(plans, fast=sharded.ShardedPlan(plans.fast, Kind.FAST, group.command),
                     invariant=sharded.ShardedPlan(plans.invariant, Kind.INVARIANT, group.command))
-    attention = "split by head" if lay.attention_split else "whole on every rank (its heads do not split evenly)"
+    attention = ("split by head" if lay.attention_split else
+                 "whole on every rank (its heads, or its quantized o's GGUF blocks, do not split evenly)")
     log(f"tensor parallel: {group.size} ranks on gloo, threads per rank: {threads_per_rank(cfg)}; "
         f"attention {attention}; the MLP, o and the lm_head split")
     return mine, plans, group
@@ -393,14 +397,17 @@ def _port_of(fd: int) -> int:
 
 
 def _worker_main(rank: int, port: int, secret: str, timeout: float, cfg: EngineConfig, model_cfg, lay, tensors,
-                 threads: int) -> None:
+                 stored_types: dict, threads: int) -> None:
     """A worker rank: build the shard's plans and KV cache, join the group, then run
     every announced call until the driver says stop (or the group fails)."""
     torch.set_num_threads(threads)
     # Out of the shared memory the driver handed over (which cannot be resized), so that
     # the plain weights the plans do not need can be freed as at size 1.
-    model = shard.build_shard(model_cfg, lay, {name: t.clone() for name, t in tensors.items()})
+    own = {name: replace(t, data=t.data.clone()) if isinstance(t, Packed) else t.clone() for name, t in tensors.items()}
     del tensors
+    quantized = any(isinstance(t, Packed) for t in own.values())
+    model = shard.build_shard(model_cfg, lay, own, stored_types, reference_ops.load() if quantized else None)
+    del own
     dtype = DTYPES[cfg.dtype]
     built = factory.build(cfg, model, model.cfg, dtype, owned=True)
     plans = {Kind.FAST: built.fast, Kind.INVARIANT: built.invariant}

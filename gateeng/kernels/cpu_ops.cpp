@@ -490,7 +490,8 @@ using TileFn = void (*)(int64_t rec_bytes, int64_t nb, const std::vector<int64_t
 // x @ w.T on a quantized packed weight, `tiles[MR - 1]` computing MR = 1..4 rows: the
 // inputs' int8 blocks, the layout's steps and the column blocks across threads, which
 // both tiles share.
-torch::Tensor qlinear_on(torch::Tensor x, torch::Tensor packed, int64_t n, bool f32, const TileFn (&tiles)[4]) {
+torch::Tensor qlinear_on(torch::Tensor x, torch::Tensor packed, int64_t n, bool f32, int64_t whole_per,
+                         const TileFn (&tiles)[4]) {
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.device().is_cpu(), "x must be bf16 [M, K]");
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.dim() == 3 && packed.is_contiguous() &&
                   (packed.size(2) == REC_Q8_0 || packed.size(2) == REC_Q4_0 || packed.size(2) == REC_Q4_1),
@@ -500,8 +501,10 @@ torch::Tensor qlinear_on(torch::Tensor x, torch::Tensor packed, int64_t n, bool 
   x = x.contiguous();
   auto out = torch::empty({m, n}, x.options().dtype(f32 ? torch::kFloat : torch::kBFloat16));
   if (m == 0 || n == 0) return out;
-  // the reference's QLayout: step s holds block l * per + s of each lane l that has one
-  const int64_t per = (nb + 15) / 16;
+  // the reference's QLayout: step s holds block l * per + s of each lane l that has one;
+  // per is the whole K's where this is a tensor-parallel rank's slice of it
+  const int64_t per = whole_per > 0 ? whole_per : (nb + 15) / 16;
+  TORCH_CHECK(whole_per >= 0 && nb <= 16 * per, "packed weight does not match per");
   std::vector<int64_t> base(per), live(per);
   for (int64_t s = 0, at = 0; s < per; ++s) {
     int64_t lanes = 0;
@@ -608,9 +611,9 @@ void tile(int64_t rec_bytes, int64_t nb, const std::vector<int64_t>& base, const
 
 }  // namespace qavx2
 
-torch::Tensor qlinear_avx2(torch::Tensor x, torch::Tensor packed, int64_t n, bool f32) {
+torch::Tensor qlinear_avx2(torch::Tensor x, torch::Tensor packed, int64_t n, bool f32, int64_t per) {
   using namespace qavx2;
-  return qint8::qlinear_on(x, packed, n, f32, {tile<1>, tile<2>, tile<3>, tile<4>});
+  return qint8::qlinear_on(x, packed, n, f32, per, {tile<1>, tile<2>, tile<3>, tile<4>});
 }
 #endif
 
@@ -675,9 +678,9 @@ void tile(int64_t rec_bytes, int64_t nb, const std::vector<int64_t>& base, const
 
 // x @ w.T on a quantized packed weight (the reference's qpack), bf16 or binary32 out:
 // the signature of the reference's linear, so decode_layers_with takes it too.
-torch::Tensor qlinear_vnni(torch::Tensor x, torch::Tensor packed, int64_t n, bool f32) {
+torch::Tensor qlinear_vnni(torch::Tensor x, torch::Tensor packed, int64_t n, bool f32, int64_t per) {
   using namespace qvnni;
-  return qint8::qlinear_on(x, packed, n, f32, {tile<1>, tile<2>, tile<3>, tile<4>});
+  return qint8::qlinear_on(x, packed, n, f32, per, {tile<1>, tile<2>, tile<3>, tile<4>});
 }
 #endif
 
@@ -963,17 +966,17 @@ torch::Tensor decode_layers_on(Linear linear, torch::Tensor h, torch::Tensor x, 
   return x;
 }
 
-// The matmul from another extension: the reference's linear(x, packed, n, f32) (its
-// AVX2 build where this CPU has no VDPBF16PS). pybind11 calls a bound C++ function of
-// this exact signature directly, without Python.
-using RefLinear = std::function<torch::Tensor(torch::Tensor, torch::Tensor, int64_t, bool)>;
+// The matmul from another extension: the reference's linear(x, packed, n, f32, per) (its
+// AVX2 build where this CPU has no VDPBF16PS), or this one's int8 qlinear. pybind11
+// calls a bound C++ function of this exact signature directly, without Python.
+using RefLinear = std::function<torch::Tensor(torch::Tensor, torch::Tensor, int64_t, bool, int64_t)>;
 
 torch::Tensor decode_layers_with(RefLinear ref_linear, torch::Tensor h, torch::Tensor x,
                                  std::vector<torch::Tensor> packed, std::vector<int64_t> ns,
                                  std::vector<torch::Tensor> norms, torch::Tensor cos, torch::Tensor sin,
                                  torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
                                  torch::Tensor tables, torch::Tensor lens, int64_t hq, double eps, double scale) {
-  auto linear = [&](const torch::Tensor& a, const torch::Tensor& w, int64_t n) { return ref_linear(a, w, n, false); };
+  auto linear = [&](const torch::Tensor& a, const torch::Tensor& w, int64_t n) { return ref_linear(a, w, n, false, 0); };
   return decode_layers_on(linear, h, x, packed, ns, norms, cos, sin, k_cache, v_cache, slots, tables, lens, hq, eps,
                           scale);
 }
@@ -1001,14 +1004,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
 #ifdef GATEENG_QINT8
   m.def("qlinear_avx2", &qlinear_avx2, "x @ w.T on a quantized weight packed by the reference's qpack (int8 AVX2)",
-        py::call_guard<py::gil_scoped_release>());
+        py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("f32"),
+        py::arg("per") = 0);
   m.attr("qavx2") = true;
 #else
   m.attr("qavx2") = false;
 #endif
 #ifdef GATEENG_AVX512_VNNI
   m.def("qlinear_vnni", &qlinear_vnni, "x @ w.T on a quantized weight packed by the reference's qpack (int8 VNNI)",
-        py::call_guard<py::gil_scoped_release>());
+        py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("f32"),
+        py::arg("per") = 0);
   m.attr("qvnni") = true;
 #else
   m.attr("qvnni") = false;

@@ -518,11 +518,18 @@ inline float qint(const QType& t, const uint8_t* rec, int p, int c, int e) {
 // The lanes (SPEC.md: lane l sums blocks l*per .. min(B, (l+1)*per) - 1) and where each
 // block's record sits in a column block: step s holds block l*per + s of each lane l
 // that has more than s blocks (a prefix of the lanes: only the last ones are short),
-// steps one after another.
+// steps one after another. `per` is the whole K's (ceil(B/16) where 0 is given): a
+// tensor-parallel rank's slice of K is whole lanes of the whole K (SPEC.md, "Tensor
+// parallelism"), packed with that K's per. The tiles fold 2^levels lanes: 16 for a
+// whole dot, a rank's share of them for its subtree (linear_partial).
 struct QLayout {
   int64_t nb, per;
+  int levels;
   std::vector<int64_t> base, live;   // per step: its first record, how many lanes it holds
-  explicit QLayout(int64_t blocks) : nb(blocks), per((blocks + 15) / 16), base(per), live(per) {
+  QLayout(int64_t blocks, int64_t whole_per, int lv = 4)
+      : nb(blocks), per(whole_per > 0 ? whole_per : (blocks + 15) / 16), levels(lv), base(per), live(per) {
+    TORCH_CHECK(whole_per >= 0 && nb <= (int64_t{1} << levels) * per, "a quantized weight of ", nb,
+                " blocks does not fit in ", (1 << levels), " lanes of ", per, " blocks");
     int64_t at = 0;
     for (int64_t s = 0; s < per; ++s) {
       int64_t lanes = 0;
@@ -535,13 +542,13 @@ struct QLayout {
   int64_t record(int64_t g) const { return base[g % per] + g / per; }   // block g's position
 };
 
-torch::Tensor qpack(torch::Tensor raw, int64_t ggml) {
+torch::Tensor qpack(torch::Tensor raw, int64_t ggml, int64_t per) {
   const QType& t = qtype_of_ggml(ggml);
   TORCH_CHECK(raw.scalar_type() == torch::kUInt8 && raw.dim() == 2 && raw.device().is_cpu() &&
                   raw.size(1) % t.raw == 0, "raw must be uint8 [N, blocks * ", t.raw, "] (the GGUF rows)");
   raw = raw.contiguous();
   const int64_t n = raw.size(0), nb = raw.size(1) / t.raw, cbs = (n + 15) / 16;
-  const QLayout lay(nb);
+  const QLayout lay(nb, per);
   auto out = torch::zeros({cbs, nb, t.rec}, raw.options());
   const uint8_t* src = raw.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
@@ -569,6 +576,46 @@ torch::Tensor qpack(torch::Tensor raw, int64_t ggml) {
     }
   });
   return out;
+}
+
+// qpack's inverse: the GGUF rows (uint8 [n, blocks * stored bytes]) of a packed weight
+// of n rows laid out with `per` (0: its own K's), so a weight can be split again.
+torch::Tensor qunpack(torch::Tensor packed, int64_t n, int64_t per) {
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.dim() == 3 && packed.is_contiguous() &&
+                  (n + 15) / 16 == packed.size(0), "packed must come from qpack, with n rows");
+  const QType& t = qtype_of_record(packed.size(2));
+  const int64_t nb = packed.size(1), row = nb * t.raw;
+  const QLayout lay(nb, per);
+  auto raw = torch::zeros({n, row}, packed.options());
+  const uint8_t* src = packed.data_ptr<uint8_t>();
+  uint8_t* dst = raw.data_ptr<uint8_t>();
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t cb = r / 16, c = r % 16;
+    for (int64_t g = 0; g < nb; ++g) {
+      const uint8_t* rec = src + (cb * nb + lay.record(g)) * t.rec;
+      uint8_t* b = dst + r * row + g * t.raw;
+      std::memcpy(b, rec + 2 * c, 2);
+      if (t.mins) std::memcpy(b + 2, rec + 32 + 2 * c, 2);
+      uint8_t* qs = b + (t.mins ? 4 : 2);
+      const uint8_t* q = rec + (t.mins ? 64 : 32);
+      for (int v = 0; v < QK; ++v) {
+        const int p = v / 2, e = v % 2;
+        if (t.q8) {
+          qs[v] = q[(p * 16 + c) * 2 + e];
+        } else {
+          const int n4 = (q[((p / 2) * 16 + c) * 2 + e] >> ((p % 2) * 4)) & 0x0F;
+          qs[v % 16] |= static_cast<uint8_t>(v < 16 ? n4 : n4 << 4);
+        }
+      }
+    }
+  }
+  return raw;
+}
+
+// The GGML type id of a packed weight's records.
+int64_t qtype(torch::Tensor packed) {
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.dim() == 3, "packed must come from qpack");
+  return qtype_of_record(packed.size(2)).ggml;
 }
 
 // x's block sums t_g (SPEC.md: Q4_1's minimums multiply them), [rows][B].
@@ -602,7 +649,7 @@ void qtile_portable(const QType& t, const QLayout& lay, const u16* x, int64_t k,
                     const Out& out, int64_t row, int64_t col) {
   const int64_t nb = lay.nb, per = lay.per;
   float lvl[5][MR][16];
-  for (int l = 0; l < 16; ++l) {
+  for (int l = 0; l < (1 << lay.levels); ++l) {
     float lane[MR][16];
     for (int i = 0; i < MR; ++i)
       for (int c = 0; c < 16; ++c) lane[i][c] = 0.f;
@@ -636,7 +683,7 @@ void qtile_portable(const QType& t, const QLayout& lay, const u16* x, int64_t k,
     std::memcpy(lvl[j], lane, sizeof(lane));
   }
   for (int i = 0; i < MR; ++i)
-    for (int c = 0; c < 16 && col + c < out.n; ++c) out.put(row + i, col + c, lvl[4][i][c]);
+    for (int c = 0; c < 16 && col + c < out.n; ++c) out.put(row + i, col + c, lvl[lay.levels][i][c]);
 }
 
 #if defined(GATEENG_REF_AVX512BF16)
@@ -723,7 +770,7 @@ void qtile_dpbf16(const QType& t, const QLayout& lay, const u16* x, int64_t k, c
     }
   }
   __m512 lvl[5][MR];
-  for (int l = 0; l < 16; ++l) {
+  for (int l = 0; l < (1 << lay.levels); ++l) {
     __m512 v[MR];
     for (int i = 0; i < MR; ++i) v[i] = _mm512_load_ps(lanes[l][i]);
     int lev = 0;
@@ -733,8 +780,8 @@ void qtile_dpbf16(const QType& t, const QLayout& lay, const u16* x, int64_t k, c
     for (int i = 0; i < MR; ++i) lvl[lev][i] = v[i];
   }
   for (int i = 0; i < MR; ++i) {
-    store8(out, row + i, col, _mm512_castps512_ps256(lvl[4][i]));
-    store8(out, row + i, col + 8, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(lvl[4][i]), 1)));
+    store8(out, row + i, col, _mm512_castps512_ps256(lvl[lay.levels][i]));
+    store8(out, row + i, col + 8, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(lvl[lay.levels][i]), 1)));
   }
 }
 #endif
@@ -805,7 +852,7 @@ void qtile_avx2(const QType& t, const QLayout& lay, const float* xo, const float
     }
   }
   alignas(32) float lvl[5][MR][16];
-  for (int l = 0; l < 16; ++l) {
+  for (int l = 0; l < (1 << lay.levels); ++l) {
     int lev = 0;
     for (; (l >> lev) & 1; ++lev) {
       for (int i = 0; i < MR; ++i)
@@ -814,8 +861,8 @@ void qtile_avx2(const QType& t, const QLayout& lay, const float* xo, const float
     std::memcpy(lvl[lev], lanes[l], sizeof(lanes[l]));
   }
   for (int i = 0; i < MR; ++i) {
-    store8(out, row + i, col, _mm256_load_ps(lvl[4][i]));
-    store8(out, row + i, col + 8, _mm256_load_ps(lvl[4][i] + 8));
+    store8(out, row + i, col, _mm256_load_ps(lvl[lay.levels][i]));
+    store8(out, row + i, col + 8, _mm256_load_ps(lvl[lay.levels][i] + 8));
   }
 }
 #endif
@@ -828,13 +875,16 @@ void check_qpacked(const torch::Tensor& x, const torch::Tensor& packed, int64_t 
               "packed weight does not match x or n");
 }
 
-// x @ w.T on a quantized packed weight (qpack): bf16 out (rounded), or binary32 out.
-// `portable`: the spec written out, in every build (the probe compares the two).
-torch::Tensor qlinear(torch::Tensor x, torch::Tensor packed, int64_t n, bool f32, bool portable) {
+// x @ w.T on a quantized packed weight (qpack, with `per`): bf16 out (rounded), or
+// binary32 out; the sums of 2^levels lanes (4: the whole dot; fewer: a tensor-parallel
+// rank's subtree). `portable`: the spec written out, in every build (the probe
+// compares the two).
+torch::Tensor qlinear_lanes(torch::Tensor x, torch::Tensor packed, int64_t n, bool f32, bool portable, int64_t per,
+                            int levels) {
   check_qpacked(x, packed, n);
   x = x.contiguous();
   const QType& t = qtype_of_record(packed.size(2));
-  const QLayout lay(packed.size(1));
+  const QLayout lay(packed.size(1), per, levels);
   const int64_t m = x.size(0), k = x.size(1), cbs = packed.size(0), stride = packed.size(1) * t.rec;
   auto result = torch::empty({m, n}, x.options().dtype(f32 ? torch::kFloat : torch::kBFloat16));
   if (m == 0 || n == 0) return result;
@@ -878,15 +928,19 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor packed, int64_t n, bool f32
   return result;
 }
 
+torch::Tensor qlinear(torch::Tensor x, torch::Tensor packed, int64_t n, bool f32, bool portable, int64_t per) {
+  return qlinear_lanes(x, packed, n, f32, portable, per, 4);
+}
+
 // The bf16 values of rows `ids` of a quantized packed weight (SPEC.md: an embedding's
 // rows): bf16(d * q), or bf16((d * q) + m) for Q4_1.
-torch::Tensor qrows(torch::Tensor packed, torch::Tensor ids) {
+torch::Tensor qrows(torch::Tensor packed, torch::Tensor ids, int64_t per) {
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.dim() == 3 && packed.is_contiguous(),
               "packed must come from qpack");
   const QType& t = qtype_of_record(packed.size(2));
   ids = ids.to(torch::kLong).contiguous();
   const int64_t nb = packed.size(1), k = nb * QK, rows = ids.numel();
-  const QLayout lay(nb);
+  const QLayout lay(nb, per);
   auto out = torch::empty({rows, k}, torch::kBFloat16);
   u16* o = reinterpret_cast<u16*>(out.data_ptr<at::BFloat16>());
   const int64_t* id = ids.data_ptr<int64_t>();
@@ -910,10 +964,11 @@ torch::Tensor qrows(torch::Tensor packed, torch::Tensor ids) {
   return out;
 }
 
-// x @ w.T on a packed weight (pack, or qpack for a quantized one): bf16 out (rounded),
-// or binary32 out (f32 = true).
-torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n, bool f32) {
-  if (packed.scalar_type() == torch::kUInt8) return qlinear(x, packed, n, f32, false);
+// x @ w.T on a packed weight (pack, or qpack for a quantized one, laid out with `per`):
+// bf16 out (rounded), or binary32 out (f32 = true).
+torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t n, bool f32, int64_t per) {
+  if (packed.scalar_type() == torch::kUInt8) return qlinear(x, packed, n, f32, false, per);
+  TORCH_CHECK(per == 0, "per is a quantized weight's layout");
   check_packed(x, packed, n);
   x = x.contiguous();
   auto result = torch::empty({x.size(0), n}, x.options().dtype(f32 ? torch::kFloat : torch::kBFloat16));
@@ -932,10 +987,15 @@ int tree_levels(int64_t n, const char* what) {
 
 // One tensor-parallel rank's share of x @ w.T (SPEC.md, "tensor parallelism"): x and
 // the packed w hold the rank's slice of K, `blocks` (a power of two, at most 16) of
-// the whole K's blocks of `per` pairs; binary32 out, each the subtree over those blocks.
+// the whole K's blocks of `per` pairs (a quantized weight: lanes of `per` GGUF blocks,
+// packed with that per); binary32 out, each the subtree over those blocks.
 torch::Tensor linear_partial(torch::Tensor x, torch::Tensor packed, int64_t n, int64_t per, int64_t blocks) {
-  check_packed(x, packed, n);
   const int levels = tree_levels(blocks, "blocks");
+  if (packed.scalar_type() == torch::kUInt8) {
+    TORCH_CHECK(per >= 1, "per must be at least 1");
+    return qlinear_lanes(x, packed, n, true, false, per, levels);
+  }
+  check_packed(x, packed, n);
   TORCH_CHECK(per >= 1 && x.size(1) / 2 <= per * blocks, "x holds more pairs than its blocks");
   x = x.contiguous();
   auto result = torch::empty({x.size(0), n}, x.options().dtype(torch::kFloat));
@@ -1526,13 +1586,19 @@ torch::Tensor sum_f32(torch::Tensor x) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("isa") = GATEENG_REF_ISA;
   m.def("pack", &pack, "a bf16 [N, K] weight in linear's layout");
-  m.def("linear", &linear, "x @ w.T on a packed weight, bf16 or float32 out",
-        py::call_guard<py::gil_scoped_release>());
-  m.def("qpack", &qpack, "a GGUF Q8_0, Q4_0 or Q4_1 weight's rows (uint8 [N, row bytes], GGML type id) in qlinear's layout");
+  m.def("linear", &linear, "x @ w.T on a packed weight, bf16 or float32 out (per: a quantized weight's layout)",
+        py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("f32"),
+        py::arg("per") = 0);
+  m.def("qpack", &qpack, "a GGUF Q8_0, Q4_0 or Q4_1 weight's rows (uint8 [N, row bytes], GGML type id) in qlinear's "
+        "layout, lanes of `per` blocks (0: ceil(blocks / 16))", py::arg("raw"), py::arg("ggml"), py::arg("per") = 0);
+  m.def("qunpack", &qunpack, "the GGUF rows of a quantized packed weight of n rows (qpack's inverse)",
+        py::arg("packed"), py::arg("n"), py::arg("per") = 0);
+  m.def("qtype", &qtype, "the GGML type id of a quantized packed weight");
   m.def("qlinear", &qlinear, "x @ w.T on a quantized packed weight, bf16 or float32 out (portable: the spec's plain loops)",
         py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("f32"),
-        py::arg("portable") = false);
-  m.def("qrows", &qrows, "the bf16 values of rows of a quantized packed weight");
+        py::arg("portable") = false, py::arg("per") = 0);
+  m.def("qrows", &qrows, "the bf16 values of rows of a quantized packed weight", py::arg("packed"), py::arg("ids"),
+        py::arg("per") = 0);
   m.def("linear_partial", &linear_partial, "a tensor-parallel rank's subtree sums of x @ w.T on its slice of K",
         py::call_guard<py::gil_scoped_release>());
   m.def("combine_partials", &combine_partials, "the ranks' subtree sums combined by the tree, bf16 or float32 out");

@@ -242,7 +242,7 @@ class LlamaModel(torch.nn.Module):
         if not _released(w):
             return w
         p = self.shared[id(w)]
-        return self.quant_ops.qrows(p.data, torch.arange(p.n)) if p.data.dtype == torch.uint8 else cpu_linear.unpack(p)
+        return self.quant_ops.qrows(p.data, torch.arange(p.n), p.per) if p.data.dtype == torch.uint8 else cpu_linear.unpack(p)
 
     def restore_plain_weights(self) -> None:
         """Every freed plain weight back, read from its packed copy (its own storage
@@ -336,7 +336,7 @@ class LlamaModel(torch.nn.Module):
         def fast(w, f32=False):
             p = self.shared[id(w)]
             fn = int8 if int8 is not None and p.data.dtype == torch.uint8 else ref.linear
-            return lambda x: fn(x.contiguous(), p.data, p.n, f32)
+            return lambda x: fn(x.contiguous(), p.data, p.n, f32, p.per)
         self.packed = {id(w): fast(w) for w in weights}
         self.lm_head_bf16 = fast(self.lm_head)
         self.dense_head = fast(self.lm_head, True)
@@ -378,7 +378,7 @@ class LlamaModel(torch.nn.Module):
             return self.embed[ids]
         packed = self.shared[id(self.embed)].data
         if packed.dtype == torch.uint8:
-            return self.quant_ops.qrows(packed, ids)
+            return self.quant_ops.qrows(packed, ids, self.shared[id(self.embed)].per)
         return packed[ids // 16, :, ids % 16, :].reshape(ids.shape[0], -1)
 
     def hf_state_dict(self, get=lambda t: t) -> dict:

@@ -151,7 +151,7 @@ def served_as(gguf: Path, hf_dir: Path, dtype: str) -> str:
         return f"{gguf.name}: {', '.join(types)} tensors, served in {dtype}"
     kinds = ", ".join(f"{n} {name}" for name, n in quantized.items())
     return (f"{gguf.name}: {kinds} tensors, served dequantized to {dtype} (quantized weights are served as "
-            "stored on CPU in bfloat16 at tensor-parallel size 1, without --dequantize)")
+            "stored on CPU in bfloat16, without --dequantize)")
 
 
 def ensure_hf_dir(path: Path) -> Path:

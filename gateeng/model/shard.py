@@ -4,12 +4,16 @@ forward takes (Megatron's split).
 q/k/v and gate/up are split by output columns (each rank its heads and its MLP
 columns), the lm_head by vocabulary rows; o and down by K, on the reference dot's
 block boundaries (plans.tp_shapes.k_slice), and summed over the ranks
-(plans.collectives.row_linear). Where the heads do not split evenly over the ranks
-(SmolLM2-135M: 9 heads, 3 KV heads), every rank holds all of attention and its KV
-cache, and o still runs row-parallel: each rank multiplies its K slice of the full
-attention output. The embedding and the norms are whole on every rank. What the
-layout holds is a function of the model's shape, the size and the rank only, so
-every rank derives the same one.
+(plans.collectives.row_linear). A quantized o or down (a GGUF's Q8_0, Q4_0 or Q4_1,
+served as stored) splits on its own lanes, whole GGUF blocks (kernels/SPEC.md), and
+each rank's part is packed again with the whole K's lanes; the MLP columns follow
+down's slice, so an uneven split of a quantized down is an uneven MLP split. Where the
+heads do not split evenly over the ranks, or a quantized o's slices are not whole
+heads (SmolLM2-135M: 9 heads, 3 KV heads), every rank holds all of attention and its
+KV cache, and o still runs row-parallel: each rank multiplies its K slice of the
+full attention output. The embedding and the norms are whole on every rank. What the
+layout holds is a function of the model's shape, how its o and down are stored, the
+size and the rank only, so every rank derives the same one.
 """
 from __future__ import annotations
 
@@ -20,7 +24,8 @@ import torch
 from gateeng.config import ModelConfig
 from gateeng.model.llama import LlamaModel
 from gateeng.plans import collectives
-from gateeng.plans.tp_shapes import KSlice, k_slice, refusal
+from gateeng.plans.cpu_linear import Packed
+from gateeng.plans.tp_shapes import PAIR, QUANT_BLOCK, KSlice, k_slice, refusal
 
 
 @dataclass(frozen=True)
@@ -38,13 +43,21 @@ class ShardLayout:
     down: KSlice            # its slice of down's K (the MLP columns)
 
 
-def layout(cfg: ModelConfig, size: int, rank: int) -> ShardLayout:
-    """Rank `rank`'s part of the model at tensor-parallel size `size`; ValueError
-    (with the reason) for a size the model cannot run at."""
+def layout(cfg: ModelConfig, size: int, rank: int, units: tuple = (PAIR, PAIR)) -> ShardLayout:
+    """Rank `rank`'s part of the model at tensor-parallel size `size`, where o's and
+    down's K split in `units` (row_units); ValueError (with the reason) for a size
+    the model cannot run at."""
     why = refusal(cfg, size)
     if why:
         raise ValueError(why)
-    split = cfg.num_heads % size == 0 and cfg.num_kv_heads % size == 0
+    nq = cfg.num_heads * cfg.head_dim
+    o = k_slice(nq, size, rank, units[0])
+    down = k_slice(cfg.intermediate_size, size, rank, units[1])
+    # Heads split where they divide evenly and o's slices are whole heads (always for
+    # bf16, whose K is a multiple of 32: an even split).
+    split = (cfg.num_heads % size == 0 and cfg.num_kv_heads % size == 0
+             and all(k_slice(nq, size, r, units[0])[:2] == (r * nq // size, (r + 1) * nq // size)
+                     for r in range(size)))
 
     def part(n: int) -> range:
         return range(rank * n // size, (rank + 1) * n // size)
@@ -53,11 +66,31 @@ def layout(cfg: ModelConfig, size: int, rank: int) -> ShardLayout:
         size=size, rank=rank, attention_split=split,
         heads=part(cfg.num_heads) if split else range(cfg.num_heads),
         kv_heads=part(cfg.num_kv_heads) if split else range(cfg.num_kv_heads),
-        mlp=part(cfg.intermediate_size),
+        mlp=range(down.start, down.stop),
         vocab=range(min(cfg.vocab_size, rank * per), min(cfg.vocab_size, (rank + 1) * per)),
-        vocab_size=cfg.vocab_size, vocab_per_rank=per,
-        o=k_slice(cfg.num_heads * cfg.head_dim, size, rank),
-        down=k_slice(cfg.intermediate_size, size, rank))
+        vocab_size=cfg.vocab_size, vocab_per_rank=per, o=o, down=down)
+
+
+def row_units(model: LlamaModel, size: int) -> tuple:
+    """The units o's and down's K split in (layout's `units`): a quantized weight's GGUF
+    blocks where every layer's is quantized, bf16 pairs where none is. A model whose
+    layers mix the two is split where both split the same way, else ValueError."""
+    out = []
+    for which, k in (("o", model.cfg.num_heads * model.cfg.head_dim), ("down", model.cfg.intermediate_size)):
+        quantized = {_quantized(model, getattr(layer, which)) is not None for layer in model.layers}
+        if quantized == {True, False} and any(k_slice(k, size, r, PAIR)[:2] != k_slice(k, size, r, QUANT_BLOCK)[:2]
+                                              for r in range(size)):
+            raise ValueError(f"the model's {which} projections are quantized in some layers and not in others, "
+                             f"and the two do not split alike over {size} ranks: serve it with --dequantize at "
+                             "this tensor-parallel size")
+        out.append(QUANT_BLOCK if quantized == {True} else PAIR)
+    return tuple(out)
+
+
+def _quantized(model: LlamaModel, w: torch.Tensor):
+    """w's packed copy where it is served quantized (ref_ops.cpp qpack), else None."""
+    p = model.shared.get(id(w))
+    return p if p is not None and p.data.dtype == torch.uint8 else None
 
 
 def local_config(cfg: ModelConfig, lay: ShardLayout) -> ModelConfig:
@@ -69,10 +102,12 @@ def local_config(cfg: ModelConfig, lay: ShardLayout) -> ModelConfig:
 
 def shard_tensors(model: LlamaModel, lay: ShardLayout) -> dict:
     """The rank's weights, named as the shard model's parameters, as new contiguous
-    tensors (the full model may be freed afterwards)."""
+    tensors (the full model may be freed afterwards); a weight served quantized as its
+    rank's part packed again (cpu_linear.Packed: by rows, or by whole lanes of K)."""
     cfg, d = model.cfg, model.cfg.head_dim
     nq, nkv = cfg.num_heads * d, cfg.num_kv_heads * d
     inter = cfg.intermediate_size
+    ops = model.quant_ops
 
     def rows(t, r: range, offset: int = 0, unit: int = 1):
         return t[offset + r.start * unit: offset + r.stop * unit]
@@ -80,29 +115,50 @@ def shard_tensors(model: LlamaModel, lay: ShardLayout) -> dict:
     def qkv_rows(t):
         return torch.cat([rows(t, lay.heads, 0, d), rows(t, lay.kv_heads, nq, d), rows(t, lay.kv_heads, nq + nkv, d)])
 
-    out = {"embed": model.embed_rows(torch.arange(cfg.vocab_size)), "norm": model.norm,
-           "lm_head": rows(model.lm_head, lay.vocab)}
+    def by_rows(w, pick):
+        """w's rows that `pick` selects from its rows (a quantized w: from its GGUF rows)."""
+        p = _quantized(model, w)
+        if p is None:
+            return pick(w)
+        raw = pick(ops.qunpack(p.data, p.n, p.per))
+        return Packed(ops.qpack(raw, ops.qtype(p.data)), raw.shape[0], p.k)
+
+    def by_k(w, ks: KSlice):
+        """w's columns [ks.start, ks.stop) (a quantized w: its GGUF blocks there, packed
+        with the whole K's lanes)."""
+        p = _quantized(model, w)
+        if p is None:
+            return w[:, ks.start:ks.stop]
+        raw = ops.qunpack(p.data, p.n, p.per)
+        block = raw.shape[1] // (p.k // QUANT_BLOCK)   # bytes per stored block
+        part = raw[:, ks.start // QUANT_BLOCK * block: ks.stop // QUANT_BLOCK * block]
+        return Packed(ops.qpack(part, ops.qtype(p.data), ks.per), p.n, ks.stop - ks.start, ks.per)
+
+    embed = _quantized(model, model.embed) or model.embed_rows(torch.arange(cfg.vocab_size))
+    out = {"embed": embed, "norm": model.norm, "lm_head": by_rows(model.lm_head, lambda t: rows(t, lay.vocab))}
     for i, layer in enumerate(model.layers):
         pre = f"layers.{i}."
         out[pre + "input_norm"] = layer.input_norm
         out[pre + "post_norm"] = layer.post_norm
-        out[pre + "qkv"] = qkv_rows(layer.qkv)
+        out[pre + "qkv"] = by_rows(layer.qkv, qkv_rows)
         if layer.qkv_bias is not None:
             out[pre + "qkv_bias"] = qkv_rows(layer.qkv_bias)
-        out[pre + "o"] = layer.o[:, lay.o.start:lay.o.stop]
+        out[pre + "o"] = by_k(layer.o, lay.o)
         if layer.o_bias is not None:   # added once, after the sum
             out[pre + "o_bias"] = layer.o_bias
         if layer.q_norm is not None:
             out[pre + "q_norm"], out[pre + "k_norm"] = layer.q_norm, layer.k_norm
-        out[pre + "gate_up"] = torch.cat([rows(layer.gate_up, lay.mlp), rows(layer.gate_up, lay.mlp, inter)])
-        out[pre + "down"] = layer.down[:, lay.mlp.start:lay.mlp.stop]
-    return {name: t.detach().clone().contiguous() for name, t in out.items()}
+        out[pre + "gate_up"] = by_rows(layer.gate_up, lambda t: torch.cat([rows(t, lay.mlp), rows(t, lay.mlp, inter)]))
+        out[pre + "down"] = by_k(layer.down, lay.down)
+    return {name: t if isinstance(t, Packed) else t.detach().clone().contiguous() for name, t in out.items()}
 
 
-def build_shard(cfg: ModelConfig, lay: ShardLayout, tensors: dict) -> LlamaModel:
+def build_shard(cfg: ModelConfig, lay: ShardLayout, tensors: dict, stored_types: dict = None, ops=None) -> LlamaModel:
     """The rank's LlamaModel from shard_tensors' output, its forward summing the
-    row-parallel projections over the group (`tp`)."""
-    model = LlamaModel(local_config(cfg, lay), tensors["embed"].dtype, tensors["embed"].device)
+    row-parallel projections over the group (`tp`). A quantized weight (Packed) is the
+    shard's one copy of it, read by `ops` (the reference kernels), the file's
+    `stored_types` named in the reference's version."""
+    model = LlamaModel(local_config(cfg, lay), torch.bfloat16, "cpu")
     names = {name for name, _ in model.named_parameters()}
     if names != set(tensors):
         raise ValueError(f"the shard's tensors {sorted(set(tensors) ^ names)} do not match its model")
@@ -111,22 +167,38 @@ def build_shard(cfg: ModelConfig, lay: ShardLayout, tensors: dict) -> LlamaModel
     # config's shapes.
     for name, t in tensors.items():
         owner, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(owner), attr, torch.nn.Parameter(t, requires_grad=False))
-    model.tp = RowParallel(lay)
+        plain = torch.empty(t.n, t.k, dtype=torch.bfloat16) if isinstance(t, Packed) else t
+        setattr(model.get_submodule(owner), attr, torch.nn.Parameter(plain, requires_grad=False))
+    slices = {}
+    for i, layer in enumerate(model.layers):   # each row-parallel weight's own KSlice, in its units
+        for which, k in (("o", cfg.num_heads * cfg.head_dim), ("down", cfg.intermediate_size)):
+            unit = QUANT_BLOCK if isinstance(tensors[f"layers.{i}.{which}"], Packed) else PAIR
+            ks = k_slice(k, lay.size, lay.rank, unit)
+            if ks[:2] != getattr(lay, which)[:2]:
+                raise ValueError(f"layer {i}'s {which} does not split as the layout does")
+            slices[id(getattr(layer, which))] = ks
+    model.tp = RowParallel(lay, slices)
     model.finalize()
+    for name, t in tensors.items():
+        if isinstance(t, Packed):
+            owner, _, attr = name.rpartition(".")
+            model.set_packed(getattr(model.get_submodule(owner), attr), t, ops)
+    model.stored_types = dict(stored_types or {})
     return model
 
 
 class RowParallel:
     """A shard model's row-parallel projections (LlamaModel.forward calls it for o
     and down): the rank's share of x @ w.T, summed over the ranks by the plan's rule
-    (plans.collectives.row_linear)."""
+    (plans.collectives.row_linear), each weight on its own KSlice (`slices`, by id:
+    a bf16 weight's K in pairs, a quantized one's in GGUF blocks)."""
 
-    def __init__(self, lay: ShardLayout):
+    def __init__(self, lay: ShardLayout, slices: dict):
         self.layout = lay
+        self._slices = slices
 
     def linear(self, plan, x: torch.Tensor, w: torch.Tensor, which: str) -> torch.Tensor:
-        ks = self.layout.o if which == "o" else self.layout.down
+        ks = self._slices[id(w)]
         if which == "o" and not self.layout.attention_split:   # every rank holds the whole attention output
             x = x[:, ks.start:ks.stop]
         return collectives.row_linear(plan, x, w, ks, self.layout.size)

@@ -48,6 +48,9 @@ class Packed:
     data: torch.Tensor
     n: int   # output columns (the weight's rows)
     k: int
+    # A quantized weight's lanes: 0 for its own K's (ceil(blocks / 16) blocks each), else
+    # those of the whole K a tensor-parallel rank's slice of K belongs to (model.shard).
+    per: int = 0
 
 
 def packable(w: torch.Tensor, ref) -> bool:
@@ -86,13 +89,13 @@ def rowwise(name: str, p: Packed, kernels, ref) -> Callable:
     if name == CPU_DPBF16:
         return lambda x: kernels.linear_dpbf16(x, p.data, p.n)
     assert name in (REF_AVX2, REF_LINEAR), name
-    return lambda x: ref.linear(x, p.data, p.n, False)
+    return lambda x: ref.linear(x, p.data, p.n, False, p.per)
 
 
 def dense_head(p: Packed, ref) -> Callable:
     """hidden -> float32 logits [rows, vocab]: the reference's matmul with binary32
     output (bf16 x bf16 products, exact in binary32) on the packed lm_head."""
-    return lambda h: ref.linear(h.contiguous(), p.data, p.n, True)
+    return lambda h: ref.linear(h.contiguous(), p.data, p.n, True, p.per)
 
 
 def onednn_available() -> bool:

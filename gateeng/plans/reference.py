@@ -98,7 +98,7 @@ class ReferencePlan(ReferenceBase):
 
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         p = self._packed[id(w)]
-        return self.ops.linear(x, p.data, p.n, False)
+        return self.ops.linear(x, p.data, p.n, False, p.per)
 
     def linear_partial(self, x: torch.Tensor, w: torch.Tensor, per: int, blocks: int) -> torch.Tensor:
         """A tensor-parallel rank's binary32 subtree sums of x @ w.T, where w is the
@@ -121,4 +121,4 @@ class ReferencePlan(ReferenceBase):
     @torch.inference_mode()
     def full_logits(self, model, hidden: torch.Tensor) -> torch.Tensor:
         p = self._packed[self._lm_head]
-        return self.ops.linear(hidden.contiguous(), p.data, p.n, True)
+        return self.ops.linear(hidden.contiguous(), p.data, p.n, True, p.per)

@@ -18,29 +18,33 @@ from gateeng.config import ModelConfig
 # kernels/ref_ops.cpp and kernels/triton_reference.py name it too; tests/test_one_owner.py
 # holds the three and SPEC.md equal.
 DOT_BLOCKS = 16
+# What the dot's blocks are made of (SPEC.md): a bf16 weight's K in pairs, a quantized
+# one's in GGUF blocks of 32 values (its lanes).
+PAIR, QUANT_BLOCK = 2, 32
 
 
 class KSlice(NamedTuple):
     """One rank's part of a dot over K values: elements [start, stop), the whole K's
-    pairs per block (`per`), and how many of the whole K's blocks it holds."""
+    units (pairs, or a quantized weight's GGUF blocks) per block (`per`), and how many
+    of the whole K's blocks it holds."""
     start: int
     stop: int
     per: int
     blocks: int
 
 
-def k_slice(k: int, size: int, rank: int) -> KSlice:
-    """Rank `rank` of `size`'s blocks of a dot over k values (k even; size a power of
-    two up to 16). Where k is a multiple of 32 this is the even split
-    [rank*k/size, (rank+1)*k/size); otherwise the last ranks may hold fewer pairs,
-    or none."""
+def k_slice(k: int, size: int, rank: int, unit: int = PAIR) -> KSlice:
+    """Rank `rank` of `size`'s blocks of a dot over k values (k a multiple of `unit`:
+    PAIR for a bf16 weight, QUANT_BLOCK for a quantized one; size a power of two up to
+    16). Where k is a multiple of 16 units this is the even split [rank*k/size,
+    (rank+1)*k/size); otherwise the last ranks may hold fewer units, or none."""
     if not _power_of_two(size) or size > DOT_BLOCKS or not 0 <= rank < size:
         raise ValueError(f"rank {rank} of size {size}: size must be a power of two up to {DOT_BLOCKS}")
-    pairs = (k + 1) // 2
-    per = (pairs + DOT_BLOCKS - 1) // DOT_BLOCKS
+    units = (k + unit - 1) // unit
+    per = (units + DOT_BLOCKS - 1) // DOT_BLOCKS
     blocks = DOT_BLOCKS // size
-    first, last = min(pairs, rank * blocks * per), min(pairs, (rank + 1) * blocks * per)
-    return KSlice(2 * first, min(k, 2 * last), per, blocks)
+    first, last = min(units, rank * blocks * per), min(units, (rank + 1) * blocks * per)
+    return KSlice(unit * first, min(k, unit * last), per, blocks)
 
 
 def refusal(cfg: ModelConfig, size: int) -> Optional[str]:

@@ -26,8 +26,7 @@ def _model_source_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=DEFAULTS.dtype, choices=DTYPES, help="weights and KV dtype")
     p.add_argument("--dequantize", action="store_true", default=DEFAULTS.dequantize,
                    help="serve a GGUF's quantized weights dequantized to --dtype (converted once through "
-                        "transformers and cached), not as stored; a float32 model, CUDA and tensor parallelism "
-                        "always dequantize")
+                        "transformers and cached), not as stored; a float32 model and CUDA always dequantize")
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -407,8 +406,7 @@ def cmd_calibrate(args) -> int:
             sizes = [int(b) for b in args.batch_sizes.split(",")]
         if not (0 < args.target_miss < 1):
             raise ValueError(f"--target-miss must be in (0, 1), got {args.target_miss}")
-        # quantized weights are served at tensor-parallel size 1 only (a GGUF is dequantized above it)
-        loaded = load(args.model, args.dtype, dequantize=args.dequantize or args.tensor_parallel_size > 1)
+        loaded = load(args.model, args.dtype, dequantize=args.dequantize)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
