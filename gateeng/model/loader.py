@@ -4,7 +4,7 @@ A GGUF file is served as stored (gateeng.model.gguf_weights): its Q8_0, Q4_0 and
 weights stay quantized, read from the file one tensor at a time at every start; only
 its config and tokenizer are converted once through transformers and cached with its
 tensor table (gateeng.model.cache, a few small files). Where quantized weights are not
-served (a float32 model, CUDA, tensor parallelism) or `dequantize` asks for it, the
+served (a float32 model, CUDA) or `dequantize` asks for it, the
 file is converted once through transformers into a float32 safetensors directory and
 served in the model's dtype, as a checkpoint. Serving reads either without transformers
 (gateeng.model.hf_config, .tokenizer). Nothing touches a model hub.
