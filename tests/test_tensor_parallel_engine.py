@@ -127,8 +127,16 @@ def test_layers_that_mix_quantized_and_bf16_split_only_where_both_split_alike(tm
     narrow = loader.load(str(write_tiny_gguf(tmp_path / "a.gguf", mixed)["path"]))
     with pytest.raises(ValueError, match="down projections are quantized in some layers.*--dequantize"):
         shard.row_units(narrow.model, 2)
-    wide = loader.load(str(write_tiny_gguf(tmp_path / "b.gguf", mixed, intermediate=512)["path"]))
-    assert shard.row_units(wide.model, 2) == (QUANT_BLOCK, 2)   # o quantized in every layer; down mixed: pairs
+    wide = write_tiny_gguf(tmp_path / "b.gguf", mixed, intermediate=512)["path"]
+    assert shard.row_units(loader.load(str(wide)).model, 2) == (QUANT_BLOCK, 2)   # o quantized everywhere
+    answers = {}
+    for n in (1, 2):
+        e = Engine(EngineConfig(model=str(wide), tensor_parallel_size=n, num_kv_blocks=64, num_threads=1))
+        try:
+            answers[n] = [bits(e.generate(p, GREEDY, VERIFIED)) for p in PROMPTS[:2]]
+        finally:
+            e.shutdown()
+    assert answers[2] == answers[1]
 
 
 def kill_a_worker(e: Engine) -> None:

@@ -125,10 +125,11 @@ def shard_tensors(model: LlamaModel, lay: ShardLayout) -> dict:
 
     def by_k(w, ks: KSlice):
         """w's columns [ks.start, ks.stop) (a quantized w: its GGUF blocks there, packed
-        with the whole K's lanes)."""
+        with the whole K's lanes, which row_units made the same columns)."""
         p = _quantized(model, w)
         if p is None:
             return w[:, ks.start:ks.stop]
+        ks = k_slice(p.k, lay.size, lay.rank, QUANT_BLOCK)   # its per counts blocks, not pairs
         raw = ops.qunpack(p.data, p.n, p.per)
         block = raw.shape[1] // (p.k // QUANT_BLOCK)   # bytes per stored block
         part = raw[:, ks.start // QUANT_BLOCK * block: ks.stop // QUANT_BLOCK * block]
