@@ -76,7 +76,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(Path(__file__).parent / "tensor_parallel.json"))
     args = ap.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
-    print(header(), file=sys.stderr)
+    machine = header()   # before any engine: a size > 1 engine sets this process's torch threads
+    print(machine, file=sys.stderr)
     loaded = load(None, "bfloat16")
     prompts = prompt_set(args.prompts, mixed=True)
     rounds = []
@@ -103,7 +104,7 @@ def main(argv=None) -> int:
     # VERIFIED answers must also be equal from round to round (the same engine, run again).
     repeat = all(rnd[s]["verified"]["bits"] == rounds[0][s]["verified"]["bits"] for rnd in rounds for s in sizes)
     n = args.prompts
-    print(f"\n{header()}\n")
+    print(f"\n{machine}\n")
     print(f"| TP size | VERIFIED differing from TP={base} (tokens or logprob bits) | OFF: tokens differ | OFF: "
           f"tokens or logprob bits differ | VERIFIED tok/s (x TP={base}) | OFF tok/s (x) | one stream OFF tok/s (x) | "
           f"start-up s |")
