@@ -244,13 +244,15 @@ class Group:
         self.workers = []
         for rank in range(1, self.size):
             lay = shard.layout(model.cfg, self.size, rank, units)
-            tensors = shard.shard_tensors(model, lay)
+            # In a list that each side empties once it is sent or received: the Process
+            # object keeps its arguments for its whole life, and would keep the shard too.
+            handed = [shard.shard_tensors(model, lay)]
             p = ctx.Process(target=_worker_main, name=f"gateeng-tp{rank}", daemon=True,
-                            args=(rank, self._store.port, secret, timeout, cfg, model.cfg, lay, tensors,
+                            args=(rank, self._store.port, secret, timeout, cfg, model.cfg, lay, handed,
                                   model.stored_types, threads))
-            p.start()
+            p.start()   # pickled now: the shared memory stays open for the worker (a duplicated descriptor)
+            handed.clear()
             self.workers.append(p)
-            del tensors
         try:
             self._await_workers()
             with _gloo_on_loopback():
@@ -396,14 +398,16 @@ def _port_of(fd: int) -> int:
         sock.detach()
 
 
-def _worker_main(rank: int, port: int, secret: str, timeout: float, cfg: EngineConfig, model_cfg, lay, tensors,
+def _worker_main(rank: int, port: int, secret: str, timeout: float, cfg: EngineConfig, model_cfg, lay, handed: list,
                  stored_types: dict, threads: int) -> None:
     """A worker rank: build the shard's plans and KV cache, join the group, then run
     every announced call until the driver says stop (or the group fails)."""
     torch.set_num_threads(threads)
-    # Out of the shared memory the driver handed over (which cannot be resized), so that
-    # the plain weights the plans do not need can be freed as at size 1.
-    own = {name: replace(t, data=t.data.clone()) if isinstance(t, Packed) else t.clone() for name, t in tensors.items()}
+    # The plain tensors out of the shared memory the driver handed over (which cannot be
+    # resized), so that the plain weights the plans do not need can be freed as at size 1;
+    # a quantized weight's packed copy is kept as it is, and stays where it was handed over.
+    tensors = handed.pop()   # the only reference left to the shared memory: the plain copies go below
+    own = {name: t if isinstance(t, Packed) else t.clone() for name, t in tensors.items()}
     del tensors
     quantized = any(isinstance(t, Packed) for t in own.values())
     model = shard.build_shard(model_cfg, lay, own, stored_types, reference_ops.load() if quantized else None)
