@@ -242,7 +242,9 @@ class LlamaModel(torch.nn.Module):
         if not _released(w):
             return w
         p = self.shared[id(w)]
-        return self.quant_ops.qrows(p.data, torch.arange(p.n), p.per) if p.data.dtype == torch.uint8 else cpu_linear.unpack(p)
+        if p.data.dtype == torch.uint8:
+            return self.quant_ops.qrows(p.data, torch.arange(p.n), p.per)
+        return cpu_linear.unpack(p)
 
     def restore_plain_weights(self) -> None:
         """Every freed plain weight back, read from its packed copy (its own storage
