@@ -9,10 +9,13 @@ hidden states (broadcast_object_list from rank 0), the row-parallel sums and the
 vocabulary-parallel logits (plans.collectives). Nothing else: no home-made
 transport.
 
-Start-up: the driver shards the model (model.shard) and builds its own plans
-first, so the C++ kernels are compiled once; then it starts the workers, handing
-each its shard's tensors through shared memory. A worker builds its plans and
-KV cache, reports on the group's TCPStore that it is up, and joins the group.
+Start-up: the driver loads the reference's kernels first (compiled once, where they
+were not yet; it refuses here if they cannot be), then shards the model
+(model.shard) for each worker in turn, handing it its shard's tensors through shared
+memory and letting them go, and builds its own shard and plans last: at most one
+shard is held beside the whole model. A worker builds its plans and KV cache
+(waiting for a kernel build another process runs), reports on the group's TCPStore
+that it is up, and joins the group.
 
 Loopback and the secret: every rank is a process on this machine, so the store and
 gloo listen on 127.0.0.1 only. The store is open to any local process, so the
@@ -362,12 +365,21 @@ def start(cfg: EngineConfig, model, timeout: float):
     torch.set_num_threads(threads_per_rank(cfg))
     units = shard.row_units(model, cfg.tensor_parallel_size)
     lay = shard.layout(model.cfg, cfg.tensor_parallel_size, 0, units)
-    mine = shard.build_shard(model.cfg, lay, shard.shard_tensors(model, lay), model.stored_types, model.quant_ops)
-    plans = factory.build(cfg, mine, mine.cfg, DTYPES[cfg.dtype], owned=True)
-    if plans.unavailable or not hasattr(plans.invariant, "linear_partial"):
-        raise ValueError("tensor parallelism needs the reference (gateeng-ref-1) on this machine: "
-                         + (plans.unavailable or "its kernels did not build"))
+    try:
+        reference_ops.load()
+    except reference_ops.ReferenceUnavailable as exc:
+        raise ValueError(f"tensor parallelism needs the reference (gateeng-ref-1) on this machine: {exc}") from exc
     group = Group(cfg, model, units, timeout)
+    try:
+        mine = shard.build_shard(model.cfg, lay, shard.shard_tensors(model, lay), model.stored_types,
+                                 model.quant_ops)
+        plans = factory.build(cfg, mine, mine.cfg, DTYPES[cfg.dtype], owned=True)
+        if plans.unavailable or not hasattr(plans.invariant, "linear_partial"):
+            raise ValueError("tensor parallelism needs the reference (gateeng-ref-1) on this machine: "
+                             + (plans.unavailable or "its kernels did not build"))
+    except BaseException:
+        group.close()
+        raise
     plans = replace(plans, fast=sharded.ShardedPlan(plans.fast, Kind.FAST, group.command),
                     invariant=sharded.ShardedPlan(plans.invariant, Kind.INVARIANT, group.command))
     attention = ("split by head" if lay.attention_split else
