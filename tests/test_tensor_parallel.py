@@ -116,6 +116,12 @@ def test_partial_refuses_shapes_that_are_not_a_subtree(ops):
         ops.linear_partial(x, packed, 16, 1, 4)   # 32 pairs in 4 blocks of 1
     with pytest.raises(RuntimeError, match="power of two"):
         ops.combine_partials(torch.zeros(3, 2, 16), True)
+    raw = torch.from_numpy(stored("Q8_0", 16, 256, seed=7)[0])   # 8 blocks
+    part = ops.qpack(raw, TYPES["Q8_0"], 2)                       # in lanes of 2
+    with pytest.raises(RuntimeError, match="does not fit in 2 lanes of 2 blocks"):
+        ops.linear_partial(randn(2, 256, seed=8), part, 16, 2, 2)
+    with pytest.raises(RuntimeError, match="per must be at least 0"):
+        ops.qpack(raw, TYPES["Q8_0"], -1)
 
 
 def test_k_slices_tile_k_and_split_evenly_on_whole_blocks():

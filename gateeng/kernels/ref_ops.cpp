@@ -528,8 +528,9 @@ struct QLayout {
   std::vector<int64_t> base, live;   // per step: its first record, how many lanes it holds
   QLayout(int64_t blocks, int64_t whole_per, int lv = 4)
       : nb(blocks), per(whole_per > 0 ? whole_per : (blocks + 15) / 16), levels(lv), base(per), live(per) {
-    TORCH_CHECK(whole_per >= 0 && nb <= (int64_t{1} << levels) * per, "a quantized weight of ", nb,
-                " blocks does not fit in ", (1 << levels), " lanes of ", per, " blocks");
+    TORCH_CHECK(whole_per >= 0, "per must be at least 0 (0: the weight's own lanes)");
+    TORCH_CHECK(nb <= (int64_t{1} << levels) * per, "a quantized weight of ", nb, " blocks does not fit in ",
+                (1 << levels), " lanes of ", per, " blocks");
     int64_t at = 0;
     for (int64_t s = 0; s < per; ++s) {
       int64_t lanes = 0;
