@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from gateeng.config import EngineConfig, ModelConfig
 from gateeng.engine.client import Engine
@@ -118,6 +119,26 @@ def test_a_quantized_gguf_served_as_stored_has_the_bits_of_one_process(tmp_path,
             e.shutdown()
     assert answers[size] == answers[1]
     assert plans[size] == plans[1] and all("weights)" in p for p in plans[1])   # the reference names the types
+
+
+def test_a_model_split_weight_by_weight_lets_each_weight_go_and_gives_the_same_shards(tmp_path):
+    from gateeng.plans.cpu_linear import Packed
+    path = str(write_tiny_gguf(tmp_path / "q.gguf", {"blk.0.ffn_down.weight": "F16", "*": "Q8_0"},
+                               intermediate=512)["path"])
+    kept, model = loader.load(path).model, loader.load(path).model
+    lays = [shard.layout(model.cfg, 2, r, shard.row_units(model, 2)) for r in range(2)]
+    want, got = shard.shard_tensors(kept, lays), shard.shard_tensors(model, lays, release=True)
+
+    def same(a, b) -> bool:
+        if isinstance(a, Packed):
+            return (a.n, a.k, a.per) == (b.n, b.k, b.per) and torch.equal(a.data, b.data)
+        return torch.equal(a, b)
+    for a, b in zip(want, got):
+        assert a.keys() == b.keys() and all(same(a[name], b[name]) for name in a)
+    weights = model.projections() + [model.lm_head]
+    assert not any(id(w) in model.shared for w in weights)               # every packed copy let go
+    assert all(w.untyped_storage().nbytes() == 0 for w in weights)       # and every plain one
+    assert any(isinstance(t, Packed) for t in got[1].values()) and kept.quantized
 
 
 def test_layers_that_mix_quantized_and_bf16_split_only_where_both_split_alike(tmp_path):

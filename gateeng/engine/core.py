@@ -102,7 +102,8 @@ class EngineCore:
         self.stop = StopChecker(eos, self.max_model_len, text_of=self._text_of)
         self.tp_group = None   # the tensor-parallel group (engine.tp_processes), at sizes > 1
         if cfg.tensor_parallel_size > 1:   # the model becomes this process's shard (rank 0)
-            self.model, plans, self.tp_group = tp_processes.start(cfg, self.model, cfg.tensor_parallel_timeout)
+            self.model, plans, self.tp_group = tp_processes.start(cfg, self.model, cfg.tensor_parallel_timeout,
+                                                                  owned=loaded is None)
             if loaded is None:   # the whole model is not needed past sharding: let it go
                 self.loaded = dataclasses.replace(self.loaded, model=self.model)
         else:

@@ -11,11 +11,13 @@ transport.
 
 Start-up: the driver loads the reference's kernels first (compiled once, where they
 were not yet; it refuses here if they cannot be), then shards the model
-(model.shard) for each worker in turn, handing it its shard's tensors through shared
-memory and letting them go, and builds its own shard and plans last: at most one
-shard is held beside the whole model. A worker builds its plans and KV cache
-(waiting for a kernel build another process runs), reports on the group's TCPStore
-that it is up, and joins the group.
+(model.shard), hands each worker its shard's tensors through shared memory and lets
+them go, and builds its own shard and plans last. A model the engine loaded itself
+is split one weight at a time for every rank, each weight let go once split, so the
+model and its shards are never held twice over; a model handed to the engine stays
+whole, and the workers' shards are made one at a time beside it. A worker builds its
+plans and KV cache (waiting for a kernel build another process runs), reports on the
+group's TCPStore that it is up, and joins the group.
 
 Loopback and the secret: every rank is a process on this machine, so the store and
 gloo listen on 127.0.0.1 only. The store is open to any local process, so the
@@ -225,7 +227,9 @@ class Group:
     """The driver's side of the group: starts the workers, announces calls
     (`command`), sends heartbeats, watches the workers, and closes the group."""
 
-    def __init__(self, cfg: EngineConfig, model, units: tuple, timeout: float):
+    def __init__(self, cfg: EngineConfig, model_cfg, lays: list, take, stored_types: dict, timeout: float):
+        """`lays`: every rank's ShardLayout; `take(rank)`: that rank's tensors
+        (model.shard.shard_tensors), called once per worker as it starts."""
         self.size = cfg.tensor_parallel_size
         self.timeout = timeout
         self.on_death: list = []   # callables(exc), called on the watcher thread when a worker dies
@@ -246,13 +250,12 @@ class Group:
         threads = threads_per_rank(cfg)
         self.workers = []
         for rank in range(1, self.size):
-            lay = shard.layout(model.cfg, self.size, rank, units)
             # In a list that each side empties once it is sent or received: the Process
             # object keeps its arguments for its whole life, and would keep the shard too.
-            handed = [shard.shard_tensors(model, lay)]
+            handed = [take(rank)]
             p = ctx.Process(target=_worker_main, name=f"gateeng-tp{rank}", daemon=True,
-                            args=(rank, self._store.port, secret, timeout, cfg, model.cfg, lay, handed,
-                                  model.stored_types, threads))
+                            args=(rank, self._store.port, secret, timeout, cfg, model_cfg, lays[rank], handed,
+                                  stored_types, threads))
             p.start()   # pickled now: the shared memory stays open for the worker (a duplicated descriptor)
             handed.clear()
             self.workers.append(p)
@@ -353,9 +356,10 @@ class Group:
                 p.join(timeout=5)
 
 
-def start(cfg: EngineConfig, model, timeout: float):
+def start(cfg: EngineConfig, model, timeout: float, owned: bool = False):
     """(the driver's shard model, its Plans with both plans announcing to the
-    group, the Group) for `model` at cfg.tensor_parallel_size."""
+    group, the Group) for `model` at cfg.tensor_parallel_size. `owned`: no one else
+    holds the model, which is let go weight by weight as it is split."""
     why = refusal(cfg)
     if why:
         raise ValueError(why)
@@ -364,15 +368,25 @@ def start(cfg: EngineConfig, model, timeout: float):
                          "torch.distributed group per process)")
     torch.set_num_threads(threads_per_rank(cfg))
     units = shard.row_units(model, cfg.tensor_parallel_size)
-    lay = shard.layout(model.cfg, cfg.tensor_parallel_size, 0, units)
+    lays = [shard.layout(model.cfg, cfg.tensor_parallel_size, r, units) for r in range(cfg.tensor_parallel_size)]
+    lay = lays[0]
     try:
         reference_ops.load()
     except reference_ops.ReferenceUnavailable as exc:
         raise ValueError(f"tensor parallelism needs the reference (gateeng-ref-1) on this machine: {exc}") from exc
-    group = Group(cfg, model, units, timeout)
+    stored_types, quant_ops = model.stored_types, model.quant_ops
+    if owned:   # every rank's part at once, each weight let go once split
+        parts = shard.shard_tensors(model, lays, release=True)
+
+        def take(rank: int) -> dict:
+            mine, parts[rank] = parts[rank], None
+            return mine
+    else:       # one rank's part at a time, beside the model its owner keeps
+        def take(rank: int) -> dict:
+            return shard.shard_tensors(model, [lays[rank]])[0]
+    group = Group(cfg, model.cfg, lays, take, stored_types, timeout)
     try:
-        mine = shard.build_shard(model.cfg, lay, shard.shard_tensors(model, lay), model.stored_types,
-                                 model.quant_ops)
+        mine = shard.build_shard(model.cfg, lay, take(0), stored_types, quant_ops)
         plans = factory.build(cfg, mine, mine.cfg, DTYPES[cfg.dtype], owned=True)
         if plans.unavailable or not hasattr(plans.invariant, "linear_partial"):
             raise ValueError("tensor parallelism needs the reference (gateeng-ref-1) on this machine: "

@@ -356,6 +356,14 @@ class LlamaModel(torch.nn.Module):
                                  [w for lw in layers for w in (lw.post_norm, lw.next_norm)],
                                  int8 if int8 is not None and every_quantized else ref.linear)
 
+    def drop_weight(self, w: torch.Tensor) -> None:
+        """Let w's memory go, its plain storage and its packed copy: for a model no one
+        else holds whose weights were copied elsewhere (model.shard), which then no
+        longer runs."""
+        self.shared.pop(id(w), None)
+        if not _released(w):
+            _release(w)
+
     def release_plain_weights(self) -> int:
         """Free the plain projection and lm_head weights where no plan multiplies them
         (pack_fast: the one packed copy serves both plans): each keeps its shape and

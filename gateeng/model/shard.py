@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from gateeng.config import ModelConfig
+from gateeng.heap import trim_heap
 from gateeng.model.llama import LlamaModel
 from gateeng.plans import collectives
 from gateeng.plans.cpu_linear import Packed
@@ -100,58 +101,84 @@ def local_config(cfg: ModelConfig, lay: ShardLayout) -> ModelConfig:
                    intermediate_size=len(lay.mlp), vocab_size=len(lay.vocab), tie_word_embeddings=False)
 
 
-def shard_tensors(model: LlamaModel, lay: ShardLayout) -> dict:
-    """The rank's weights, named as the shard model's parameters, as new contiguous
-    tensors (the full model may be freed afterwards); a weight served quantized as its
-    rank's part packed again (cpu_linear.Packed: by rows, or by whole lanes of K)."""
+def shard_tensors(model: LlamaModel, lays: list, release: bool = False) -> list:
+    """Each layout's rank's weights (one dict per layout in `lays`), named as the shard
+    model's parameters, as new contiguous tensors; a weight served quantized as its
+    rank's part packed again (cpu_linear.Packed: by rows, or by whole lanes of K).
+    The model is split one weight at a time, for every rank at once. `release` (a model
+    no one else holds): each projection and the lm_head is let go once every rank has
+    its part, so the model and its shards together never hold more than one weight
+    twice."""
     cfg, d = model.cfg, model.cfg.head_dim
     nq, nkv = cfg.num_heads * d, cfg.num_kv_heads * d
     inter = cfg.intermediate_size
     ops = model.quant_ops
+    outs = [{} for _ in lays]
 
     def rows(t, r: range, offset: int = 0, unit: int = 1):
         return t[offset + r.start * unit: offset + r.stop * unit]
 
-    def qkv_rows(t):
+    def qkv_rows(t, lay):
         return torch.cat([rows(t, lay.heads, 0, d), rows(t, lay.kv_heads, nq, d), rows(t, lay.kv_heads, nq + nkv, d)])
 
-    def by_rows(w, pick):
-        """w's rows that `pick` selects from its rows (a quantized w: from its GGUF rows)."""
-        p = _quantized(model, w)
-        if p is None:
-            return pick(w)
-        raw = pick(ops.qunpack(p.data, p.n, p.per))
-        return Packed(ops.qpack(raw, ops.qtype(p.data)), raw.shape[0], p.k)
+    def plain(name: str, t: torch.Tensor, pick=lambda t, lay: t) -> None:
+        """A small tensor (a norm, a bias): `pick`ed for each rank."""
+        for out, lay in zip(outs, lays):
+            out[name] = pick(t, lay).detach().clone().contiguous()
 
-    def by_k(w, ks: KSlice):
-        """w's columns [ks.start, ks.stop) (a quantized w: its GGUF blocks there, packed
-        with the whole K's lanes, which row_units made the same columns)."""
+    def by_rows(name: str, w, pick) -> None:
+        """w's rows that `pick(rows, lay)` selects for each rank (a quantized w: from its
+        GGUF rows)."""
         p = _quantized(model, w)
-        if p is None:
-            return w[:, ks.start:ks.stop]
-        ks = k_slice(p.k, lay.size, lay.rank, QUANT_BLOCK)   # its per counts blocks, not pairs
-        raw = ops.qunpack(p.data, p.n, p.per)
-        block = raw.shape[1] // (p.k // QUANT_BLOCK)   # bytes per stored block
-        part = raw[:, ks.start // QUANT_BLOCK * block: ks.stop // QUANT_BLOCK * block]
-        return Packed(ops.qpack(part, ops.qtype(p.data), ks.per), p.n, ks.stop - ks.start, ks.per)
+        source = w if p is None else ops.qunpack(p.data, p.n, p.per)
+        for out, lay in zip(outs, lays):
+            part = pick(source, lay)
+            out[name] = (part.detach().clone().contiguous() if p is None else
+                         Packed(ops.qpack(part.contiguous(), ops.qtype(p.data)), part.shape[0], p.k))
+        if release:
+            model.drop_weight(w)
 
-    embed = _quantized(model, model.embed) or model.embed_rows(torch.arange(cfg.vocab_size))
-    out = {"embed": embed, "norm": model.norm, "lm_head": by_rows(model.lm_head, lambda t: rows(t, lay.vocab))}
+    def by_k(name: str, w, which: str) -> None:
+        """w's columns of each rank's slice of K (a quantized w: its GGUF blocks there,
+        packed with the whole K's lanes, which row_units made the same columns)."""
+        p = _quantized(model, w)
+        raw = None if p is None else ops.qunpack(p.data, p.n, p.per)
+        for out, lay in zip(outs, lays):
+            ks = getattr(lay, which)
+            if p is None:
+                out[name] = w[:, ks.start:ks.stop].detach().clone().contiguous()
+                continue
+            ks = k_slice(p.k, lay.size, lay.rank, QUANT_BLOCK)   # its per counts blocks, not pairs
+            block = raw.shape[1] // (p.k // QUANT_BLOCK)         # bytes per stored block
+            part = raw[:, ks.start // QUANT_BLOCK * block: ks.stop // QUANT_BLOCK * block].contiguous()
+            out[name] = Packed(ops.qpack(part, ops.qtype(p.data), ks.per), p.n, ks.stop - ks.start, ks.per)
+        if release:
+            model.drop_weight(w)
+
+    # The embedding is whole on every rank: one tensor (or packed copy) they all share.
+    embed = _quantized(model, model.embed) or model.embed_rows(torch.arange(cfg.vocab_size)).contiguous()
+    for out in outs:
+        out["embed"] = embed
+    plain("norm", model.norm)
     for i, layer in enumerate(model.layers):
         pre = f"layers.{i}."
-        out[pre + "input_norm"] = layer.input_norm
-        out[pre + "post_norm"] = layer.post_norm
-        out[pre + "qkv"] = by_rows(layer.qkv, qkv_rows)
+        plain(pre + "input_norm", layer.input_norm)
+        plain(pre + "post_norm", layer.post_norm)
+        by_rows(pre + "qkv", layer.qkv, qkv_rows)
         if layer.qkv_bias is not None:
-            out[pre + "qkv_bias"] = qkv_rows(layer.qkv_bias)
-        out[pre + "o"] = by_k(layer.o, lay.o)
+            plain(pre + "qkv_bias", layer.qkv_bias, qkv_rows)
+        by_k(pre + "o", layer.o, "o")
         if layer.o_bias is not None:   # added once, after the sum
-            out[pre + "o_bias"] = layer.o_bias
+            plain(pre + "o_bias", layer.o_bias)
         if layer.q_norm is not None:
-            out[pre + "q_norm"], out[pre + "k_norm"] = layer.q_norm, layer.k_norm
-        out[pre + "gate_up"] = by_rows(layer.gate_up, lambda t: torch.cat([rows(t, lay.mlp), rows(t, lay.mlp, inter)]))
-        out[pre + "down"] = by_k(layer.down, lay.down)
-    return {name: t if isinstance(t, Packed) else t.detach().clone().contiguous() for name, t in out.items()}
+            plain(pre + "q_norm", layer.q_norm)
+            plain(pre + "k_norm", layer.k_norm)
+        by_rows(pre + "gate_up", layer.gate_up, lambda t, lay: torch.cat([rows(t, lay.mlp), rows(t, lay.mlp, inter)]))
+        by_k(pre + "down", layer.down, "down")
+        if release:   # what the layer's weights held goes back to the OS, not only to malloc
+            trim_heap()
+    by_rows("lm_head", model.lm_head, lambda t, lay: rows(t, lay.vocab))   # last: it may be the embedding
+    return outs
 
 
 def build_shard(cfg: ModelConfig, lay: ShardLayout, tensors: dict, stored_types: dict = None, ops=None) -> LlamaModel:
