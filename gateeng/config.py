@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
@@ -308,9 +308,57 @@ class ConnectionLimits:
 
 # The /metrics endpoint answers a scraper or two: a handful of connections is plenty.
 METRICS_MAX_CONNECTIONS = 16
-# File descriptors kept beyond the HTTP listeners' connections: gRPC's connections,
-# the model and kernel files, logs, the tensor-parallel group.
+# File descriptors kept beyond the listeners' connections: the model and kernel
+# files, logs, the tensor-parallel group, the outgoing sockets of the process.
 RESERVED_FDS = 256
+# A gRPC connection holds three descriptors: the client's socket at the accept gate,
+# the gate's socket to gRPC, and gRPC's end of it (serving/grpc_gate.py).
+GRPC_FDS_PER_CONNECTION = 3
+# Fewer connections than this on a listener is no server: the start is refused.
+MIN_CONNECTIONS = 4
+
+
+def _scaled(connections: int, scale: float) -> int:
+    """A connection limit scaled down by `scale` (<= 1), but not below MIN_CONNECTIONS."""
+    return connections if scale >= 1 else min(connections, max(MIN_CONNECTIONS, int(connections * scale)))
+
+
+@dataclass(frozen=True)
+class GrpcLimits:
+    """What the gRPC listener holds at most (serving/grpc_gate.py and gRPC's own
+    server options enforce it; `gateeng serve` exposes each as a flag)."""
+    max_connections: int = 256          # open at once; one more is closed at once (or a silent one is)
+    handshake_timeout_s: float = 5.0    # from opening to the HTTP/2 preface (TLS: the handshake and preface)
+    idle_timeout_s: float = 300.0       # a connection with no call in flight for this long is closed
+
+    def validate(self) -> None:
+        if self.max_connections < 1:
+            raise ValueError(f"--grpc-max-connections must be >= 1, got {self.max_connections}")
+        for name in ("handshake_timeout_s", "idle_timeout_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                flag = "--grpc-" + name.removesuffix("_s").replace("_", "-")
+                raise ValueError(f"{flag} must be a number of seconds > 0, got {value}")
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """TLS on both fronts (vLLM's flag names): the server's certificate chain and key,
+    and, where given, the CAs whose client certificates are required."""
+    certfile: Optional[str] = None      # --ssl-certfile
+    keyfile: Optional[str] = None       # --ssl-keyfile
+    ca_certs: Optional[str] = None      # --ssl-ca-certs: require a client certificate signed by one of these
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.certfile or self.keyfile)
+
+    def validate(self) -> None:
+        if bool(self.certfile) != bool(self.keyfile):
+            raise ValueError("--ssl-certfile and --ssl-keyfile go together: give both, or neither")
+        if self.ca_certs and not self.enabled:
+            raise ValueError("--ssl-ca-certs (client certificates) needs TLS: give --ssl-certfile and "
+                             "--ssl-keyfile too")
 
 
 @dataclass
@@ -332,6 +380,9 @@ class ServerConfig:
     metrics_limits: ConnectionLimits = field(
         default_factory=lambda: ConnectionLimits(max_connections=METRICS_MAX_CONNECTIONS))
     http_default_mode: str = "off"         # determinism of HTTP requests that name none (REQUEST_MODES)
+    grpc_limits: GrpcLimits = field(default_factory=GrpcLimits)
+    tls: TlsFiles = field(default_factory=TlsFiles)   # HTTPS and gRPC over TLS where enabled
+    metrics_host: Optional[str] = None     # the --metrics-port listener's address; None: `host`
     # Once the engine is up, exempt every object then alive from garbage collection
     # (gc.freeze). Process-wide, so only for a process that runs one server for its
     # whole life (`gateeng serve`); servers started and stopped in one process
@@ -351,8 +402,43 @@ class ServerConfig:
             raise ValueError("drain_seconds and max_prompt_bytes must be >= 0")
         self.http_limits.validate("http")
         self.metrics_limits.validate("metrics")
+        self.grpc_limits.validate()
+        self.tls.validate()
 
     def descriptors_needed(self) -> int:
         """Open files the listeners may hold at their limits, plus RESERVED_FDS."""
-        return (RESERVED_FDS + (self.http_limits.max_connections if self.http_port is not None else 0)
-                + (self.metrics_limits.max_connections if self.metrics_port is not None else 0))
+        return RESERVED_FDS + self._listener_fds(1.0)
+
+    def _listener_fds(self, scale: float) -> int:
+        return sum(fds * _scaled(n, scale) for n, fds in self._listeners())
+
+    def _listeners(self) -> list:
+        """(max connections, descriptors per connection) of each listener this server opens."""
+        out = [(self.grpc_limits.max_connections, GRPC_FDS_PER_CONNECTION)]
+        if self.http_port is not None:
+            out.append((self.http_limits.max_connections, 1))
+        if self.metrics_port is not None:
+            out.append((self.metrics_limits.max_connections, 1))
+        return out
+
+    def fitted(self, open_files: int) -> "ServerConfig":
+        """These settings with every listener's connection limit scaled down alike, so that
+        their descriptors and RESERVED_FDS fit `open_files` (the open-file limit the process
+        may have); ValueError where even MIN_CONNECTIONS each would not fit. A flood on one
+        listener then never takes the descriptors another, or the model's files, need."""
+        budget = open_files - RESERVED_FDS
+        full = self._listener_fds(1.0)
+        if full <= budget:
+            return self
+        scale = budget / full
+        while scale > 0 and self._listener_fds(scale) > budget:
+            scale -= 0.001
+        if scale <= 0 or self._listener_fds(scale) > budget:
+            raise ValueError(f"an open-file limit of {open_files} leaves too few descriptors for "
+                             f"{MIN_CONNECTIONS} connections on each listener after the {RESERVED_FDS} kept for "
+                             f"the model's files: raise `ulimit -n`")
+
+        def cut(limits, n):
+            return replace(limits, max_connections=_scaled(limits.max_connections, n))
+        return replace(self, grpc_limits=cut(self.grpc_limits, scale), http_limits=cut(self.http_limits, scale),
+                       metrics_limits=cut(self.metrics_limits, scale))

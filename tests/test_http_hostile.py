@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from gateeng.config import ConnectionLimits, ServerConfig
+from gateeng.config import RESERVED_FDS, ConnectionLimits, ServerConfig
 from gateeng.serving.http_server import ensure_descriptors
 from test_server_async import SERVING, Running, health, tiny_config
 
@@ -170,14 +170,25 @@ def test_concurrent_floods_leave_the_count_of_open_connections_at_zero(served):
     assert served.server.http.admission.open == 0
 
 
-def test_the_open_file_limit_is_raised_for_the_connection_limits_or_the_start_refused():
+def test_the_open_file_limit_is_raised_for_the_connection_limits_as_far_as_the_hard_limit_allows():
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     try:
         resource.setrlimit(resource.RLIMIT_NOFILE, (300, hard))
         assert ensure_descriptors(400 if hard == resource.RLIM_INFINITY else min(400, hard)) >= min(400, hard)
         if hard != resource.RLIM_INFINITY:
-            with pytest.raises(ValueError, match="ulimit -n"):
-                ensure_descriptors(hard + 1)
+            assert ensure_descriptors(hard + 1) == hard
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert ServerConfig(http_port=0).descriptors_needed() > ServerConfig(http_port=None).descriptors_needed()
+
+
+def test_limits_the_open_file_limit_cannot_hold_are_lowered_alike_or_the_start_refused():
+    settings = ServerConfig(http_port=0, metrics_port=0)
+    assert settings.fitted(settings.descriptors_needed()) is settings
+    fitted = settings.fitted(1024)
+    assert fitted.descriptors_needed() <= 1024
+    assert fitted.grpc_limits.max_connections < settings.grpc_limits.max_connections
+    assert fitted.http_limits.max_connections < settings.http_limits.max_connections
+    assert fitted.http_limits.header_timeout_s == settings.http_limits.header_timeout_s
+    with pytest.raises(ValueError, match="ulimit -n"):
+        settings.fitted(RESERVED_FDS + 10)

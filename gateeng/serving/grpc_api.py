@@ -27,7 +27,10 @@ deadline pass, aborts its request and frees its KV blocks.
 from __future__ import annotations
 
 import asyncio
+import os
 import secrets
+import shutil
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import asdict
@@ -38,7 +41,7 @@ from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from gateeng.config import validate_threshold, validate_window
+from gateeng.config import GrpcLimits, validate_threshold, validate_window
 from gateeng.engine.errors import EngineDead, WeightUpdateUnavailable
 from gateeng.logs import LOGGER
 from gateeng.outputs import Chunk, Completion, Rollback
@@ -46,8 +49,10 @@ from gateeng.reproducibility import Reproducibility
 from gateeng.request import FinishReason
 from gateeng.serving import auth, edge, refusals
 from gateeng.serving.grpc_client import sampling_proto
+from gateeng.serving.grpc_gate import GrpcGate
 from gateeng.serving.refusals import Kind, Refusal, internal_error
 from gateeng.serving.gateway import REQUEST_ID_HEADER, Gateway
+from gateeng.serving.tls import ServerTls
 from gateeng.v1 import engine_pb2 as pb
 
 log = LOGGER.getChild("server")
@@ -57,13 +62,18 @@ FINISH = {FinishReason.STOP: pb.STOP, FinishReason.LENGTH: pb.LENGTH, FinishReas
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 
-def grpc_options() -> list:
+def grpc_options(limits: GrpcLimits = GrpcLimits()) -> list:
     """Chosen, not inherited: keepalive that finds dead peers behind NATs and load
     balancers within a minute, and a 16 MiB message limit. It is well above
     --max-prompt-bytes, so an oversized prompt gets the edge's INVALID_ARGUMENT
     with the limit in it (parsing is cheap; tokenizing is what costs), while a
-    message past 16 MiB is refused by gRPC itself before it is parsed."""
+    message past 16 MiB is refused by gRPC itself before it is parsed. The
+    connection bounds gRPC enforces itself: the TLS handshake and HTTP/2 settings
+    within --grpc-handshake-timeout, and a connection with no call in flight for
+    --grpc-idle-timeout is closed (the accept gate, grpc_gate.py, does the rest)."""
     return [
+        ("grpc.server_handshake_timeout_ms", int(limits.handshake_timeout_s * 1000)),
+        ("grpc.max_connection_idle_ms", int(limits.idle_timeout_s * 1000)),
         ("grpc.so_reuseport", 0),
         ("grpc.keepalive_time_ms", 30_000),                      # ping an idle connection every 30 s
         ("grpc.keepalive_timeout_ms", 10_000),                   # and drop it if no ack in 10 s
@@ -320,18 +330,29 @@ class GrpcFront:
     needs it (auth.py); health and reflection stay open."""
 
     def __init__(self, gateway: Gateway, host: str, port: int, admin_token: Optional[str] = None,
-                 api_key: Optional[str] = None):
+                 api_key: Optional[str] = None, limits: GrpcLimits = GrpcLimits(), tls: Optional[ServerTls] = None):
         self.service = EngineService(gateway, admin_token)
         self.health = health_aio.HealthServicer()
         interceptors = [auth.GrpcApiKey(api_key, SERVICE, lambda r: gateway.count(r, "grpc"))] if api_key else []
-        self.server = grpc.aio.server(options=grpc_options(), interceptors=interceptors)
+        self.server = grpc.aio.server(options=grpc_options(limits), interceptors=interceptors)
         self.server.add_generic_rpc_handlers((self.service.handler(),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(names, self.server)
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
-        if self.port == 0:
-            raise OSError(f"cannot listen on {host}:{port}")
+        # gRPC listens where only the accept gate reaches it (a private directory);
+        # the public port is the gate's.
+        self.socket_dir = tempfile.mkdtemp(prefix="gateeng-grpc-")
+        path = os.path.join(self.socket_dir, "grpc.sock")
+        bound = (self.server.add_secure_port(f"unix:{path}", tls.grpc_credentials()) if tls is not None
+                 else self.server.add_insecure_port(f"unix:{path}"))
+        if bound == 0:
+            raise OSError(f"gRPC cannot listen on unix:{path}")
+        try:
+            self.gate = GrpcGate(host, port, path, limits, tls=tls is not None)
+        except OSError:
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
+            raise
+        self.port = self.gate.port
 
     async def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -341,7 +362,11 @@ class GrpcFront:
     async def start(self) -> None:
         await self.set_serving(False)
         await self.server.start()
+        self.gate.start()
 
     async def stop(self, grace: Optional[float]) -> None:
+        self.gate.stop_accepting()
         await self.server.stop(grace)
+        await self.gate.stop()
+        shutil.rmtree(self.socket_dir, ignore_errors=True)
         self.service.weights_pool.shutdown(wait=False)

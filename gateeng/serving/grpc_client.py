@@ -6,7 +6,8 @@
         chat = c.complete([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
 
 A server started with an API key needs it on every call: `Client(..., api_key=KEY)`,
-or $GATEENG_API_KEY.
+or $GATEENG_API_KEY. One started with TLS needs the CA that signed its certificate:
+`Client(..., ca_file="ca.pem")`.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import grpc
 
 from gateeng.request import DeterminismParams, Mode, SamplingParams, StreamPolicy
 from gateeng.serving.credentials import API_KEY_ENV
+from gateeng.serving.tls import client_credentials
 from gateeng.v1 import engine_pb2 as pb
 from gateeng.v1 import engine_pb2_grpc as pb_grpc
 
@@ -58,11 +60,24 @@ def to_proto(prompt: Union[str, list], params: Optional[SamplingParams] = None,
     return req
 
 
+def channel(target: str, ca_file: Optional[str] = None, cert_file: Optional[str] = None,
+            key_file: Optional[str] = None) -> grpc.Channel:
+    """A channel to `target`: over TLS where a CA file (the server's certificate is
+    checked against it) or a client certificate is given, else in plain text."""
+    if ca_file or cert_file or key_file:
+        return grpc.secure_channel(target, client_credentials(ca_file, cert_file, key_file))
+    return grpc.insecure_channel(target)
+
+
 class Client:
-    def __init__(self, target: str, admin_token: Optional[str] = None, api_key: Optional[str] = None):
+    def __init__(self, target: str, admin_token: Optional[str] = None, api_key: Optional[str] = None,
+                 ca_file: Optional[str] = None, cert_file: Optional[str] = None, key_file: Optional[str] = None):
         """`api_key` goes with every call; None takes $GATEENG_API_KEY, "" sends none.
-        `admin_token` goes with the admin calls only."""
-        self.channel = grpc.insecure_channel(target)
+        `admin_token` goes with the admin calls only. `ca_file`: talk TLS to a server
+        started with --ssl-certfile, whose certificate this CA (PEM) signed;
+        `cert_file` and `key_file`: this client's certificate, for a server started
+        with --ssl-ca-certs."""
+        self.channel = channel(target, ca_file, cert_file, key_file)
         self.stub = pb_grpc.EngineStub(self.channel)
         self.admin_token = admin_token
         self.api_key = os.environ.get(API_KEY_ENV) if api_key is None else api_key

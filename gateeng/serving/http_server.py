@@ -19,82 +19,91 @@ import asyncio
 import contextlib
 import resource
 import socket
+import ssl
 import threading
-import time
+from typing import Optional
 
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from gateeng.config import ConnectionLimits
 from gateeng.logs import LOGGER
+from gateeng.serving.admission import Admission
 
 log = LOGGER.getChild("http")
 REFUSED = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nConnection: close\r\n"
            b"Retry-After: 1\r\nContent-Length: 29\r\n\r\ntoo many connections; retry\r\n")
 HEADER_TIMEOUT = (b"HTTP/1.1 408 Request Timeout\r\nConnection: close\r\nContent-Length: 0\r\n\r\n")
-LOG_EVERY_S = 60.0
 
 
 def ensure_descriptors(needed: int) -> int:
-    """Raise the soft open-file limit to `needed` where the hard limit allows, so that
-    the listeners at their connection limits still leave gRPC, health and the model's
-    files their descriptors; refuse to start (ValueError) where it does not. Returns
-    the soft limit now in force."""
+    """Raise the soft open-file limit toward `needed`, as far as the hard limit allows,
+    so that the listeners at their connection limits still leave each other, health and
+    the model's files their descriptors. Returns the soft limit now in force: below
+    `needed` where the hard limit is (ServerConfig.fitted then lowers the limits)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != resource.RLIM_INFINITY and soft < needed:
-        if hard != resource.RLIM_INFINITY and hard < needed:
-            raise ValueError(f"the connection limits need {needed} open files (the HTTP and metrics "
-                             f"max-connections plus a reserve for gRPC and the model's files), but the hard "
-                             f"limit is {hard}: lower --http-max-connections or raise `ulimit -n`")
-        resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
-        log.info("raised the open-file limit from %d to %d for the connection limits", soft, needed)
-        soft = needed
-    return soft
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return needed if soft == resource.RLIM_INFINITY else soft
+    target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    if target > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        log.info("raised the open-file limit from %d to %d for the connection limits", soft, target)
+    return target
 
 
-class _Admission:
-    """The open-connection count of one listener, and its refusal log. Touched only
-    from the listener's own event loop."""
-
-    def __init__(self, name: str, limit: int):
-        self.name, self.limit, self.open = name, limit, 0
-        self.refused, self.refused_since_log, self.logged_at = 0, 0, -LOG_EVERY_S
-
-    def admit(self) -> bool:
-        if self.open < self.limit:
-            self.open += 1
-            return True
-        self.refused += 1
-        self.refused_since_log += 1
-        now = time.monotonic()
-        if now - self.logged_at >= LOG_EVERY_S:
-            log.warning("%s: %d connection(s) refused in the last %.0f s: %d are open, the limit "
-                        "(--%s-max-connections)", self.name, self.refused_since_log,
-                        min(now - self.logged_at, LOG_EVERY_S), self.open, self.name)
-            self.logged_at, self.refused_since_log = now, 0
-        return False
-
-    def release(self) -> None:
-        self.open -= 1
-
-
-def _protocol(admission: _Admission, header_timeout_s: float):
+def _protocol(admission: Admission, header_timeout_s: float, tls: Optional[ssl.SSLContext]):
     class BoundedH11Protocol(H11Protocol):
-        """uvicorn's h11 protocol with admission and a header deadline."""
+        """uvicorn's h11 protocol with admission and a header deadline; with `tls`, the
+        TLS handshake runs after admission and within the header deadline, so a client
+        that never finishes it holds no more than one that sends nothing."""
         admitted = False
         header_timer = None
+        early = None     # TLS: bytes read after the handshake, before h11 had the connection
 
         def connection_made(self, transport):
             if not admission.admit():
+                admission.refuse()
                 self.transport = transport
-                transport.write(REFUSED)
-                transport.close()
+                if tls is None:
+                    transport.write(REFUSED)
+                    transport.close()
+                else:
+                    transport.abort()           # no handshake for a connection past the limit
                 return
             self.admitted = True
-            super().connection_made(transport)
+            if tls is None:
+                super().connection_made(transport)
+            else:
+                self.transport, self.early = transport, []
+                self.handshake = self.loop.create_task(self._handshake(transport))
             self._arm()
 
+        async def _handshake(self, raw):
+            try:
+                secure = await self.loop.start_tls(raw, self, tls, server_side=True,
+                                                   ssl_handshake_timeout=header_timeout_s)
+            except (OSError, ssl.SSLError, asyncio.TimeoutError, ConnectionError, RuntimeError):
+                raw.abort()
+                self._lost_in_handshake()
+                return
+            early, self.early = self.early, None
+            if not self.admitted:
+                secure.abort()
+                return
+            super().connection_made(secure)
+            for data in early:
+                self.data_received(data)
+
+        def _lost_in_handshake(self):
+            if self.admitted:
+                self.admitted = False
+                admission.release()
+                self._disarm()
+
         def connection_lost(self, exc):
+            if self.early is not None:          # before or during the TLS handshake
+                self._lost_in_handshake()
+                return
             if not self.admitted:
                 return
             self.admitted = False
@@ -103,6 +112,9 @@ def _protocol(admission: _Admission, header_timeout_s: float):
             super().connection_lost(exc)
 
         def data_received(self, data):
+            if self.early is not None:
+                self.early.append(data)
+                return
             if not self.admitted:
                 return
             between = self.cycle is None or self.cycle.response_complete
@@ -123,7 +135,10 @@ def _protocol(admission: _Admission, header_timeout_s: float):
 
         def _headers_late(self):
             self.header_timer = None
-            if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
+            if self.early is not None:          # the TLS handshake is not done: nothing to answer
+                self.transport.abort()
+                self._lost_in_handshake()
+            elif not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
                 self.transport.write(HEADER_TIMEOUT)
                 self.transport.close()
 
@@ -137,7 +152,8 @@ class HttpServer:
     construction (so `port` is known); `start` begins serving. Signals stay with the
     gRPC server, which drains everything."""
 
-    def __init__(self, app, host: str, port: int, limits: ConnectionLimits, name: str):
+    def __init__(self, app, host: str, port: int, limits: ConnectionLimits, name: str,
+                 tls: Optional[ssl.SSLContext] = None):
         class _Server(uvicorn.Server):
             def capture_signals(self):       # the gateeng Server owns SIGTERM / SIGINT
                 return contextlib.nullcontext()
@@ -146,9 +162,9 @@ class HttpServer:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.port = self.sock.getsockname()[1]
-        self.admission = _Admission(name, limits.max_connections)
+        self.admission = Admission(name, limits.max_connections)
         config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=5,
-                                http=_protocol(self.admission, limits.header_timeout_s),
+                                http=_protocol(self.admission, limits.header_timeout_s, tls),
                                 timeout_keep_alive=limits.keep_alive_timeout_s)
         self.server = _Server(config)
         self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve(sockets=[self.sock])),

@@ -19,9 +19,10 @@ from typing import Optional
 
 from prometheus_client import make_asgi_app
 
-from gateeng.config import EngineConfig, ServerConfig
+from gateeng.config import GRPC_FDS_PER_CONNECTION, RESERVED_FDS, EngineConfig, ServerConfig
 from gateeng.engine.client import Engine
 from gateeng.logs import LOGGER
+from gateeng.serving import tls
 from gateeng.serving.auth import HttpApiKey
 from gateeng.serving.gateway import REQUEST_ID_HEADER, Gateway
 from gateeng.serving.grpc_api import GrpcFront
@@ -32,6 +33,26 @@ __all__ = ["REQUEST_ID_HEADER", "Server"]
 log = LOGGER.getChild("server")
 
 
+def _fit_descriptors(settings: ServerConfig) -> ServerConfig:
+    """`settings`, with the listeners' connection limits lowered where the open-file
+    limit (raised as far as the hard limit allows) cannot hold them all and the
+    descriptors kept for the model's files; the start-up log says which."""
+    needed = settings.descriptors_needed()
+    soft = ensure_descriptors(needed)
+    fitted = settings.fitted(soft)
+    limits = (f"gRPC {fitted.grpc_limits.max_connections} (x{GRPC_FDS_PER_CONNECTION} descriptors each)"
+              + (f", HTTP {fitted.http_limits.max_connections}" if fitted.http_port is not None else "")
+              + (f", metrics {fitted.metrics_limits.max_connections}" if fitted.metrics_port is not None else ""))
+    if fitted is not settings:
+        log.warning("the open-file limit is %d, below the %d the connection limits need (`ulimit -n`): "
+                    "connections at most %s, %d descriptors kept for the model's files", soft, needed, limits,
+                    RESERVED_FDS)
+    else:
+        log.info("connections at most %s; %d descriptors kept for the model's files (open-file limit %s)",
+                 limits, RESERVED_FDS, soft)
+    return fitted
+
+
 class Server:
     """Owns the gateway, both fronts, the metrics endpoint and the engine's lifetime.
     `run()` returns the process exit code: 0 after a drain, 1 if the engine died."""
@@ -39,18 +60,19 @@ class Server:
     def __init__(self, config: EngineConfig, settings: Optional[ServerConfig] = None,
                  admin_token: Optional[str] = None, loaded=None, api_key: Optional[str] = None):
         self.config, self.loaded, self.admin_token, self.api_key = config, loaded, admin_token, api_key
-        self.settings = settings = settings or ServerConfig()
+        settings = settings or ServerConfig()
         settings.validate()
         settings.bounds.check(config.margin_threshold, config.max_window, what="the server default")
+        self.tls = tls.load(settings.tls)
+        self.settings = settings = _fit_descriptors(settings)
         self.host, self.port, self.drain_seconds = settings.host, settings.port, settings.drain_seconds
         self.metrics = Metrics()
         self.gateway = Gateway(settings, self.metrics)
-        ensure_descriptors(settings.descriptors_needed())
         self.metrics_port = None
         self.metrics_http: Optional[HttpServer] = None
         if settings.metrics_port is not None:
-            self.metrics_http = HttpServer(make_asgi_app(self.metrics.registry), self.host, settings.metrics_port,
-                                           settings.metrics_limits, "metrics")
+            self.metrics_http = HttpServer(make_asgi_app(self.metrics.registry), settings.metrics_host or self.host,
+                                           settings.metrics_port, settings.metrics_limits, "metrics")
             self.metrics_http.start()
             self.metrics_port = self.metrics_http.port
         self.exit_code = 0
@@ -67,7 +89,8 @@ class Server:
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        self.grpc = front = GrpcFront(self.gateway, self.host, self.port, self.admin_token, self.api_key)
+        self.grpc = front = GrpcFront(self.gateway, self.host, self.port, self.admin_token, self.api_key,
+                                      self.settings.grpc_limits, self.tls)
         self.port = front.port
         for sig in (signal.SIGTERM, signal.SIGINT):
             try:
@@ -83,7 +106,8 @@ class Server:
             app = OpenAIFront(self.gateway).app
             if self.api_key:
                 app = HttpApiKey(app, self.api_key, lambda r: self.gateway.count(r, "http"))
-            self.http = HttpServer(app, self.host, self.settings.http_port, self.settings.http_limits, "http")
+            self.http = HttpServer(app, self.host, self.settings.http_port, self.settings.http_limits, "http",
+                                   tls=self.tls.context if self.tls is not None else None)
             self.http.start()
             log.info("OpenAI-compatible HTTP on port %d", self.http.port)
         try:
@@ -107,9 +131,12 @@ class Server:
         log.info(engine.selfcheck.describe())
         if not self._stop.is_set():
             await front.set_serving(True)
-            log.info("serving %s: gRPC on port %d, OpenAI API on %s, metrics on %s", engine.loaded.source, self.port,
-                     f"http://{self.host}:{self.http.port}/v1" if self.http is not None else "off",
-                     f"http://{self.host}:{self.metrics_port}/metrics" if self.metrics_port else "off")
+            scheme = "https" if self.tls is not None else "http"
+            log.info("serving %s: gRPC%s on port %d, OpenAI API on %s, metrics on %s", engine.loaded.source,
+                     " over TLS" if self.tls is not None else "", self.port,
+                     f"{scheme}://{self.host}:{self.http.port}/v1" if self.http is not None else "off",
+                     f"http://{self.settings.metrics_host or self.host}:{self.metrics_port}/metrics"
+                     if self.metrics_port else "off")
         await self._stop.wait()
         await front.set_serving(False)
         self.gateway.draining = True

@@ -9,6 +9,7 @@ import sys
 from gateeng import __version__, heap, logs
 from gateeng.config import (DEVICES, DIRECT, DTYPES, HTTP_BODY_SLACK_BYTES, KV_POSITIONS_PER_SEQ, LOCAL_SERVER, PLANS,
                             REQUEST_MODES, ROUTE_POLICIES, EngineConfig, ConnectionLimits, GateBounds, ServerConfig)
+from gateeng.config import GrpcLimits, TlsFiles
 from gateeng.plans.kernel_names import ISA_ENV, REFERENCE, REFERENCE_ISAS, TORCH_MM
 from gateeng.request import Mode, SamplingParams
 from gateeng.serving.credentials import ADMIN_TOKEN_ENV as ADMIN_ENV
@@ -129,14 +130,29 @@ def _api_key(args):
     return from_env(API_KEY_ENV)
 
 
+def _tls_client_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ca-file", default=None, metavar="FILE",
+                   help="talk TLS to a server started with --ssl-certfile: the CA certificate (PEM) that signed "
+                        "its certificate (without it, plain text)")
+    p.add_argument("--client-cert", default=None, metavar="FILE",
+                   help="this client's certificate (PEM), for a server started with --ssl-ca-certs")
+    p.add_argument("--client-key", default=None, metavar="FILE", help="the private key of --client-cert (PEM)")
+
+
+def _tls_client(args) -> dict:
+    """The TLS files our gRPC clients take (Client's ca_file, cert_file, key_file)."""
+    return dict(ca_file=args.ca_file, cert_file=args.client_cert, key_file=args.client_key)
+
+
 def _server_client(args, target: str, admin: bool = False):
-    """A Client for `target` with this command's API key and, for admin calls, its
-    admin token; ValueError / OSError where one is unreadable or the token missing."""
+    """A Client for `target` with this command's API key, TLS files and, for admin
+    calls, its admin token; ValueError / OSError where one is unreadable or the token
+    missing."""
     from gateeng.serving.grpc_client import Client
     token = _admin_token(args) if admin else None
     if admin and not token:
         raise ValueError(f"the admin token is missing: pass --admin-token-file or set ${ADMIN_ENV}")
-    return Client(target, admin_token=token, api_key=_api_key(args) or "")
+    return Client(target, admin_token=token, api_key=_api_key(args) or "", **_tls_client(args))
 
 
 def _engine_config(args):
@@ -299,7 +315,7 @@ def cmd_replay(args) -> int:
         return 2
     try:
         if args.server:
-            target = rp.GrpcTarget(args.server, _api_key(args) or "")
+            target = rp.GrpcTarget(args.server, _api_key(args) or "", _tls_client(args))
         elif args.openai:
             target = rp.OpenAITarget(args.openai, _api_key(args))
         else:
@@ -340,7 +356,7 @@ def cmd_probe(args) -> int:
                    else pr.default_prompts(args.num_prompts))
         if args.server:
             send = pr.GrpcSender(args.server, args.max_tokens, args.verified, args.chat, args.seed,
-                                 _api_key(args) or "")
+                                 _api_key(args) or "", _tls_client(args))
         else:
             send = pr.OpenAISender(args.openai, args.max_tokens, extra, args.chat, args.model, args.seed,
                                    _api_key(args))
@@ -369,7 +385,11 @@ def server_config(args) -> ServerConfig:
                         http_default_mode=args.http_default_mode, freeze_heap=not args.no_heap_freeze,
                         bounds=GateBounds(args.request_tau_max, args.request_window_min, args.request_window_max),
                         http_limits=_limits(args, args.http_max_connections),
-                        metrics_limits=_limits(args, args.metrics_max_connections))
+                        metrics_limits=_limits(args, args.metrics_max_connections),
+                        grpc_limits=GrpcLimits(args.grpc_max_connections, args.grpc_handshake_timeout,
+                                               args.grpc_idle_timeout),
+                        tls=TlsFiles(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs),
+                        metrics_host=args.metrics_host)
 
 
 def _limits(args, max_connections: int) -> ConnectionLimits:
@@ -489,7 +509,14 @@ def cmd_health(args) -> int:
     """Exit 0 when the server's engine is SERVING, 1 otherwise (a container HEALTHCHECK)."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
-    with grpc.insecure_channel(args.server) as channel:
+
+    from gateeng.serving.grpc_client import channel as open_channel
+    try:
+        channel = open_channel(args.server, **_tls_client(args))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    with channel:
         try:
             status = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service="gateeng.v1.Engine"), timeout=args.timeout).status
@@ -524,12 +551,17 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate a completion for one prompt and print it")
     _generate_options(g)
     _api_key_args(g, "with --server: the server's API key, sent as `authorization: Bearer KEY`")
+    _tls_client_args(g)
     g.set_defaults(func=cmd_generate)
     s = sub.add_parser("serve", help="serve the model over gRPC, with Prometheus metrics")
     _add_model_args(s)
-    s.add_argument("--host", default=SERVER.host, help="address to bind (gRPC, HTTP and metrics)")
+    s.add_argument("--host", default=SERVER.host, help="address to bind gRPC and HTTP (and metrics, unless "
+                                                        "--metrics-host)")
     s.add_argument("--port", type=int, default=SERVER.port, help="gRPC port")
     s.add_argument("--metrics-port", type=int, default=SERVER.metrics_port, help="Prometheus /metrics port (-1: off)")
+    s.add_argument("--metrics-host", default=SERVER.metrics_host,
+                   help="address to bind --metrics-port, such as a private interface while --host is public "
+                        "(default: --host)")
     s.add_argument("--http-port", type=int, default=SERVER.http_port,
                    help="port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
                         "/v1/models, /tokenize, /detokenize, /version, /health, /metrics), served beside gRPC "
@@ -548,6 +580,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds an HTTP request has to send its whole body after its headers; then it gets 408")
     s.add_argument("--http-keep-alive-timeout", type=float, default=SERVER.http_limits.keep_alive_timeout_s,
                    help="seconds an idle kept-alive connection stays open")
+    s.add_argument("--grpc-max-connections", type=int, default=SERVER.grpc_limits.max_connections,
+                   help="gRPC connections open at once; one more closes the oldest that has sent nothing yet, "
+                        "else it is closed at once. Each holds 3 open files; where the open-file limit cannot "
+                        "hold every listener's limit, all are lowered alike (the start-up log says so)")
+    s.add_argument("--grpc-handshake-timeout", type=float, default=SERVER.grpc_limits.handshake_timeout_s,
+                   help="seconds a gRPC connection has to send the HTTP/2 preface (with TLS: to finish the "
+                        "handshake) and its settings; then it is closed")
+    s.add_argument("--grpc-idle-timeout", type=float, default=SERVER.grpc_limits.idle_timeout_s,
+                   help="seconds a gRPC connection with no call in flight stays open (clients reconnect on "
+                        "their next call)")
+    s.add_argument("--ssl-certfile", default=None, metavar="FILE",
+                   help="serve TLS on both fronts (HTTPS, and gRPC over TLS) with this certificate chain (PEM); "
+                        "needs --ssl-keyfile. /metrics on --metrics-port stays plain HTTP")
+    s.add_argument("--ssl-keyfile", default=None, metavar="FILE", help="the private key of --ssl-certfile (PEM)")
+    s.add_argument("--ssl-ca-certs", default=None, metavar="FILE",
+                   help="require a client certificate signed by one of these CAs (PEM) on both fronts; needs "
+                        "--ssl-certfile")
     s.add_argument("--served-model-name", default=SERVER.served_model_name,
                    help="the model's name on both fronts: the id the HTTP API reports and accepts, and "
                         "GetModelInfo's name (default: the model file's or directory's name)")
@@ -571,7 +620,7 @@ def build_parser() -> argparse.ArgumentParser:
     _api_key_args(s, "require this API key on every gRPC Engine call (metadata `authorization: Bearer KEY`) and "
                      "every HTTP path but /health and /metrics (header `Authorization: Bearer KEY`); gRPC health "
                      "and reflection, and --metrics-port, stay open. Not encryption: the key travels in clear "
-                     "unless a TLS proxy fronts the server")
+                     "unless the server has --ssl-certfile (or a TLS proxy fronts it)")
     s.add_argument("--recalibrate-route", action="store_true", default=DEFAULTS.recalibrate_route,
                    help="time both plans' decode passes again at start-up and keep the new costs. The adaptive "
                         "route prices each step from these costs, timed once per machine, kernel build, model and "
@@ -611,6 +660,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="set the recommended tau on a running server (UpdateGateConfig)")
     _admin_token_arg(c, "for --apply")
     _api_key_args(c, "for --apply: the server's API key, sent as `authorization: Bearer KEY`")
+    _tls_client_args(c)
     c.set_defaults(func=cmd_calibrate)
     r = sub.add_parser("replay", help="decode stored responses again and check that VERIFIED ones are bitwise "
                                       "identical",
@@ -634,6 +684,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="local engine: serve a GGUF dequantized, as a server started with --dequantize does")
     r.add_argument("--threads", type=int, default=None, help="local engine: torch CPU threads")
     _api_key_args(r, "with --server or --openai: the server's API key, sent as `Authorization: Bearer KEY`")
+    _tls_client_args(r)
     r.set_defaults(func=cmd_replay)
     pb_ = sub.add_parser("probe", help="measure whether a server's completions change with concurrency and "
                                         "caching (exit 1 if any prompt got more than one)",
@@ -664,6 +715,7 @@ def build_parser() -> argparse.ArgumentParser:
     pb_.add_argument("--label", default=None, help="a title for the plot")
     pb_.add_argument("--out", default="probe", help="folder for probe.json and probe.png")
     _api_key_args(pb_, "the server's API key, sent as `Authorization: Bearer KEY`")
+    _tls_client_args(pb_)
     pb_.set_defaults(func=cmd_probe)
     m = sub.add_parser("model-dir", help="print a model's Hugging Face-format directory (config, weights, "
                                           "tokenizer), converting a .gguf once")
@@ -685,10 +737,12 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--server", default=LOCAL_SERVER, metavar="HOST:PORT", help="the server's gRPC address")
     _admin_token_arg(u, "required")
     _api_key_args(u, "the server's API key where it has one, sent beside the admin token")
+    _tls_client_args(u)
     u.set_defaults(func=cmd_update_weights)
     h = sub.add_parser("health", help="check a running server's health (exit 0 only when SERVING)")
     h.add_argument("--server", default=LOCAL_SERVER, metavar="HOST:PORT")
     h.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the answer")
+    _tls_client_args(h)
     h.set_defaults(func=cmd_health)
     a = sub.add_parser("admin", help="operator commands against a running server")
     asub = a.add_subparsers(dest="admin_cmd", required=True, parser_class=_Parser)
@@ -698,6 +752,7 @@ def build_parser() -> argparse.ArgumentParser:
     ag.add_argument("--window", type=int, default=None, help="new default max window")
     _admin_token_arg(ag, "for setting tau or W")
     _api_key_args(ag, "the server's API key where it has one, sent beside the admin token")
+    _tls_client_args(ag)
     ag.set_defaults(func=cmd_admin_gate)
     return parser
 

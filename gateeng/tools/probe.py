@@ -85,10 +85,10 @@ class OpenAISender:
 
 class GrpcSender:
     def __init__(self, address: str, max_tokens: int, verified: bool, chat: bool, seed: Optional[int],
-                 api_key: Optional[str] = None):
+                 api_key: Optional[str] = None, tls: Optional[dict] = None):
         from gateeng.request import DeterminismParams, Mode, SamplingParams
         from gateeng.serving.grpc_client import Client
-        self.client, self.name, self.chat = Client(address, api_key=api_key), address, chat
+        self.client, self.name, self.chat = Client(address, api_key=api_key, **(tls or {})), address, chat
         self.params = SamplingParams(max_tokens=max_tokens, temperature=0.0 if seed is None else 1.0, seed=seed)
         self.det = DeterminismParams(Mode.VERIFIED if verified else Mode.OFF)
 

@@ -253,8 +253,9 @@ def _threaded(items: list, one: Callable) -> Iterator:
 
 
 class GrpcTarget:
-    def __init__(self, address: str, api_key: Optional[str] = None):
-        self.client, self.name = Client(address, api_key=api_key), address
+    def __init__(self, address: str, api_key: Optional[str] = None, tls: Optional[dict] = None):
+        """`tls`: Client's TLS files (ca_file, cert_file, key_file), where the server has TLS."""
+        self.client, self.name = Client(address, api_key=api_key, **(tls or {})), address
 
     def record(self) -> dict:
         r = self.client.server_info().reproducibility
