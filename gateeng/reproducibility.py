@@ -21,6 +21,7 @@ from typing import Optional
 
 import torch
 
+from gateeng.config import BFLOAT16
 from gateeng.plans.kernel_names import ISA_ENV, REFERENCE
 
 # The ISA extensions that change which CPU kernels run (and so their rounding).
@@ -131,3 +132,17 @@ def differences(stored: dict, here: dict) -> list:
     if not here.get("self_check_passed"):
         out.append(f"self_check: here {here.get('self_check')}")
     return out
+
+
+def untrainable(fields: dict) -> str:
+    """Why a trainer (gateeng.train.Policy: the written reference in bf16, on a
+    transformers checkpoint's weights) cannot compute the VERIFIED bits of a server,
+    or of an answer, whose record has these fields; empty when it can."""
+    reference, dtype = fields.get("reference"), fields.get("dtype")
+    if reference == REFERENCE and dtype == BFLOAT16:
+        return ""
+    if str(reference).startswith(REFERENCE):   # the reference on weights kept quantized (its version names them)
+        return (f"a GGUF's quantized weights are served as stored ({reference}), and a trainer computes on "
+                f"bf16 weights: serve it with --dequantize")
+    return (f"its VERIFIED bits follow {reference!r} in {dtype}, not the written reference {REFERENCE!r} in "
+            f"bfloat16 that a trainer computes: serve it with --dtype bfloat16")

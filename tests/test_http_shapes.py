@@ -10,6 +10,7 @@ import urllib.request
 import openai
 import pytest
 
+from gateeng import answers
 from gateeng.config import HTTP_MAX_CHOICES
 from gateeng.request import choice_seed
 from gateeng.tools import replay
@@ -68,7 +69,7 @@ def test_each_choice_of_a_stored_group_replays_on_its_own(served, tmp_path):
     items = replay.read(path)
     assert [label for label, _ in items] == [f"group.json choice {i}" for i in range(3)]
     for (_, stored), choice in zip(items, res.choices):
-        assert isinstance(stored, replay.Stored) and stored.mode == "verified"
+        assert isinstance(stored, answers.Answer) and stored.mode == "verified"
         assert stored.output_ids == choice.model_extra["replay"]["token_ids"]
         assert stored.sampling.seed == choice.model_extra["replay"]["sampling"]["seed"]
 

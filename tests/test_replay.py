@@ -12,6 +12,7 @@ import openai
 import pytest
 from google.protobuf import json_format
 
+from gateeng.answers import Answer
 from gateeng.config import EngineConfig, ServerConfig
 from gateeng.plans.kernel_names import REFERENCE
 from gateeng.request import DeterminismParams, Mode, SamplingParams
@@ -84,7 +85,7 @@ def test_the_responses_carry_what_a_replay_needs(stored):
     assert grpc_["sampling"]["seed"] and grpc_["prompt_token_ids"]["ids"] == [40, 41, 42, 43, 44, 45]
     assert bodies["http-chat-seeded"]["replay"]["sampling"]["seed"] is not None   # the drawn seed
     items = rp.read(path)
-    assert [type(item) for _, item in items] == [rp.Stored] * 4
+    assert [type(item) for _, item in items] == [Answer] * 4
     assert [item.mode for _, item in items] == ["verified", "verified", "off", "verified"]
 
 

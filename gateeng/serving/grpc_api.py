@@ -45,7 +45,7 @@ from gateeng.config import GrpcLimits, validate_threshold, validate_window
 from gateeng.engine.errors import EngineDead, WeightUpdateUnavailable
 from gateeng.logs import LOGGER
 from gateeng.outputs import Chunk, Completion, Rollback
-from gateeng.reproducibility import Reproducibility
+from gateeng.reproducibility import Reproducibility, untrainable
 from gateeng.request import FinishReason
 from gateeng.serving import auth, edge, refusals
 from gateeng.serving.grpc_client import sampling_proto
@@ -235,6 +235,7 @@ class EngineService:
         await self._parse(pb.GetModelInfoRequest, raw, context)
         e = await self._engine(context)
         mc = e.model_config
+        why = untrainable(asdict(e.reproducibility))
         source = e.loaded.source if self.gateway.settings.expose_model_path else ""
         return pb.ModelInfo(name=self.gateway.model_name(), source=source, fingerprint=e.loaded.fingerprint,
                             dtype=e.config.dtype,
@@ -242,7 +243,7 @@ class EngineService:
                             hidden_size=mc.hidden_size, eos_token_ids=sorted(e.stop.eos),
                             architecture=mc.architecture,
                             has_chat_template=bool(getattr(e.tokenizer, "chat_template", None)),
-                            weight_version=e.weight_version)
+                            weight_version=e.weight_version, trainable=not why, untrainable_reason=why)
 
     async def GetServerInfo(self, raw: bytes, context):
         await self._parse(pb.GetServerInfoRequest, raw, context)

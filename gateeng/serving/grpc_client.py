@@ -33,12 +33,6 @@ def sampling_proto(p: SamplingParams) -> pb.SamplingParams:
     return sp
 
 
-def sampling_from_proto(sp: pb.SamplingParams) -> SamplingParams:
-    """The inverse of sampling_proto (unset fields take SamplingParams' defaults)."""
-    fields = {f.name: value for f, value in sp.ListFields()}
-    return SamplingParams.from_dict({**fields, "stop": list(sp.stop), "stop_token_ids": list(sp.stop_token_ids)})
-
-
 def to_proto(prompt: Union[str, list], params: Optional[SamplingParams] = None,
              det: Optional[DeterminismParams] = None, chat: bool = False, request_id: str = "") -> pb.GenerateRequest:
     sp = sampling_proto(params or SamplingParams())

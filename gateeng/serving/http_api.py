@@ -22,8 +22,8 @@ Defaults follow the OpenAI API (temperature 1, max_tokens 16 for
 completions). Each choice of a request (`n` per prompt, and one per prompt of a
 prompt list) is a request of the engine's own, with the seed
 request.choice_seed gives it; a single choice's fields (reproducibility,
-determinism, replay) are the response's own where there is one choice, and
-each choice's where there are several. Fail closed: an unknown field, an
+determinism, replay) are each choice's own, and a one-choice answer's at
+its top level too. Fail closed: an unknown field, an
 option we do not implement (penalties, logit_bias, a response_format other
 than text, ...), a field of the wrong type or an unknown determinism mode is a
 400, never ignored or coerced. Errors are
@@ -55,7 +55,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from gateeng import __version__
+from gateeng import __version__, reproducibility
 from gateeng.config import HTTP_BODY_SLACK_BYTES
 from gateeng.engine.client import Engine
 from gateeng.engine.errors import EngineDead
@@ -158,9 +158,9 @@ class OpenAIFront:
                                           f"--max-prompt-bytes ({prompt_bytes}), far more than the context holds")
         return b"".join(chunks)
 
-    def _extension(self, c: Completion) -> dict:
-        return {"system_fingerprint": c.reproducibility.fingerprint(),
-                "reproducibility": {**record_json(c.reproducibility), "seed": c.seed},
+    def _own(self, c: Completion) -> dict:
+        """A choice's own fields: what a replay, or a trainer rescoring it, reads."""
+        return {"reproducibility": {**record_json(c.reproducibility), "seed": c.seed},
                 "determinism": {"mode": c.mode.value, **vars(c.stats)},
                 "replay": {"prompt_token_ids": c.prompt_ids, "token_ids": c.token_ids,
                            "sampling": c.sampling.to_dict()},
@@ -208,6 +208,11 @@ class OpenAIFront:
         if engine is not None:    # what `gateeng replay --openai` checks before it decodes
             model["reproducibility"] = record_json(engine.reproducibility)
             model["weight_version"] = engine.weight_version   # 0 at start, +1 per applied weight update
+            # Whether gateeng.train.Policy computes this server's VERIFIED bits, and why not.
+            why = reproducibility.untrainable(record_json(engine.reproducibility))
+            model["trainable"] = not why
+            if why:
+                model["untrainable_reason"] = why
         return model
 
     async def metrics(self, request: HttpRequest):
@@ -369,16 +374,16 @@ class OpenAIFront:
                            [self._completion_choice(i, c, echo, k) for i, c in enumerate(finals)])
 
     def _whole(self, request_id: str, kind: str, finals: list, n: int, choices: list) -> dict:
-        """A whole answer. One choice's own fields (reproducibility, determinism,
-        replay) go in the answer itself; with several, in each choice."""
+        """A whole answer. Each choice carries its own fields (reproducibility,
+        determinism, replay), whatever their number; a one-choice answer carries
+        them at its top level too, as it did before choices did."""
         body = {"id": request_id, "object": kind, "created": int(time.time()), "model": self.model_name,
-                "choices": choices, "usage": _usage(finals, n)}
+                "choices": choices, "usage": _usage(finals, n),
+                "system_fingerprint": finals[0].reproducibility.fingerprint()}
+        for choice, c in zip(choices, finals):
+            choice.update(self._own(c))
         if len(finals) == 1:
-            body.update(self._extension(finals[0]))
-        else:
-            body["system_fingerprint"] = finals[0].reproducibility.fingerprint()
-            for choice, c in zip(choices, finals):
-                choice.update(self._extension(c))
+            body.update(self._own(finals[0]))
         return body
 
     def _chat_logprobs(self, entries: list) -> dict:
@@ -451,7 +456,8 @@ class OpenAIFront:
                     payload = shape(request_id, index, ev, index not in started)
                     started.add(index)
                     if isinstance(ev, Completion):
-                        payload.update(self._extension(ev))
+                        payload["system_fingerprint"] = ev.reproducibility.fingerprint()
+                        payload.update(self._own(ev))
                     if usage:
                         payload["usage"] = None
                     yield f"data: {json.dumps(payload)}\n\n"

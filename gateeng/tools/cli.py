@@ -7,8 +7,8 @@ import os
 import sys
 
 from gateeng import __version__, heap, logs
-from gateeng.config import (DEVICES, DIRECT, DTYPES, HTTP_BODY_SLACK_BYTES, KV_POSITIONS_PER_SEQ, LOCAL_SERVER, PLANS,
-                            REQUEST_MODES, ROUTE_POLICIES, EngineConfig, ConnectionLimits, GateBounds, ServerConfig)
+from gateeng.config import (DEVICES, DIRECT, DTYPES, GRPC_PORT, HTTP_BODY_SLACK_BYTES, HTTP_PORT,
+                            KV_POSITIONS_PER_SEQ, LOCAL_SERVER, PLANS, REQUEST_MODES, ROUTE_POLICIES, EngineConfig, ConnectionLimits, GateBounds, ServerConfig)
 from gateeng.config import GrpcLimits, TlsFiles
 from gateeng.plans.kernel_names import ISA_ENV, REFERENCE, REFERENCE_ISAS, TORCH_MM
 from gateeng.request import Mode, SamplingParams
@@ -155,6 +155,16 @@ def _server_client(args, target: str, admin: bool = False):
     return Client(target, admin_token=token, api_key=_api_key(args) or "", **_tls_client(args))
 
 
+def _rpc_error(e) -> str:
+    """A failed call's status and details; where the address answered HTTP/1.1 (the
+    OpenAI front's port, not gRPC's), what to give instead."""
+    text = f"{e.code().name}: {e.details()}"
+    if "http1.x" in (e.details() or ""):
+        text += (f" -- that address is an HTTP/1.1 server, such as gateeng's OpenAI front (--http-port, default "
+                 f"{HTTP_PORT}); this command speaks gRPC: give the server's gRPC port (--port, default {GRPC_PORT})")
+    return text
+
+
 def _engine_config(args):
     return EngineConfig(model=args.model, dtype=args.dtype, dequantize=args.dequantize, device=args.device,
                         plan=args.plan,
@@ -255,7 +265,7 @@ def cmd_generate(args) -> int:
             try:
                 res = client.complete(args.prompt, params, det, chat=not args.no_chat)
             except grpc.RpcError as e:
-                print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+                print(f"error: {_rpc_error(e)}", file=sys.stderr)
                 return 2
             print(_json_line(res) if args.json else res.text)
             d = res.determinism
@@ -299,6 +309,7 @@ def _json_line(response) -> str:
 def cmd_replay(args) -> int:
     from pathlib import Path
 
+    from gateeng.answers import Answer
     from gateeng.tools import replay as rp
     remote = args.server or args.openai
     if remote and (args.model or args.dtype or args.threads):
@@ -319,7 +330,7 @@ def cmd_replay(args) -> int:
         elif args.openai:
             target = rp.OpenAITarget(args.openai, _api_key(args))
         else:
-            dtypes = {it.record.get("dtype") for _, it in items if isinstance(it, rp.Stored)}
+            dtypes = {it.record.get("dtype") for _, it in items if isinstance(it, Answer)}
             dtype = args.dtype or (dtypes.pop() if len(dtypes) == 1 else DEFAULTS.dtype)
             # Direct: every VERIFIED decode on the invariant plan (the same bits; no plan pricing at start-up).
             target = rp.LocalTarget(EngineConfig(model=args.model, dtype=dtype, dequantize=args.dequantize,
@@ -365,7 +376,7 @@ def cmd_probe(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except grpc.RpcError as e:
-        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+        print(f"error: {_rpc_error(e)}", file=sys.stderr)
         return 2
     meta = {"target": send.name, "label": args.label, "extra": extra, "verified": args.verified,
             "chat": args.chat, "max_tokens": args.max_tokens, "seed": args.seed, "concurrency": levels}
@@ -463,7 +474,7 @@ def _update_gate(target: str, args, tau, window) -> int:
             cfg = c.update_gate_config(margin_threshold=tau, max_window=window) if setting \
                 else c.server_info().gate
         except grpc.RpcError as e:
-            print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+            print(f"error: {_rpc_error(e)}", file=sys.stderr)
             return 2
     print(f"{target}: margin_threshold (tau) = {cfg.margin_threshold:g}, max_window (W) = {cfg.max_window}")
     return 0
@@ -484,7 +495,7 @@ def cmd_update_weights(args) -> int:
         try:
             res = c.update_weights(os.path.abspath(args.dir))
         except grpc.RpcError as e:
-            print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+            print(f"error: {_rpc_error(e)}", file=sys.stderr)
             return 2
     print(f"{args.server}: weights from {args.dir} in place: weight_version {res.weight_version}, "
           f"model_fingerprint {res.model_fingerprint}, {res.seconds:.2f} s, {res.requests_ended} requests ended")

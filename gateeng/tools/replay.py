@@ -30,15 +30,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
-from google.protobuf import json_format
 
 from gateeng import reproducibility
+from gateeng.answers import PROMISED, Answer, BadAnswer, Logprob, each_choice, parse
 from gateeng.request import DeterminismParams, Mode, SamplingParams
-from gateeng.serving.grpc_client import Client, sampling_from_proto
+from gateeng.serving.grpc_client import Client
 from gateeng.serving.http_api import json_logprob
 from gateeng.v1 import engine_pb2 as pb
 
-PROMISED = (Mode.VERIFIED.value, Mode.REFERENCE.value)
 # Requests a replay keeps in flight at once (they batch on the target; VERIFIED
 # bits do not depend on the batch).
 IN_FLIGHT = 8
@@ -46,26 +45,8 @@ IN_FLIGHT = 8
 MARGIN_ALTERNATIVES = 2
 
 
-class Unreplayable(ValueError):
+class Unreplayable(BadAnswer):
     """A stored item lacks something a replay needs, or the target cannot run it."""
-
-
-@dataclass(frozen=True)
-class Logprob:
-    value: float
-    top: tuple                 # ((token id, or its text where only text was stored), value), most likely first
-    text: Optional[str] = None  # the token's text, where the response showed it
-
-
-@dataclass(frozen=True)
-class Stored:
-    label: str
-    mode: str                  # off | verified | reference
-    prompt_ids: list
-    sampling: SamplingParams
-    output_ids: list
-    logprobs: Optional[list]   # Logprob per output token, None if not asked for
-    record: dict               # the Reproducibility fields as stored
 
 
 @dataclass(frozen=True)
@@ -77,7 +58,7 @@ class Replayed:
 # ---- reading stored responses ------------------------------------------------------
 
 def read(path: Path) -> list:
-    """(label, Stored or Unreplayable) per response in a JSON or JSONL file."""
+    """(label, Answer or Unreplayable) per response in a JSON or JSONL file."""
     text = path.read_text()
     try:
         objects = [(path.name, json.loads(text))]
@@ -91,109 +72,18 @@ def read(path: Path) -> list:
                     objects.append((f"{path.name}:{n}", Unreplayable(f"not JSON: {e}")))
     out = []
     for label, obj in [one for label, obj in objects for one in each_choice(label, obj)]:
-        if isinstance(obj, Unreplayable):
-            out.append((label, obj))
-            continue
         try:
+            if isinstance(obj, BadAnswer):
+                raise obj
             out.append((label, parse(obj, label)))
-        except Unreplayable as e:
-            out.append((label, e))
+        except BadAnswer as e:
+            out.append((label, e if isinstance(e, Unreplayable) else Unreplayable(str(e))))
     return out
-
-
-def each_choice(label: str, obj) -> list:
-    """(label, response) per choice: an HTTP answer with several choices (`n`, a
-    prompt list) carries each choice's replay fields in the choice, and each is
-    replayed as a response of its own."""
-    choices = obj.get("choices") if isinstance(obj, dict) else None
-    if obj_kind(obj) is None or not isinstance(choices, list) or len(choices) < 2:
-        return [(label, obj)]
-    out = []
-    for i, choice in enumerate(choices):
-        if not isinstance(choice, dict):
-            out.append((f"{label} choice {i}", Unreplayable("a choice is a JSON object")))
-            continue
-        own = {key: choice[key] for key in ("replay", "reproducibility", "determinism") if key in choice}
-        out.append((f"{label} choice {choice.get('index', i)}",
-                    {"object": obj["object"], "id": obj.get("id", ""), "choices": [choice], **own}))
-    return out
-
-
-def obj_kind(obj) -> Optional[str]:
-    """The HTTP answer's object kind, or None for anything else."""
-    kind = obj.get("object") if isinstance(obj, dict) else None
-    return kind if kind in ("text_completion", "chat.completion") else None
-
-
-def parse(obj, label: str) -> Stored:
-    if not isinstance(obj, dict):
-        raise Unreplayable(f"a response is a JSON object, got {type(obj).__name__}")
-    if obj_kind(obj) is not None:
-        return _parse_http(obj, label)
-    try:
-        msg = json_format.ParseDict(obj, pb.CompleteResponse())
-    except json_format.ParseError as e:
-        raise Unreplayable(f"neither an HTTP completion nor a gRPC CompleteResponse: {e}") from None
-    return _parse_grpc(msg, label)
-
-
-def _missing(what: str) -> Unreplayable:
-    return Unreplayable(f"the response has no {what}: it comes from a server that does not record what a "
-                        f"replay needs")
-
-
-def _parse_grpc(msg: pb.CompleteResponse, label: str) -> Stored:
-    if not msg.HasField("prompt_token_ids") or not msg.HasField("sampling"):
-        raise _missing("prompt_token_ids and sampling")
-    if not msg.HasField("reproducibility"):
-        raise _missing("reproducibility record")
-    sampling = _sampling(lambda: sampling_from_proto(msg.sampling))
-    logprobs = None
-    if sampling.logprobs is not None:
-        logprobs = [Logprob(e.logprob, tuple((t.token_id, t.logprob) for t in e.top)) for e in msg.logprobs]
-    record = {f.name: getattr(msg.reproducibility, f.name) for f in msg.reproducibility.DESCRIPTOR.fields}
-    return Stored(_named(label, msg.request_id), msg.determinism.mode, list(msg.prompt_token_ids.ids), sampling,
-                  list(msg.token_ids), logprobs, record)
-
-
-def _parse_http(body: dict, label: str) -> Stored:
-    replay, record = body.get("replay"), body.get("reproducibility")
-    if not isinstance(replay, dict) or not {"prompt_token_ids", "token_ids", "sampling"} <= set(replay):
-        raise _missing("`replay` block (prompt_token_ids, token_ids, sampling)")
-    if not isinstance(record, dict):
-        raise _missing("`reproducibility` record")
-    sampling = _sampling(lambda: SamplingParams.from_dict(replay["sampling"]))
-    out = list(replay["token_ids"])
-    choice = (body.get("choices") or [{}])[0]
-    logprobs = None
-    lp = choice.get("logprobs")
-    if sampling.logprobs is not None and lp:
-        if body["object"] == "chat.completion":
-            logprobs = [Logprob(c["logprob"], tuple((t["token"], t["logprob"]) for t in c["top_logprobs"]),
-                                c["token"]) for c in lp["content"]]
-        else:   # echo puts the prompt's entries first: the output's are the last ones
-            first = len(lp["token_logprobs"]) - len(out)
-            logprobs = [Logprob(v, tuple((top or {}).items()), t) for v, top, t in
-                        zip(lp["token_logprobs"][first:], lp["top_logprobs"][first:], lp["tokens"][first:])]
-    mode = (body.get("determinism") or {}).get("mode", "")
-    return Stored(_named(label, body.get("id", "")), mode, list(replay["prompt_token_ids"]), sampling, out,
-                  logprobs, record)
-
-
-def _sampling(make: Callable[[], SamplingParams]) -> SamplingParams:
-    try:
-        return make()
-    except (TypeError, ValueError) as e:
-        raise Unreplayable(f"its sampling parameters cannot be read: {e}") from None
-
-
-def _named(label: str, request_id: str) -> str:
-    return f"{label} ({request_id})" if request_id else label
 
 
 # ---- targets: where the replay decodes ----------------------------------------------
 
-def replay_params(item: Stored) -> SamplingParams:
+def replay_params(item: Answer) -> SamplingParams:
     """The stored parameters, asking for the alternatives that give margins."""
     k = max(item.sampling.logprobs or 0, MARGIN_ALTERNATIVES)
     return dataclasses.replace(item.sampling, logprobs=k, prompt_logprobs=None)
@@ -378,7 +268,7 @@ def _logprobs_equal(a: Logprob, b: Logprob) -> bool:
     return all(ta == tb and _bits(va) == _bits(vb) for (ta, va), (tb, vb) in zip(a.top, b.top))
 
 
-def compare(item: Stored, got: Replayed, token_text: Callable[[int], Optional[str]]) -> tuple:
+def compare(item: Answer, got: Replayed, token_text: Callable[[int], Optional[str]]) -> tuple:
     """(identical, what to print)."""
     def shown(ids, lps, i):
         if i >= len(ids):

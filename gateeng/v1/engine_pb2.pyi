@@ -285,7 +285,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("source", "fingerprint", "dtype", "vocab_size", "max_model_len", "num_layers", "hidden_size", "eos_token_ids", "architecture", "has_chat_template", "name", "weight_version")
+    __slots__ = ("source", "fingerprint", "dtype", "vocab_size", "max_model_len", "num_layers", "hidden_size", "eos_token_ids", "architecture", "has_chat_template", "name", "weight_version", "trainable", "untrainable_reason")
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -298,6 +298,8 @@ class ModelInfo(_message.Message):
     HAS_CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TRAINABLE_FIELD_NUMBER: _ClassVar[int]
+    UNTRAINABLE_REASON_FIELD_NUMBER: _ClassVar[int]
     source: str
     fingerprint: str
     dtype: str
@@ -310,7 +312,9 @@ class ModelInfo(_message.Message):
     has_chat_template: bool
     name: str
     weight_version: int
-    def __init__(self, source: _Optional[str] = ..., fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., architecture: _Optional[str] = ..., has_chat_template: _Optional[bool] = ..., name: _Optional[str] = ..., weight_version: _Optional[int] = ...) -> None: ...
+    trainable: bool
+    untrainable_reason: str
+    def __init__(self, source: _Optional[str] = ..., fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., architecture: _Optional[str] = ..., has_chat_template: _Optional[bool] = ..., name: _Optional[str] = ..., weight_version: _Optional[int] = ..., trainable: _Optional[bool] = ..., untrainable_reason: _Optional[str] = ...) -> None: ...
 
 class GetServerInfoRequest(_message.Message):
     __slots__ = ()
