@@ -145,8 +145,9 @@ class Policy(torch.nn.Module):
         fingerprint = self.fingerprint
         for a in items:
             if not a.promised:
-                raise ValueError(f"{a.label} is {a.mode or 'not'} VERIFIED: its bits are the fast path's, which no "
-                                 f"trainer reproduces; sample rollouts with the determinism field "
+                served = a.mode.upper() if a.mode else "with no determinism mode"
+                raise ValueError(f"{a.label} was served {served}, not VERIFIED: its bits are the fast path's, "
+                                 f"which no trainer reproduces; sample rollouts with the determinism field "
                                  f'{{"mode": "verified"}} (gRPC: MODE_VERIFIED)')
             self._check_record(a.record, fingerprint, a.label)
         out: list = [None] * len(items)
