@@ -27,7 +27,7 @@ def tiny_config(**kw):
 class Running:
     """A Server on its own thread and event loop, as `gateeng serve` runs it."""
 
-    def __init__(self, config, drain_seconds=30.0, loaded=None, settings=None, admin_token=None):
+    def __init__(self, config, drain_seconds=30.0, loaded=None, settings=None, admin_token=None, credentials=None):
         settings = settings or ServerConfig(port=0, metrics_port=None, http_port=None, drain_seconds=drain_seconds)
         self.server = Server(config, settings, loaded=loaded or tiny_loaded("float32"), admin_token=admin_token)
         self.exit_code = None
@@ -39,7 +39,11 @@ class Running:
             assert time.time() < deadline and self.thread.is_alive(), "server did not start"
             time.sleep(0.05)
         self.target = f"127.0.0.1:{self.server.port}"
-        wait_for(self.target, SERVING)
+        self.credentials = credentials          # gRPC channel credentials, for a server with TLS
+        wait_for(self.target, SERVING, credentials=credentials)
+
+    def health(self, timeout=1.0):
+        return health(self.target, timeout, self.credentials)
 
     def _main(self):
         async def main():
@@ -53,21 +57,24 @@ class Running:
         return self.exit_code
 
 
-def channel(target):
+def channel(target, credentials=None):
     # Its own connection (no shared subchannel), as a separate client process has.
-    return grpc.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
+    options = [("grpc.use_local_subchannel_pool", 1)]
+    if credentials is not None:
+        return grpc.secure_channel(target, credentials, options=options)
+    return grpc.insecure_channel(target, options=options)
 
 
-def health(target, timeout=1.0):
-    return health_pb2_grpc.HealthStub(channel(target)).Check(
+def health(target, timeout=1.0, credentials=None):
+    return health_pb2_grpc.HealthStub(channel(target, credentials)).Check(
         health_pb2.HealthCheckRequest(service="gateeng.v1.Engine"), timeout=timeout).status
 
 
-def wait_for(target, want, timeout=60):
+def wait_for(target, want, timeout=60, credentials=None):
     deadline = time.time() + timeout
     while time.time() < deadline:
         try:
-            if health(target) == want:
+            if health(target, credentials=credentials) == want:
                 return
         except grpc.RpcError:
             pass

@@ -81,7 +81,8 @@ def _protocol(admission: Admission, header_timeout_s: float, tls: Optional[ssl.S
         async def _handshake(self, raw):
             try:
                 secure = await self.loop.start_tls(raw, self, tls, server_side=True,
-                                                   ssl_handshake_timeout=header_timeout_s)
+                                                   ssl_handshake_timeout=header_timeout_s,
+                                                   ssl_shutdown_timeout=header_timeout_s)
             except (OSError, ssl.SSLError, asyncio.TimeoutError, ConnectionError, RuntimeError):
                 raw.abort()
                 self._lost_in_handshake()
