@@ -120,6 +120,14 @@ def test_kubernetes_deployment_has_what_operators_need():
     serve_args_accepted(c["args"])
     readme = (DEPLOY / "README.md").read_text()
     assert f"kubectl create secret generic {secret}" in readme       # how the Secret is made
+    # TLS on both fronts from a kubernetes.io/tls Secret, and probes that speak it (the kubelet's gRPC probe cannot).
+    tls = volumes["tls"]["secret"]
+    for flag, key in (("--ssl-certfile", "tls.crt"), ("--ssl-keyfile", "tls.key")):
+        assert c["args"][c["args"].index(flag) + 1] == f"{mounts['tls']}/{key}"
+        assert {"key": key, "path": key} in tls["items"]
+    assert f"kubectl create secret tls {tls['secretName']}" in readme
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["httpGet"]["scheme"] == "HTTPS" and c[probe]["httpGet"]["path"] == "/health"
     assert "headless" in readme and "ClusterIP" in readme
     # The ServiceMonitor scrapes a Service that selects these pods and names a metrics port.
     sm = docs[("ServiceMonitor", "gateeng")]["spec"]
