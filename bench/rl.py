@@ -18,7 +18,9 @@ range of the ratio exp(logp_trainer - logp_rollout):
   gateeng        VERIFIED rollouts, gateeng's trainer (must be exactly 0 and 1)
   off            the same questions sampled OFF (fast path), gateeng's trainer
   transformers   the VERIFIED rollouts, recomputed by transformers in bf16 (the usual trainer)
-Writes bench/rl.json and bench/rl.png; prints a markdown table.
+Writes rl.json and rl.png into --out (default: the run's own temporary directory,
+outside the tree; `--out bench` refreshes the figure bench/RESULTS.md shows); prints a
+markdown table.
 """
 from __future__ import annotations
 
@@ -45,7 +47,6 @@ from servers import free_port  # noqa: E402
 
 from gateeng.train import Policy  # noqa: E402
 
-OUT = Path(__file__).resolve().parent
 TEMPERATURE = 1.0
 
 
@@ -96,7 +97,7 @@ class Server:
         replay = res.model_extra["replay"]
         return {"text": res.choices[0].message.content, "prompt": replay["prompt_token_ids"],
                 "tokens": replay["token_ids"], "logprobs": [c.logprob for c in res.choices[0].logprobs.content],
-                "fingerprint": res.system_fingerprint}
+                "fingerprint": res.system_fingerprint, "answer": res}
 
     def update(self, directory: Path) -> tuple:
         """(the command's wall time, the server's own time for the update)."""
@@ -144,10 +145,14 @@ def main() -> int:
     ap.add_argument("--lr", type=float, default=2e-5)
     ap.add_argument("--clip", type=float, default=0.2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=None,
+                    help="where rl.json and rl.png go (default: the run's temporary directory)")
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM
     rng = random.Random(args.seed)
     work = Path(tempfile.mkdtemp(prefix="gateeng-rl-"))
+    out = args.out or work
+    out.mkdir(parents=True, exist_ok=True)
     print(f"rl: {args.steps} steps, {args.prompts} x {args.group} samples; {machine()}", file=sys.stderr, flush=True)
     policy = Policy.load()
     hf = AutoModelForCausalLM.from_pretrained(policy.hf_dir, dtype=torch.bfloat16).eval()
@@ -178,10 +183,10 @@ def main() -> int:
             transformers_s = time.perf_counter() - t0
             t0 = time.perf_counter()
             opt.zero_grad()
-            lps = policy.logprobs([r["prompt"] + r["tokens"] for r in verified], [len(r["prompt"]) for r in verified],
-                                  temperature=TEMPERATURE)
+            # The rollouts as the server answered them: ids, sampling and weights checked from their records.
+            lps = policy.logprobs_from([r["answer"] for r in verified])
             ours = compare(lps, verified)
-            with torch.no_grad():
+            with torch.no_grad():   # OFF answers logprobs_from refuses: their ids and sampling passed by hand
                 off = compare(policy.logprobs([r["prompt"] + r["tokens"] for r in rolls["off"]],
                                               [len(r["prompt"]) for r in rolls["off"]], temperature=TEMPERATURE),
                               rolls["off"])
@@ -209,7 +214,7 @@ def main() -> int:
                   flush=True)
     finally:
         server.stop()
-    report(args, steps)
+    report(args, steps, out)
     exact = all(st["gateeng"]["tokens_differing"] == 0 for st in steps)
     # Each step's rollouts ran on the previous step's pushed weights: one new fingerprint a step.
     pushed = all(len(st["fingerprints"]) == 1 for st in steps) and \
@@ -217,14 +222,14 @@ def main() -> int:
     return 0 if exact and pushed else 1
 
 
-def report(args, steps: list) -> None:
+def report(args, steps: list, out: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     at = commit()
     result = {"machine": machine(), "commit": at, "command": command(),
               "args": vars(args), "steps": steps}
-    (OUT / "rl.json").write_text(json.dumps(result, indent=1))
+    (out / "rl.json").write_text(json.dumps(result, indent=1, default=str))
     xs = [st["step"] for st in steps]
     fig, axes = plt.subplots(1, 3, figsize=(18, 4.5))
     axes[0].plot(xs, [st["reward"] for st in steps], marker="o")
@@ -241,7 +246,7 @@ def report(args, steps: list) -> None:
     axes[2].legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.suptitle(f"bench/rl.py at {at}: {machine()}", fontsize=8)
     fig.tight_layout()
-    fig.savefig(OUT / "rl.png", dpi=110)
+    fig.savefig(out / "rl.png", dpi=110)
     print("| step | reward | gateeng max abs diff | gateeng ratio | OFF max abs diff | OFF ratio "
           "| transformers max abs diff | transformers ratio | update s (command / server) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -253,6 +258,7 @@ def report(args, steps: list) -> None:
     total = sum(st["gateeng"]["tokens"] for st in steps)
     differing = sum(st["gateeng"]["tokens_differing"] for st in steps)
     print(f"\ngateeng trainer vs VERIFIED rollouts: {differing} of {total} tokens differ over the run")
+    print(f"wrote {out / 'rl.json'} and {out / 'rl.png'}", file=sys.stderr)
 
 
 if __name__ == "__main__":

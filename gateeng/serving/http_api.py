@@ -210,9 +210,7 @@ class OpenAIFront:
             model["weight_version"] = engine.weight_version   # 0 at start, +1 per applied weight update
             # Whether gateeng.train.Policy computes this server's VERIFIED bits, and why not.
             why = reproducibility.untrainable(record_json(engine.reproducibility))
-            model["trainable"] = not why
-            if why:
-                model["untrainable_reason"] = why
+            model["trainable"], model["untrainable_reason"] = not why, why
         return model
 
     async def metrics(self, request: HttpRequest):
