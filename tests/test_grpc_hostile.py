@@ -186,3 +186,18 @@ def test_1100_silent_connections_under_an_open_file_limit_of_1024_leave_the_serv
     assert "below the" in out and "ulimit -n" in out, out[-3000:]       # the limits were lowered, and said so
     assert "Traceback" not in out, out[-3000:]
     assert "Too many open files" not in out, out[-3000:]
+
+
+def test_metrics_listen_on_their_own_address():
+    srv = Running(tiny_config(max_model_len=256),
+                  settings=ServerConfig(port=0, metrics_port=0, metrics_host="127.0.0.2", http_port=None))
+    try:
+        port = srv.server.metrics_port
+        assert srv.server.metrics_http.sock.getsockname()[0] == "127.0.0.2"
+        text = urllib.request.urlopen(f"http://127.0.0.2:{port}/metrics", timeout=10).read().decode()
+        assert "gateeng_" in text
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        assert health(srv.target) == SERVING              # gRPC stays on --host
+    finally:
+        srv.stop()
