@@ -26,10 +26,12 @@ BIN = Path(sys.executable).parent
 SECTION = "### Evaluate with lm-eval-harness"
 
 
-def section() -> str:
+def section(heading: str = SECTION) -> str:
+    """The README's text under `heading`, up to the next heading of its level or above."""
     text = (ROOT / "README.md").read_text()
-    start = text.index(SECTION)
-    end = re.compile(r"^#{1,3} ", re.M).search(text, start + len(SECTION)).start()
+    start = text.index(heading)
+    level = len(heading) - len(heading.lstrip("#"))
+    end = re.compile(r"^#{1,%d} " % level, re.M).search(text, start + len(heading)).start()
     return text[start:end]
 
 
@@ -103,20 +105,8 @@ def test_the_readme_lm_eval_command_prints_the_readme_table(tmp_path):
     # No API key (the README's server takes none), and nothing read from a model hub.
     env = {k: v for k, v in os.environ.items() if k != "GATEENG_API_KEY"}
     env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    log = tmp_path / "serve.log"
-    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    proc = started(argv, http, ROOT, env, tmp_path / "serve.log")
     try:
-        deadline = time.time() + 600          # a fresh machine converts the model and builds kernels first
-        while True:
-            assert proc.poll() is None, log.read_text()
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{http}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.time() < deadline, "the server never answered /health"
-            time.sleep(0.5)
         # `$(.venv/bin/gateeng model-dir)` as the shell would expand it.
         sub = re.search(r"\$\(([^)]*)\)", lm_eval)
         model_dir = subprocess.run([venv_tool(w) for w in shlex.split(sub.group(1))], cwd=ROOT, env=env,
@@ -129,8 +119,31 @@ def test_the_readme_lm_eval_command_prints_the_readme_table(tmp_path):
         assert again == first
         assert lls_again == lls and len(lls) == 20
     finally:
-        proc.send_signal(signal.SIGTERM)
+        stop(proc)
+
+
+def started(argv: list, http: int, cwd: Path, env: dict, log: Path) -> subprocess.Popen:
+    """`gateeng serve` as `argv`, once its HTTP front answers /health (the model loaded)."""
+    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    deadline = time.time() + 600          # a fresh machine converts the model and builds kernels first
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(log.read_text())
         try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+            with urllib.request.urlopen(f"http://127.0.0.1:{http}/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc
+        except OSError:
+            pass
+        if time.time() > deadline:
+            stop(proc)
+            raise AssertionError("the server never answered /health")
+        time.sleep(0.5)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()

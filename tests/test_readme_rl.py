@@ -8,34 +8,24 @@ import json
 import os
 import re
 import shlex
-import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
 from gateeng.config import GRPC_PORT, HTTP_PORT
-from test_readme_lm_eval import blocks, free_port
+from test_readme_lm_eval import blocks, free_port, section, started, stop
 
 pytestmark = pytest.mark.model
-ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 SECTION = "## Reinforcement learning"
 
 
-def section() -> str:
-    text = (ROOT / "README.md").read_text()
-    start = text.index(SECTION)
-    end = re.compile(r"^#{1,2} ", re.M).search(text, start + len(SECTION)).start()
-    return text[start:end]
-
-
 def recipe() -> tuple[list, str]:
     """The shell block's lines and the Python block."""
-    found = blocks(section())
+    found = blocks(section(SECTION))
     shell = next(body for info, body in found if info == "sh" and "gateeng serve" in body)
     script = next(body for info, body in found if info == "python" and "logprobs_from" in body)
     return shell.strip().splitlines(), script
@@ -56,20 +46,8 @@ def test_the_readme_rl_recipe_runs_as_printed(tmp_path):
     subprocess.run(local(shell[0]), shell=True, cwd=tmp_path, env=env, check=True, timeout=60)
     serve = shlex.split(local(shell[1])) + ["--port", str(grpc_port), "--http-port", str(http),
                                            "--metrics-port", str(free_port())]
-    log = tmp_path / "serve.log"
-    proc = subprocess.Popen(serve, cwd=tmp_path, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    proc = started(serve, http, tmp_path, env, tmp_path / "serve.log")
     try:
-        deadline = time.time() + 600     # a fresh machine converts the model and builds kernels first
-        while True:
-            assert proc.poll() is None, log.read_text()
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{http}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.time() < deadline, "the server never answered /health"
-            time.sleep(0.5)
         code = local(script).replace(f"127.0.0.1:{HTTP_PORT}/", f"127.0.0.1:{http}/")
         code = code.replace(f"127.0.0.1:{GRPC_PORT}", f"127.0.0.1:{grpc_port}")
         (tmp_path / "loop.py").write_text(code)
@@ -82,8 +60,4 @@ def test_the_readme_rl_recipe_runs_as_printed(tmp_path):
             card = json.loads(r.read())["data"][0]
         assert card["weight_version"] == 2 and card["trainable"] is True
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)

@@ -36,7 +36,6 @@ from gateeng.answers import PROMISED, Answer, BadAnswer, Logprob, each_choice, p
 from gateeng.request import DeterminismParams, Mode, SamplingParams
 from gateeng.serving.grpc_client import Client
 from gateeng.serving.http_api import json_logprob
-from gateeng.v1 import engine_pb2 as pb
 
 # Requests a replay keeps in flight at once (they batch on the target; VERIFIED
 # bits do not depend on the batch).
