@@ -71,7 +71,8 @@ class _Client(asyncio.Protocol):
         self.gate = gate
         self.transport = None
         self.upstream: Optional[_Upstream] = None
-        self.first = b""            # the bytes before the connection was spliced
+        self.first = b""            # the bytes read while its first ones are checked
+        self.pending = None         # then the bytes read while the splice to gRPC is made
         self.admitted = False
         self.timer = None
 

@@ -11,7 +11,10 @@ Every connection is bounded before it is held (ConnectionLimits):
   closed (a client that sends nothing, or trickles its headers, holds no slot);
 - an idle kept-alive connection is closed after `keep_alive_timeout_s`.
 The body's own deadline and size are the app's (it alone knows the limit); the
-headers' size is h11's (16 KiB by default).
+headers' size is h11's (16 KiB by default). With TLS (the OpenAI front with
+--ssl-certfile), a connection is admitted before its handshake, which must end
+within the header deadline: one that never finishes it holds no more than one that
+sends nothing, and one past the limit costs no handshake.
 """
 from __future__ import annotations
 
