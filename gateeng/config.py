@@ -1,6 +1,7 @@
 """Engine and model configuration. Plain dataclasses; validation lives next to the values."""
 from __future__ import annotations
 
+import enum
 import math
 import os
 from dataclasses import dataclass, field, replace
@@ -27,9 +28,24 @@ PLANS = (FAST, INVARIANT)
 BFLOAT16, FLOAT32 = "bfloat16", "float32"
 DTYPES = (BFLOAT16, FLOAT32)
 DEVICES = ("cpu", "cuda")
+
+
+class Mode(str, enum.Enum):
+    """A request's determinism: the one owner of the mode names on every wire."""
+    OFF = "off"              # no promise about the bits (fast path, or a spare invariant row)
+    VERIFIED = "verified"    # fast path, margin-gated verification, bitwise == reference
+    REFERENCE = "reference"  # invariant plan for every step (plan=invariant engine)
+
+
+class StreamPolicy(str, enum.Enum):
+    """When a VERIFIED stream sends a token: once verified, or at once where its margin is high."""
+    VERIFIED_ONLY = "verified_only"
+    EAGER = "eager"
+
+
 # The determinism modes a request may name, on both fronts (gRPC's MODE_<NAME>, HTTP's
-# `determinism.mode`); the names are request.Mode's values.
-REQUEST_MODES = ("off", "verified")
+# `determinism.mode`).
+REQUEST_MODES = (Mode.OFF.value, Mode.VERIFIED.value)
 
 
 def cache_root() -> Path:
@@ -379,7 +395,7 @@ class ServerConfig:
     http_limits: ConnectionLimits = field(default_factory=ConnectionLimits)
     metrics_limits: ConnectionLimits = field(
         default_factory=lambda: ConnectionLimits(max_connections=METRICS_MAX_CONNECTIONS))
-    http_default_mode: str = "off"         # determinism of HTTP requests that name none (REQUEST_MODES)
+    http_default_mode: str = Mode.OFF.value   # determinism of HTTP requests that name none (REQUEST_MODES)
     grpc_limits: GrpcLimits = field(default_factory=GrpcLimits)
     tls: TlsFiles = field(default_factory=TlsFiles)   # HTTPS and gRPC over TLS where enabled
     metrics_host: Optional[str] = None     # the --metrics-port listener's address; None: `host`

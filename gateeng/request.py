@@ -22,18 +22,22 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from gateeng.config import validate_threshold, validate_window
+# Mode and StreamPolicy are config's (the determinism vocabulary every wire speaks), read here by requests.
+from gateeng.config import DIRECT, Mode, StreamPolicy, validate_threshold, validate_window
 
 
-class Mode(str, enum.Enum):
-    OFF = "off"              # no promise about the bits (fast path, or a spare invariant row)
-    VERIFIED = "verified"    # fast path, margin-gated verification, bitwise == reference
-    REFERENCE = "reference"  # invariant plan for every step (plan=invariant engine)
+class Reason(str, enum.Enum):
+    """Why VERIFIED tokens were replayed: a trigger of the margin gate, or the direct
+    route, which replays a request's unverified tokens when it moves the request onto
+    the invariant plan. A mismatch is counted under the reason that replayed it. The
+    values are the `reason` labels of the metrics."""
+    MARGIN = "margin"
+    WINDOW = "window"
+    FINISH = "finish"
+    DIRECT = DIRECT
 
 
-class StreamPolicy(str, enum.Enum):
-    VERIFIED_ONLY = "verified_only"
-    EAGER = "eager"
+TRIGGERS = (Reason.MARGIN, Reason.WINDOW, Reason.FINISH)   # the gate's reasons, in the order it checks them
 
 
 class FinishReason(str, enum.Enum):
@@ -169,11 +173,27 @@ class DeterminismStats:
     def triggers(self) -> int:
         return self.triggers_margin + self.triggers_window + self.triggers_finish
 
+    @staticmethod
+    def trigger_field(reason: Reason) -> str:
+        """The field that counts the gate's triggers for `reason`."""
+        return TRIGGER_FIELDS[reason]
+
+    @staticmethod
+    def mismatch_field(reason: Reason) -> str:
+        """The field that counts the mismatches replayed for `reason`."""
+        return MISMATCH_FIELDS[reason]
+
     def add(self, name: str, n: int = 1) -> None:
         setattr(self, name, getattr(self, name) + n)
 
     def snapshot(self) -> "DeterminismStats":
         return dataclasses.replace(self)
+
+
+TRIGGER_FIELDS = {Reason.MARGIN: "triggers_margin", Reason.WINDOW: "triggers_window",
+                  Reason.FINISH: "triggers_finish"}
+MISMATCH_FIELDS = {Reason.MARGIN: "mismatches_margin", Reason.WINDOW: "mismatches_window",
+                   Reason.FINISH: "mismatches_finish", Reason.DIRECT: "mismatches_direct"}
 
 
 @dataclass
@@ -193,7 +213,7 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: Optional[FinishReason] = None
     stop_text_len: Optional[int] = None  # output text is cut here when a stop string matched
-    pending_verify: Optional[str] = None   # the trigger reason while a replay is pending
+    pending_verify: Optional[Reason] = None   # the trigger's reason while a replay is pending
     replay_due: bool = False    # the pending replay may not wait (window reached, or a finish ahead)
     pending_age: int = 0        # steps a margin-triggered replay has waited for company
     spec_margins: list = field(default_factory=list)   # fast margins of tokens[num_verified:]

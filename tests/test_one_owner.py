@@ -2,8 +2,10 @@
 from there:
 - the kernel names in kernel_plan, the reference's builds and the variable that
   forces one (gateeng/plans/kernel_names.py);
-- the routes of a VERIFIED decode and their policies, the plans, the dtypes
-  (gateeng/config.py);
+- the routes of a VERIFIED decode and their policies, the plans, the dtypes, the
+  determinism modes and stream policies (gateeng/config.py; "off" and "reference" are
+  words of their own elsewhere, so the test follows "verified" and the policies, and
+  checks that every list of modes is derived from config.Mode);
 - the dot's block count: plans/tp_shapes.py, kernels/ref_ops.cpp and
   kernels/triton_reference.py each name it, in their own language, and it is the
   number kernels/SPEC.md states.
@@ -27,7 +29,8 @@ OWNED = {
     "gateeng/plans/kernel_names.py": {*kernel_names.ROWWISE_MATMULS, kernel_names.ONEDNN_PACKED,
                                       kernel_names.TORCH_MM, kernel_names.REFERENCE, *kernel_names.REFERENCE_ISAS,
                                       kernel_names.ISA_ENV},
-    "gateeng/config.py": {*config.ROUTE_POLICIES, *config.PLANS, *config.DTYPES},
+    "gateeng/config.py": {*config.ROUTE_POLICIES, *config.PLANS, *config.DTYPES, config.Mode.VERIFIED.value,
+                          *(p.value for p in config.StreamPolicy)},
 }
 CPU_FLAGS = "# cpuinfo flags"
 
@@ -96,6 +99,22 @@ def test_every_owner_spells_its_names():
         source = (ROOT / owner).read_text()
         for name in names:
             assert repr(name) in source or f'"{name}"' in source, (owner, name)
+
+
+def test_every_list_of_modes_is_configs():
+    from gateeng import request
+    from gateeng.serving import checks, metrics
+    modes = [m.value for m in config.Mode]
+    assert request.Mode is config.Mode and request.StreamPolicy is config.StreamPolicy
+    assert set(config.REQUEST_MODES) <= set(modes) and list(checks.MODES) == list(config.REQUEST_MODES)
+    assert list(metrics.DETERMINISM) == modes
+    assert [f"MODE_{m.upper()}" for m in modes if m in config.REQUEST_MODES] == [
+        n for n in pb_modes() if n != "MODE_UNSPECIFIED"]
+
+
+def pb_modes() -> list:
+    from gateeng.v1 import engine_pb2 as pb
+    return list(pb.Determinism.Mode.keys())
 
 
 def test_the_dot_has_one_block_count():

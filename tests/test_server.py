@@ -328,10 +328,10 @@ def test_32_concurrent_mixed_streams_and_metrics(server, client, smollm):
     assert delta("gateeng_verifier_replayed_tokens_total") == sum(r.replayed_tokens for r in reports)
     for reason in ("margin", "window", "finish", "direct"):
         assert delta(f'gateeng_verifier_mismatches_total{{reason="{reason}"}}') == sum(
-            getattr(r, f"rollbacks_{reason}") for r in reports)
-    assert sum(r.rollbacks_margin + r.rollbacks_window + r.rollbacks_finish + r.rollbacks_direct
-               for r in reports) == sum(r.rollbacks for r in reports)
-    assert delta("gateeng_mismatch_margin_count") == sum(r.rollbacks for r in reports)
+            getattr(r, f"mismatches_{reason}") for r in reports)
+    assert sum(r.mismatches_margin + r.mismatches_window + r.mismatches_finish + r.mismatches_direct
+               for r in reports) == sum(r.mismatches for r in reports)
+    assert delta("gateeng_mismatch_margin_count") == sum(r.mismatches for r in reports)
     assert delta("gateeng_margin_count") == sum(r.decode_steps for r in reports)
     assert delta_over_routes("off") == 16 * (24 - 1)
     assert delta("gateeng_rolled_back_tokens_total") == sum(r.rolled_back_tokens for r in reports)

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-MARGIN, FINISH, WINDOW = "margin", "finish", "window"
-REASONS = (MARGIN, WINDOW, FINISH)
+from gateeng.request import Reason
 
 
 def margin_triggers(margin: float, tau: float) -> bool:
@@ -18,13 +17,13 @@ def margin_triggers(margin: float, tau: float) -> bool:
     return not (margin >= tau) or margin <= 0.0   # NaN fails ">="
 
 
-def decide(margin: float, num_unverified: int, would_finish: bool, tau: float, window: int) -> Optional[str]:
+def decide(margin: float, num_unverified: int, would_finish: bool, tau: float, window: int) -> Optional[Reason]:
     """Return the trigger reason, or None to keep decoding on the fast path."""
     if margin_triggers(margin, tau):
-        return MARGIN
+        return Reason.MARGIN
     if would_finish:
         # The verifier's token may differ and un-finish the request.
-        return FINISH
+        return Reason.FINISH
     if num_unverified >= window:
-        return WINDOW
+        return Reason.WINDOW
     return None

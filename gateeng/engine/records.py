@@ -8,13 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from gateeng.config import DIRECT
-from gateeng.engine import gate
 from gateeng.request import DeterminismStats, Mode
-
-# A mismatch is attributed to the trigger that caught it, or to the direct route
-# when the policy moved a request with unverified tokens onto the invariant plan.
-MISMATCH_REASONS = gate.REASONS + (DIRECT,)
 
 
 @dataclass(frozen=True)
@@ -51,7 +45,7 @@ class PrefixLookup:
 class StepRecord:
     seqs: tuple                   # SeqRecord per scheduled sequence
     counted: DeterminismStats     # the verification stage's increments to VERIFIED counters this step, summed
-    mismatches: tuple             # (trigger reason, fast margin of the wrong token)
+    mismatches: tuple             # (request.Reason that replayed it, fast margin of the wrong token)
     plan_seconds: dict            # "fast" / "invariant" -> seconds of that plan's pass
     counts: Counts
     lookups: tuple = ()           # PrefixLookup per request admitted for the first time this step

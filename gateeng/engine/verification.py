@@ -23,7 +23,7 @@ from typing import Optional
 
 from gateeng.engine import gate
 from gateeng.engine import verifier
-from gateeng.request import DeterminismStats, FinishReason, Mode, Request, StreamPolicy
+from gateeng.request import DeterminismStats, FinishReason, Mode, Reason, Request, StreamPolicy
 from gateeng.config import DIRECT, SPECULATIVE
 from gateeng.engine.stopping import StopChecker
 
@@ -100,7 +100,7 @@ class VerificationStage:
             reason = gate.decide(margin, req.num_unverified, would_finish, req.tau, req.window)
             if reason is not None:
                 req.pending_verify = reason
-                self._count(req, f"triggers_{reason}")
+                self._count(req, DeterminismStats.trigger_field(reason))
         # A window or finish trigger cannot wait: W bounds the unverified tokens, and
         # nothing may be decoded past a token that would finish the request.
         req.replay_due = req.pending_verify is not None and (would_finish or req.num_unverified >= req.window)
@@ -121,9 +121,9 @@ class VerificationStage:
         if outcome.mismatch:
             # The trigger that caught it says how to tune: window or finish catches
             # mean a flip slipped past the margin test (tau too low).
-            reason = req.pending_verify or DIRECT
+            reason = req.pending_verify or Reason.DIRECT
             self._count(req, "mismatches")
-            self._count(req, f"mismatches_{reason}")
+            self._count(req, DeterminismStats.mismatch_field(reason))
             self._count(req, "rolled_back_tokens", outcome.rolled_back(len(speculated)))
             self.mismatches.append((reason, req.spec_margins[outcome.accepted]))
         req.spec_margins.clear()

@@ -103,11 +103,11 @@ def complete_proto(c: Completion, request_id: str) -> pb.CompleteResponse:
         determinism=pb.DeterminismReport(
             mode=c.mode.value, decode_steps=s.decode_steps, triggers_margin=s.triggers_margin,
             triggers_window=s.triggers_window, triggers_finish=s.triggers_finish,
-            verify_passes=s.verify_passes, replayed_tokens=s.replayed_tokens, rollbacks=s.mismatches,
+            verify_passes=s.verify_passes, replayed_tokens=s.replayed_tokens, mismatches=s.mismatches,
             rolled_back_tokens=s.rolled_back_tokens, retractions=s.retractions,
-            margin_threshold=c.margin_threshold, rollbacks_margin=s.mismatches_margin,
-            rollbacks_window=s.mismatches_window, rollbacks_finish=s.mismatches_finish,
-            direct_steps=s.direct_steps, rollbacks_direct=s.mismatches_direct),
+            margin_threshold=c.margin_threshold, mismatches_margin=s.mismatches_margin,
+            mismatches_window=s.mismatches_window, mismatches_finish=s.mismatches_finish,
+            direct_steps=s.direct_steps, mismatches_direct=s.mismatches_direct),
         reproducibility=reproducibility_proto(c.reproducibility, c.seed), logprobs=logprobs_proto(c.logprobs),
         prompt_logprobs=logprobs_proto(c.prompt_logprobs), prompt_token_ids=pb.TokenIds(ids=c.prompt_ids),
         sampling=sampling_proto(c.sampling), finish_detail=c.finish_detail)

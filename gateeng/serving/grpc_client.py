@@ -2,7 +2,7 @@
 
     with Client("127.0.0.1:50051") as c:
         res = c.complete("Hello", SamplingParams(max_tokens=32), DeterminismParams(Mode.VERIFIED))
-        print(res.text, res.determinism.rollbacks)
+        print(res.text, res.determinism.mismatches)
         chat = c.complete([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
 
 A server started with an API key needs it on every call: `Client(..., api_key=KEY)`,

@@ -185,7 +185,7 @@ def determinism(body: dict, default_mode: str, bounds: GateBounds) -> Determinis
     if not isinstance(mode, str) or mode not in checks.MODES:
         raise Refusal(Kind.INVALID, f"determinism.mode {mode!r} is not known; known: {', '.join(checks.MODES)}",
                       param="determinism.mode")
-    if d.get("stream_policy", "verified_only") != "verified_only":
+    if d.get("stream_policy", StreamPolicy.VERIFIED_ONLY.value) != StreamPolicy.VERIFIED_ONLY.value:
         raise Refusal(Kind.INVALID, "determinism.stream_policy: only verified_only; an OpenAI stream has no way "
                                     "to withdraw tokens (EAGER needs gRPC's rollback events)",
                       param="determinism.stream_policy")

@@ -31,9 +31,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 from gateeng.config import DIRECT, FAST, INVARIANT, SPECULATIVE
 from gateeng.engine.client import Engine
 from gateeng.engine.core import Observer
-from gateeng.engine.gate import REASONS
-from gateeng.engine.records import MISMATCH_REASONS, Counts, RequestTimes, StepRecord
-from gateeng.request import Mode
+from gateeng.engine.records import Counts, RequestTimes, StepRecord
+from gateeng.request import MISMATCH_FIELDS, TRIGGER_FIELDS, Mode
 
 LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 # Prompt and output lengths: 1-2-5 steps up to a million tokens, past any context served.
@@ -50,8 +49,8 @@ DECODE_ROUTES = ((Mode.OFF.value, FAST), (Mode.OFF.value, INVARIANT), (Mode.REFE
 COUNTED = {
     "decode_steps": ("decode_steps", (Mode.VERIFIED.value, SPECULATIVE)),
     "direct_steps": ("decode_steps", (Mode.VERIFIED.value, DIRECT)),
-    **{f"triggers_{r}": ("triggers", (r,)) for r in REASONS},
-    **{f"mismatches_{r}": ("mismatches", (r,)) for r in MISMATCH_REASONS},
+    **{field: ("triggers", (r.value,)) for r, field in TRIGGER_FIELDS.items()},
+    **{field: ("mismatches", (r.value,)) for r, field in MISMATCH_FIELDS.items()},
     "verify_passes": ("passes", ()),
     "replayed_tokens": ("replayed", ()),
     "rolled_back_tokens": ("rolled_back", ()),
@@ -162,10 +161,10 @@ class Metrics(Observer):
             self._of(self.overrides, setting)
         for result in ("applied", "refused"):
             self._of(self.weight_updates, result)
-        for reason in REASONS:
-            self._of(self.triggers, reason)
-        for reason in MISMATCH_REASONS:
-            self._of(self.mismatches, reason)
+        for reason in TRIGGER_FIELDS:
+            self._of(self.triggers, reason.value)
+        for reason in MISMATCH_FIELDS:
+            self._of(self.mismatches, reason.value)
         for det, route in DECODE_ROUTES:
             self._of(self.decode_steps, det, route)
         for det in DETERMINISM:

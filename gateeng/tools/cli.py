@@ -270,7 +270,7 @@ def cmd_generate(args) -> int:
             print(_json_line(res) if args.json else res.text)
             d = res.determinism
             print(f"[{res.usage.completion_tokens} tokens, mode={d.mode}, triggers="
-                  f"{d.triggers_margin + d.triggers_window + d.triggers_finish}, rollbacks={d.rollbacks}]",
+                  f"{d.triggers_margin + d.triggers_window + d.triggers_finish}, mismatches={d.mismatches}]",
                   file=sys.stderr)
             return 0
     from gateeng.engine.client import Engine
@@ -295,7 +295,7 @@ def cmd_generate(args) -> int:
         print(res.text)
     s = res.stats
     print(f"[{res.completion_tokens} tokens, finish={res.finish_reason.value}, mode={res.mode.value}"
-          + (f", triggers={s.triggers}, rollbacks={s.mismatches}" if res.mode == Mode.VERIFIED else "")
+          + (f", triggers={s.triggers}, mismatches={s.mismatches}" if res.mode == Mode.VERIFIED else "")
           + "]", file=sys.stderr)
     engine.shutdown()
     return 0
@@ -378,7 +378,8 @@ def cmd_probe(args) -> int:
     except grpc.RpcError as e:
         print(f"error: {_rpc_error(e)}", file=sys.stderr)
         return 2
-    meta = {"target": send.name, "label": args.label, "extra": extra, "verified": args.verified,
+    meta = {"target": send.name, "label": args.label, "extra": extra,
+            "mode": (Mode.VERIFIED if args.verified else Mode.OFF).value,
             "chat": args.chat, "max_tokens": args.max_tokens, "seed": args.seed, "concurrency": levels}
     js, png = pr.write(reports, Path(args.out), meta)
     print(pr.markdown(reports, send.name, extra))

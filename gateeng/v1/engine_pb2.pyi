@@ -155,7 +155,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class DeterminismReport(_message.Message):
-    __slots__ = ("mode", "decode_steps", "triggers_margin", "triggers_window", "triggers_finish", "verify_passes", "replayed_tokens", "rollbacks", "rolled_back_tokens", "retractions", "margin_threshold", "rollbacks_margin", "rollbacks_window", "rollbacks_finish", "direct_steps", "rollbacks_direct")
+    __slots__ = ("mode", "decode_steps", "triggers_margin", "triggers_window", "triggers_finish", "verify_passes", "replayed_tokens", "mismatches", "rolled_back_tokens", "retractions", "margin_threshold", "mismatches_margin", "mismatches_window", "mismatches_finish", "direct_steps", "mismatches_direct")
     MODE_FIELD_NUMBER: _ClassVar[int]
     DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
     TRIGGERS_MARGIN_FIELD_NUMBER: _ClassVar[int]
@@ -163,15 +163,15 @@ class DeterminismReport(_message.Message):
     TRIGGERS_FINISH_FIELD_NUMBER: _ClassVar[int]
     VERIFY_PASSES_FIELD_NUMBER: _ClassVar[int]
     REPLAYED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    ROLLBACKS_FIELD_NUMBER: _ClassVar[int]
+    MISMATCHES_FIELD_NUMBER: _ClassVar[int]
     ROLLED_BACK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RETRACTIONS_FIELD_NUMBER: _ClassVar[int]
     MARGIN_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
-    ROLLBACKS_MARGIN_FIELD_NUMBER: _ClassVar[int]
-    ROLLBACKS_WINDOW_FIELD_NUMBER: _ClassVar[int]
-    ROLLBACKS_FINISH_FIELD_NUMBER: _ClassVar[int]
+    MISMATCHES_MARGIN_FIELD_NUMBER: _ClassVar[int]
+    MISMATCHES_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    MISMATCHES_FINISH_FIELD_NUMBER: _ClassVar[int]
     DIRECT_STEPS_FIELD_NUMBER: _ClassVar[int]
-    ROLLBACKS_DIRECT_FIELD_NUMBER: _ClassVar[int]
+    MISMATCHES_DIRECT_FIELD_NUMBER: _ClassVar[int]
     mode: str
     decode_steps: int
     triggers_margin: int
@@ -179,16 +179,16 @@ class DeterminismReport(_message.Message):
     triggers_finish: int
     verify_passes: int
     replayed_tokens: int
-    rollbacks: int
+    mismatches: int
     rolled_back_tokens: int
     retractions: int
     margin_threshold: float
-    rollbacks_margin: int
-    rollbacks_window: int
-    rollbacks_finish: int
+    mismatches_margin: int
+    mismatches_window: int
+    mismatches_finish: int
     direct_steps: int
-    rollbacks_direct: int
-    def __init__(self, mode: _Optional[str] = ..., decode_steps: _Optional[int] = ..., triggers_margin: _Optional[int] = ..., triggers_window: _Optional[int] = ..., triggers_finish: _Optional[int] = ..., verify_passes: _Optional[int] = ..., replayed_tokens: _Optional[int] = ..., rollbacks: _Optional[int] = ..., rolled_back_tokens: _Optional[int] = ..., retractions: _Optional[int] = ..., margin_threshold: _Optional[float] = ..., rollbacks_margin: _Optional[int] = ..., rollbacks_window: _Optional[int] = ..., rollbacks_finish: _Optional[int] = ..., direct_steps: _Optional[int] = ..., rollbacks_direct: _Optional[int] = ...) -> None: ...
+    mismatches_direct: int
+    def __init__(self, mode: _Optional[str] = ..., decode_steps: _Optional[int] = ..., triggers_margin: _Optional[int] = ..., triggers_window: _Optional[int] = ..., triggers_finish: _Optional[int] = ..., verify_passes: _Optional[int] = ..., replayed_tokens: _Optional[int] = ..., mismatches: _Optional[int] = ..., rolled_back_tokens: _Optional[int] = ..., retractions: _Optional[int] = ..., margin_threshold: _Optional[float] = ..., mismatches_margin: _Optional[int] = ..., mismatches_window: _Optional[int] = ..., mismatches_finish: _Optional[int] = ..., direct_steps: _Optional[int] = ..., mismatches_direct: _Optional[int] = ...) -> None: ...
 
 class Reproducibility(_message.Message):
     __slots__ = ("engine_version", "model_fingerprint", "dtype", "device_kind", "kernel_plan", "self_check_passed", "self_check", "seed", "seeded", "device_name", "isa", "torch_version", "triton_version", "cuda_version", "num_threads", "fingerprint", "reference", "tensor_parallel_size")
