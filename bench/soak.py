@@ -1,8 +1,9 @@
 """Soak: a real `gateeng serve` under steady mixed, partly hostile traffic for a long
 time, watched for what a long life costs.
 
-    python bench/soak.py                  # 30 minutes on the embedded model
+    python bench/soak.py                  # 30 minutes on the embedded model, both fronts over TLS
     python bench/soak.py --minutes 2      # a short run
+    python bench/soak.py --no-tls         # plain text
 
 Workers (threads of this process, so the server keeps its own cores' share) each
 loop over a weighted mix of actions, with a short pause between them:
@@ -16,6 +17,13 @@ loop over a weighted mix of actions, with a short pause between them:
   http_bad    bad JSON, an unknown field, n=17 (above the 16 served)     -> 400
   http_big    a 2 MiB chunked body                                       -> 413 (or the connection closed)
   http_idle   a connection that sends nothing                            -> 408 at the header timeout
+  grpc_flood  80 connections to the gRPC port that send nothing, past its limit of 64, held
+              while a new client asks gRPC health                        -> SERVING within 2 s
+  grpc_silent one gRPC connection that sends nothing                     -> closed at the 2 s deadline
+  grpc_plain  (TLS) a plain-text gRPC client                             -> UNAVAILABLE
+  http_plain  (TLS) a plain-text HTTP request                            -> no answer, closed
+With TLS (the default) the server gets a certificate made for the run (openssl), and
+every client speaks TLS with its CA: gRPC over TLS, HTTPS, raw sockets wrapped in TLS.
 A `busy` answer (gRPC RESOURCE_EXHAUSTED, HTTP 429) is counted apart and is no
 failure. Anything else is unexpected: a 5xx, gRPC INTERNAL/UNKNOWN/UNAVAILABLE,
 another status than the action's, or no answer within 120 s (lost).
@@ -34,14 +42,18 @@ import json
 import os
 import random
 import socket
+import ssl
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Optional
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -53,13 +65,31 @@ from gateeng.serving.grpc_client import Client, to_proto  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "soak.json"
 MIX = {"grpc": 6, "grpc_cancel": 3, "grpc_deadline": 3, "grpc_bad": 1, "http": 6, "http_stream": 2,
-       "http_gone": 2, "http_bad": 2, "http_big": 1, "http_idle": 1}
+       "http_gone": 2, "http_bad": 2, "http_big": 1, "http_idle": 1, "grpc_flood": 1, "grpc_silent": 1}
+TLS_MIX = {"grpc_plain": 1, "http_plain": 1}
 ANSWER_S = 120.0
+GRPC_MAX_CONNECTIONS, FLOOD, HANDSHAKE_S = 64, 80, 2.0
+
+
+def make_certs(where: Path) -> Path:
+    """A CA and a server certificate for 127.0.0.1 signed by it, with openssl."""
+    def run(*args):
+        subprocess.run(["openssl", *args], cwd=where, check=True, capture_output=True)
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
+        "-subj", "/CN=soak CA")
+    (where / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=127.0.0.1")
+    run("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out",
+        "server.pem", "-days", "2", "-extfile", "san.ext")
+    return where
 
 
 class Soak:
-    def __init__(self, grpc_target: str, http_port: int):
+    def __init__(self, grpc_target: str, http_port: int, ca: Optional[Path] = None):
         self.target, self.http_port = grpc_target, http_port
+        self.ca = str(ca) if ca else None
+        self.tls = ssl.create_default_context(cafile=self.ca) if ca else None
+        self.mix = {**MIX, **(TLS_MIX if ca else {})}
         self.outcomes: Counter = Counter()       # (action, outcome)
         self.unexpected: list = []
         self.served = 0
@@ -120,8 +150,73 @@ class Soak:
         else:
             self.record(action, code.name, code in expected, e.details() or "")
 
+    def client(self) -> Client:
+        return Client(self.target, ca_file=self.ca)
+
+    def connect(self, port: int, timeout: float = ANSWER_S) -> socket.socket:
+        sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+        return self.tls.wrap_socket(sock, server_hostname="127.0.0.1") if self.tls else sock
+
+    def health(self, timeout: float) -> str:
+        creds = grpc.ssl_channel_credentials(Path(self.ca).read_bytes()) if self.ca else None
+        options = [("grpc.use_local_subchannel_pool", 1)]
+        with (grpc.secure_channel(self.target, creds, options=options) if creds
+              else grpc.insecure_channel(self.target, options=options)) as channel:
+            try:
+                status = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service="gateeng.v1.Engine"), timeout=timeout).status
+                return health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+            except grpc.RpcError as e:
+                return e.code().name
+
+    def grpc_flood(self, _, rng: random.Random) -> None:
+        port = int(self.target.rsplit(":", 1)[1])
+        socks = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(FLOOD)]
+        try:
+            t0 = time.time()
+            status = self.health(timeout=2.0)
+            took = time.time() - t0
+        finally:
+            for sock in socks:
+                sock.close()
+        self.record("grpc_flood", status, status == "SERVING" and took < 2.0, f"{took:.2f} s")
+
+    def grpc_silent(self, _, rng: random.Random) -> None:
+        port = int(self.target.rsplit(":", 1)[1])
+        sock = socket.create_connection(("127.0.0.1", port), timeout=HANDSHAKE_S + 10)
+        t0 = time.time()
+        try:
+            while sock.recv(4096):
+                pass
+        except (ConnectionResetError, socket.timeout):
+            pass
+        took = time.time() - t0
+        sock.close()
+        ok = HANDSHAKE_S - 0.5 < took < HANDSHAKE_S + 3
+        self.record("grpc_silent", "closed" if ok else f"closed after {took:.1f} s", ok)
+
+    def grpc_plain(self, _, rng: random.Random) -> None:
+        with Client(self.target) as plain:
+            try:
+                plain.server_info()
+                self.record("grpc_plain", "OK", False, "a plain-text client was served")
+            except grpc.RpcError as e:
+                self.grpc_error("grpc_plain", e, (grpc.StatusCode.UNAVAILABLE,))
+
+    def http_plain(self, _, rng: random.Random) -> None:
+        sock = socket.create_connection(("127.0.0.1", self.http_port), timeout=ANSWER_S)
+        try:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            head = sock.recv(64)
+        except (BrokenPipeError, ConnectionResetError):
+            head = b""
+        sock.close()
+        self.record("http_plain", "closed" if not head.startswith(b"HTTP/1.1 200") else "200", not head.startswith(
+            b"HTTP/1.1 200"))
+
     def _post(self, path: str, body: bytes, timeout: float = ANSWER_S):
-        conn = http.client.HTTPConnection("127.0.0.1", self.http_port, timeout=timeout)
+        conn = (http.client.HTTPSConnection("127.0.0.1", self.http_port, timeout=timeout, context=self.tls)
+                if self.tls else http.client.HTTPConnection("127.0.0.1", self.http_port, timeout=timeout))
         conn.request("POST", path, body=body, headers={"Content-Type": "application/json"})
         return conn, conn.getresponse()
 
@@ -175,7 +270,7 @@ class Soak:
         self.http_status("http_bad", res.status, (400,), data.decode(errors="replace"))
 
     def http_big(self, _, rng: random.Random) -> None:
-        sock = socket.create_connection(("127.0.0.1", self.http_port), timeout=ANSWER_S)
+        sock = self.connect(self.http_port)
         piece = b"x" * 65536
         try:
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
@@ -183,14 +278,14 @@ class Soak:
                 sock.sendall(b"10000\r\n" + piece + b"\r\n")
             sock.sendall(b"0\r\n\r\n")
             head = sock.recv(64)
-        except (BrokenPipeError, ConnectionResetError):
+        except (BrokenPipeError, ConnectionResetError, ssl.SSLError):
             head = b"closed"
         sock.close()
         ok = head.startswith(b"HTTP/1.1 413") or head in (b"closed", b"")
         self.record("http_big", head[:12].decode(errors="replace") or "closed", ok)
 
     def http_idle(self, _, rng: random.Random) -> None:
-        sock = socket.create_connection(("127.0.0.1", self.http_port), timeout=ANSWER_S)
+        sock = self.connect(self.http_port)
         head = sock.recv(64)
         sock.close()
         self.record("http_idle", head[:12].decode(errors="replace") or "closed", head.startswith(b"HTTP/1.1 408"))
@@ -198,8 +293,8 @@ class Soak:
     # ---- the loop -------------------------------------------------------------------
     def worker(self, seed: int) -> None:
         rng = random.Random(seed)
-        actions, weights = zip(*MIX.items())
-        with Client(self.target) as client:
+        actions, weights = zip(*self.mix.items())
+        with self.client() as client:
             while not self.stop.is_set():
                 if not self.running.is_set():
                     with self.lock:
@@ -241,22 +336,30 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--check-every", type=float, default=60.0, help="seconds between idle checks")
     ap.add_argument("--model", default=None, help="the model to serve (default: the embedded model)")
+    ap.add_argument("--no-tls", action="store_true", help="serve and call in plain text")
     args = ap.parse_args()
     grpc_port, http_port = free_port(), free_port()
     cmd = [sys.executable, "-m", "gateeng.tools.cli", "serve", "--port", str(grpc_port), "--http-port", str(http_port),
-           "--metrics-port", "-1", "--max-queue", "64", "--http-header-timeout", "5"]
+           "--metrics-port", "-1", "--max-queue", "64", "--http-header-timeout", "5",
+           "--grpc-max-connections", str(GRPC_MAX_CONNECTIONS), "--grpc-handshake-timeout", str(HANDSHAKE_S)]
     if args.model:
         cmd += ["--model", args.model]
+    certs = None if args.no_tls else make_certs(Path(tempfile.mkdtemp(prefix="soak-certs-")))
+    if certs:
+        cmd += ["--ssl-certfile", str(certs / "server.pem"), "--ssl-keyfile", str(certs / "server.key")]
+    ca = certs / "ca.pem" if certs else None
     log = open(OUT.with_suffix(".log"), "w")
     server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     target = f"127.0.0.1:{grpc_port}"
     try:
-        client = Client(target)
+        soak = Soak(target, http_port, ca)
+        client = soak.client()
         deadline = time.time() + 900
         while True:
             try:
                 client.server_info()
-                conn = http.client.HTTPConnection("127.0.0.1", http_port, timeout=5)
+                conn = (http.client.HTTPSConnection("127.0.0.1", http_port, timeout=5, context=soak.tls) if soak.tls
+                        else http.client.HTTPConnection("127.0.0.1", http_port, timeout=5))
                 conn.request("GET", "/health")
                 if conn.getresponse().status == 200:
                     break
@@ -265,14 +368,14 @@ def main() -> int:
             if server.poll() is not None or time.time() > deadline:
                 raise RuntimeError(f"the server did not start (see {log.name})")
             time.sleep(1)
-        soak = Soak(target, http_port)
         threads = [threading.Thread(target=soak.worker, args=(i,), daemon=True) for i in range(args.workers)]
         for t in threads:
             t.start()
         samples, ghosts = [], []
         t0 = time.time()
         end = t0 + args.minutes * 60
-        print(f"soak: {args.minutes:g} min, {args.workers} workers; {machine()}", file=sys.stderr, flush=True)
+        print(f"soak: {args.minutes:g} min, {args.workers} workers, {'plain text' if args.no_tls else 'TLS'}; "
+              f"{machine()}", file=sys.stderr, flush=True)
         while time.time() < end:
             soak.running.set()
             time.sleep(min(args.check_every, max(0.0, end - time.time())))
@@ -304,7 +407,8 @@ def main() -> int:
         my = sum(s["rss_mb"] for s in warm) / n
         sxx = sum((s["served"] - mx) ** 2 for s in warm)
         slope = sum((s["served"] - mx) * (s["rss_mb"] - my) for s in warm) / sxx * 1000 if sxx else 0.0
-    result = {"machine": machine(), "minutes": args.minutes, "workers": args.workers, "requests": soak.served,
+    result = {"machine": machine(), "minutes": args.minutes, "workers": args.workers, "tls": not args.no_tls,
+              "grpc_max_connections": GRPC_MAX_CONNECTIONS, "grpc_flood": FLOOD, "requests": soak.served,
               "outcomes": {f"{a} {o}": c for (a, o), c in sorted(soak.outcomes.items())},
               "unexpected": len(soak.unexpected), "unexpected_examples": soak.unexpected[:20],
               "ghost_checks_failed": len(ghosts), "checks": len(samples), "server_alive_at_end": alive,
