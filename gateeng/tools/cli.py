@@ -587,7 +587,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="/metrics connections open at once; one more is answered 503 and closed")
     s.add_argument("--http-header-timeout", type=float, default=SERVER.http_limits.header_timeout_s,
                    help="seconds a connection (HTTP and metrics) has to send a request's headers, from opening "
-                        "or from a kept-alive connection's next request; then it is closed")
+                        "(with TLS, the handshake included) or from a kept-alive connection's next request; then "
+                        "it is closed")
     s.add_argument("--http-body-timeout", type=float, default=SERVER.http_limits.body_timeout_s,
                    help="seconds an HTTP request has to send its whole body after its headers; then it gets 408")
     s.add_argument("--http-keep-alive-timeout", type=float, default=SERVER.http_limits.keep_alive_timeout_s,
