@@ -17,6 +17,7 @@ with BadAnswer, naming what is missing.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -58,6 +59,12 @@ class Answer:
     def promised(self) -> bool:
         """Whether its bits are the reference's (VERIFIED or REFERENCE)."""
         return self.mode in PROMISED
+
+
+def json_logprob(v: float) -> float:
+    """A logprob as the HTTP front writes it: JSON has no -inf, so a token top-k or top-p
+    removed gets the most negative float."""
+    return v if math.isfinite(v) else -3.4028234663852886e38
 
 
 def sampling_from_proto(sp: pb.SamplingParams) -> SamplingParams:

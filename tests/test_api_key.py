@@ -19,7 +19,8 @@ from gateeng.serving.grpc_client import Client
 from gateeng.serving.server import Server
 from gateeng.tools import cli
 from gateeng.tools.probe import GrpcSender, OpenAISender
-from gateeng.tools.replay import OpenAITarget, Unreplayable
+from gateeng.serving.http_client import HttpError
+from gateeng.tools.replay import OpenAITarget
 from gateeng.v1 import engine_pb2_grpc as pb_grpc
 from test_server_async import SERVING, Running, channel, health, request, tiny_config
 
@@ -91,7 +92,7 @@ def test_health_and_metrics_stay_open(served):
 
 def test_replay_and_probe_send_the_key(served):
     assert OpenAITarget(served.base, api_key=KEY).model["id"] == "tiny"
-    with pytest.raises(Unreplayable, match="HTTP 401"):
+    with pytest.raises(HttpError, match="HTTP 401"):
         OpenAITarget(served.base)
     assert OpenAISender(served.base, 2, {}, False, None, None, api_key=KEY)("hi").token_ids
     assert len(GrpcSender(served.target, 2, False, False, None, api_key=KEY)("hi").token_ids) == 2

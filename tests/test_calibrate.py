@@ -5,6 +5,7 @@ import math
 import pytest
 
 from gateeng.tools import calibrate as cal
+from gateeng.tools.prompts import read_prompts
 from gateeng.plans.generic import FastPlan
 from tiny import tiny_loaded
 
@@ -32,10 +33,10 @@ def test_tau_table_counts_triggers_catches_and_misses():
 def test_read_prompts_text_and_jsonl(tmp_path):
     p = tmp_path / "p.txt"
     p.write_text("first prompt\n\n{\"prompt\": \"second\", \"id\": 3}\n")
-    assert cal.read_prompts(p) == ["first prompt", "second"]
+    assert read_prompts(p) == ["first prompt", "second"]
     p.write_text('{"text": "no prompt field"}\n')
     with pytest.raises(ValueError, match="p.txt:1"):
-        cal.read_prompts(p)
+        read_prompts(p)
 
 
 def test_calibrate_quick_on_tiny_model_finds_the_flips_it_is_given(tmp_path):

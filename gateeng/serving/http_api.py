@@ -43,7 +43,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import math
 import secrets
 import time
 from typing import Optional
@@ -56,6 +55,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from gateeng import __version__, reproducibility
+from gateeng.answers import json_logprob
 from gateeng.config import HTTP_BODY_SLACK_BYTES
 from gateeng.engine.client import Engine
 from gateeng.engine.errors import EngineDead
@@ -541,8 +541,3 @@ def _usage(finals: list, n: int) -> dict:
     completion = sum(c.completion_tokens for c in finals)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
-
-
-def json_logprob(v: float):
-    """JSON has no -inf: a token top-k/top-p removed gets the most negative float."""
-    return v if math.isfinite(v) else -3.4028234663852886e38

@@ -35,24 +35,6 @@ BATCH_SIZES = (1, 8, 32)
 TARGET_MISS = 1e-3
 CONFIDENCE = 0.95
 TAUS = (0.0, 0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0)
-BUILTIN_PROMPTS = [
-    "Explain how a refrigerator works.", "Write a short poem about autumn leaves.",
-    "What are three benefits of learning a second language?", "Describe a day in the life of a blacksmith.",
-    "Summarize the plot of Romeo and Juliet in two sentences.", "How do vaccines train the immune system?",
-    "Give me a recipe for a simple tomato soup.", "Why is the sky blue?",
-    "Write a Python function that reverses a string.", "What is the difference between weather and climate?",
-    "List five animals that live in the desert.", "Explain recursion to a ten-year-old.",
-    "Tell a story about a dragon who learns to paint.", "What causes the seasons on Earth?",
-    "How does a bill become a law in the United States?", "Describe the taste of a lemon.",
-    "What should I pack for a weekend camping trip?", "Explain what a black hole is.",
-    "Write a haiku about the ocean.", "How do plants make food from sunlight?",
-    "Give three tips for a job interview.", "What is the capital of Australia and why was it chosen?",
-    "Describe how to tie a shoelace.", "Explain the rules of chess briefly.",
-    "Why do cats purr?", "Write a thank-you note to a teacher.",
-    "What is machine learning?", "How do airplanes stay in the air?",
-    "Compare coffee and tea in a short paragraph.", "What were the causes of the French Revolution?",
-    "Invent a name and a slogan for a bakery.", "How does the internet send a message from one computer to another?",
-]
 
 
 @dataclass
@@ -177,6 +159,8 @@ def calibrate(loaded, prompts: list, n_tokens: int = TOKENS, batch_sizes=BATCH_S
     `tensor_parallel_size` ranks, on a KV cache of `block_size` positions per block."""
     from tqdm import tqdm
 
+    from gateeng.plans import packing
+
     groups = {b: [list(range(i, min(i + b, len(prompts)))) for i in range(0, len(prompts), b)]
               for b in batch_sizes}
     total = len(prompts) + sum(len(g) for g in groups.values())
@@ -187,7 +171,7 @@ def calibrate(loaded, prompts: list, n_tokens: int = TOKENS, batch_sizes=BATCH_S
         refs, engine = _reference(loaded, prompts, n_tokens, dtype, bar, tensor_parallel_size, most, block_size)
         served = engine.fast_plan
         machine, fast_matmul = asdict(engine.reproducibility), engine.fast_matmul
-        switch = engine.model.fast_rowwise_max_rows
+        switch = packing.of(engine.model).fast_rowwise_max_rows
         fast = fast or served
         engine.replace_fast_plan(fast)
         margins, flipped, flips_by, steps_by = [], [], {}, {}
@@ -288,22 +272,3 @@ def _plot(report: Report, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def read_prompts(path: Path) -> list:
-    """Text lines, or JSONL with a `prompt` field per line; blank lines are skipped."""
-    prompts = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
-        line = line.strip()
-        if not line:
-            continue
-        if line.startswith("{"):
-            try:
-                prompts.append(str(json.loads(line)["prompt"]))
-            except (ValueError, KeyError, TypeError) as exc:
-                raise ValueError(f"{path}:{i}: a JSON line needs a string `prompt` field ({exc})") from None
-        else:
-            prompts.append(line)
-    if not prompts:
-        raise ValueError(f"{path} holds no prompts")
-    return prompts

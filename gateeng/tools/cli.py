@@ -15,6 +15,7 @@ from gateeng.request import Mode, SamplingParams
 from gateeng.serving.credentials import ADMIN_TOKEN_ENV as ADMIN_ENV
 from gateeng.serving.credentials import API_KEY_ENV, checked, from_env, read_secret_file
 from gateeng.tools import calibrate as cal
+from gateeng.tools.prompts import BUILTIN_PROMPTS, read_prompts
 
 DEFAULTS = EngineConfig()
 SERVER = ServerConfig()
@@ -133,7 +134,8 @@ def _api_key(args):
 def _tls_client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ca-file", default=None, metavar="FILE",
                    help="talk TLS to a server started with --ssl-certfile: the CA certificate (PEM) that signed "
-                        "its certificate (without it, plain text)")
+                        "its certificate (gRPC: without it, plain text; an https:// --openai URL: without it, "
+                        "the system's CAs)")
     p.add_argument("--client-cert", default=None, metavar="FILE",
                    help="this client's certificate (PEM), for a server started with --ssl-ca-certs")
     p.add_argument("--client-key", default=None, metavar="FILE", help="the private key of --client-cert (PEM)")
@@ -328,7 +330,7 @@ def cmd_replay(args) -> int:
         if args.server:
             target = rp.GrpcTarget(args.server, _api_key(args) or "", _tls_client(args))
         elif args.openai:
-            target = rp.OpenAITarget(args.openai, _api_key(args))
+            target = rp.OpenAITarget(args.openai, _api_key(args), args.ca_file)
         else:
             dtypes = {it.record.get("dtype") for _, it in items if isinstance(it, Answer)}
             dtype = args.dtype or (dtypes.pop() if len(dtypes) == 1 else DEFAULTS.dtype)
@@ -363,14 +365,14 @@ def cmd_probe(args) -> int:
             raise ValueError("--extra and --model are HTTP request fields; over gRPC use --verified")
         if args.verified and args.openai:
             extra = {"determinism": {"mode": Mode.VERIFIED.value}, **extra}
-        prompts = (cal.read_prompts(Path(args.prompts))[:args.num_prompts] if args.prompts
+        prompts = (read_prompts(Path(args.prompts))[:args.num_prompts] if args.prompts
                    else pr.default_prompts(args.num_prompts))
         if args.server:
             send = pr.GrpcSender(args.server, args.max_tokens, args.verified, args.chat, args.seed,
                                  _api_key(args) or "", _tls_client(args))
         else:
             send = pr.OpenAISender(args.openai, args.max_tokens, extra, args.chat, args.model, args.seed,
-                                   _api_key(args))
+                                   _api_key(args), args.ca_file)
         reports = pr.probe(prompts, send, levels)
     except (ValueError, OSError) as e:     # an HTTP error, a refused connection, bad options
         print(f"error: {e}", file=sys.stderr)
@@ -430,8 +432,9 @@ def cmd_calibrate(args) -> int:
 
     from gateeng.model.chat import encode_prompt
     from gateeng.model.loader import load
+    from gateeng.plans import packing
     try:
-        texts = cal.read_prompts(Path(args.prompts)) if args.prompts else list(cal.BUILTIN_PROMPTS)
+        texts = read_prompts(Path(args.prompts)) if args.prompts else list(BUILTIN_PROMPTS)
         if args.quick:
             texts, args.tokens, sizes = texts[:8], min(args.tokens, 16), [1, 4]
         else:
@@ -450,7 +453,7 @@ def cmd_calibrate(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     meta = {"model": loaded.source, "dtype": args.dtype, "prompts": len(prompts), "tokens": args.tokens,
-            "batch_sizes": sizes, "weights": "quantized as stored" if loaded.model.quantized else args.dtype}
+            "batch_sizes": sizes, "weights": "quantized as stored" if packing.quantized(loaded.model) else args.dtype}
     js, png = cal.write(report, Path(args.out), meta)
     print(cal.markdown(report))
     print(f"\nwrote {js} and {png}", file=sys.stderr)

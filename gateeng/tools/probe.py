@@ -27,8 +27,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from gateeng.tools.calibrate import BUILTIN_PROMPTS
-from gateeng.tools.replay import http_json, openai_base
+from gateeng.tools.prompts import BUILTIN_PROMPTS
+from gateeng.serving.http_client import http_json, openai_base
 
 PREFIX_FRACTIONS = (0.0, 0.25, 0.5, 0.75)
 # A warm-up request's prompt after the shared part: unrelated to every prompt.
@@ -63,10 +63,11 @@ class OpenAISender:
     """POST /v1/completions (or /v1/chat/completions) with the extension fields."""
 
     def __init__(self, url: str, max_tokens: int, extra: dict, chat: bool, model: Optional[str],
-                 seed: Optional[int], api_key: Optional[str] = None):
-        self.base, self.api_key = openai_base(url), api_key
+                 seed: Optional[int], api_key: Optional[str] = None, ca_file: Optional[str] = None):
+        self.base, self.api_key, self.ca_file = openai_base(url), api_key, ca_file
         self.name = self.base
-        self.model = model or http_json(f"{self.base}/models", timeout=30, api_key=api_key)["data"][0]["id"]
+        self.model = model or http_json(f"{self.base}/models", timeout=30, api_key=api_key,
+                                        ca_file=ca_file)["data"][0]["id"]
         self.max_tokens, self.extra, self.chat, self.seed = max_tokens, extra, chat, seed
 
     def __call__(self, prompt: str) -> Output:
@@ -74,10 +75,12 @@ class OpenAISender:
                 **({"seed": self.seed} if self.seed is not None else {}), **self.extra}
         if self.chat:
             res = http_json(f"{self.base}/chat/completions",
-                            {**body, "messages": [{"role": "user", "content": prompt}]}, api_key=self.api_key)
+                            {**body, "messages": [{"role": "user", "content": prompt}]}, api_key=self.api_key,
+                            ca_file=self.ca_file)
             text = res["choices"][0]["message"]["content"] or ""
         else:
-            res = http_json(f"{self.base}/completions", {**body, "prompt": prompt}, api_key=self.api_key)
+            res = http_json(f"{self.base}/completions", {**body, "prompt": prompt}, api_key=self.api_key,
+                            ca_file=self.ca_file)
             text = res["choices"][0]["text"]
         ids = (res.get("replay") or {}).get("token_ids")
         return Output(text, tuple(ids) if ids is not None else None)

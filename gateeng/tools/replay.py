@@ -24,7 +24,6 @@ import dataclasses
 import json
 import struct
 import sys
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,10 +31,10 @@ from typing import Callable, Iterator, Optional
 
 
 from gateeng import reproducibility
-from gateeng.answers import PROMISED, Answer, BadAnswer, Logprob, each_choice, parse
+from gateeng.answers import PROMISED, Answer, BadAnswer, Logprob, each_choice, json_logprob, parse
 from gateeng.request import DeterminismParams, Mode, SamplingParams
 from gateeng.serving.grpc_client import Client
-from gateeng.serving.http_api import json_logprob
+from gateeng.serving.http_client import http_json, openai_base
 
 # Requests a replay keeps in flight at once (they batch on the target; VERIFIED
 # bits do not depend on the batch).
@@ -165,39 +164,14 @@ class GrpcTarget:
         self.client.close()
 
 
-def openai_base(url: str) -> str:
-    """The API root: `http://host:port` and `http://host:port/v1` both name it."""
-    url = url.rstrip("/")
-    return url if url.endswith("/v1") else url + "/v1"
-
-
-def http_json(url: str, body: Optional[dict] = None, timeout: float = 3600, api_key: Optional[str] = None):
-    """GET (body None) or POST JSON, with `Authorization: Bearer <api_key>` where a key
-    is given; an HTTP error raises with the server's message."""
-    data = None if body is None else json.dumps(body).encode()
-    headers = {"Content-Type": "application/json"}
-    if api_key:
-        headers["Authorization"] = f"Bearer {api_key}"
-    req = urllib.request.Request(url, data=data, headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        detail = e.read().decode(errors="replace")
-        try:
-            detail = json.loads(detail)["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            pass
-        raise Unreplayable(f"HTTP {e.code}: {detail}") from None
-
-
 class OpenAITarget:
     """A gateeng HTTP front: /v1/models shows its record, /v1/completions decodes."""
 
-    def __init__(self, url: str, api_key: Optional[str] = None):
-        self.base, self.api_key = openai_base(url), api_key
+    def __init__(self, url: str, api_key: Optional[str] = None, ca_file: Optional[str] = None):
+        """`ca_file`: the CA an https:// server's certificate chains to."""
+        self.base, self.api_key, self.ca_file = openai_base(url), api_key, ca_file
         self.name = self.base
-        self.model = http_json(f"{self.base}/models", timeout=30, api_key=api_key)["data"][0]
+        self.model = http_json(f"{self.base}/models", timeout=30, api_key=api_key, ca_file=ca_file)["data"][0]
 
     def record(self) -> dict:
         record = self.model.get("reproducibility")
@@ -219,7 +193,7 @@ class OpenAITarget:
                     "ignore_eos": p.ignore_eos, "logprobs": p.logprobs, "determinism": {"mode": Mode.VERIFIED.value}}
             if p.seed is not None:
                 body["seed"] = p.seed
-            res = http_json(f"{self.base}/completions", body, api_key=self.api_key)
+            res = http_json(f"{self.base}/completions", body, api_key=self.api_key, ca_file=self.ca_file)
             lp = res["choices"][0]["logprobs"]
             return Replayed(list(res["replay"]["token_ids"]),
                             [Logprob(v, tuple(top.items()), t) for v, top, t in
