@@ -47,6 +47,16 @@ def machine() -> str:
             + (f"; ISA capped by {' '.join(capped)}" if capped else ""))
 
 
+def report_path(name: str) -> Path:
+    """Where a bench writes its report by default: outside the tree, so a run leaves the
+    checkout clean ($GATEENG_BENCH_OUT, else a gateeng-bench folder in the temporary
+    directory). `--out bench/NAME` refreshes the report RESULTS.md cites."""
+    import tempfile
+    where = Path(os.environ.get("GATEENG_BENCH_OUT") or Path(tempfile.gettempdir()) / "gateeng-bench")
+    where.mkdir(parents=True, exist_ok=True)
+    return where / name
+
+
 def commit() -> str:
     """The commit a run measured, marked when the work tree differs from it: every
     section of RESULTS.md names the code it describes."""

@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import command, commit, header, machine  # noqa: E402
+from bench.common import command, commit, header, machine, report_path  # noqa: E402
 from bench.models import SHAPES, random_llama  # noqa: E402
 from bench.serve import ServerProcess, make_request, run_one  # noqa: E402
 
@@ -88,7 +88,7 @@ def main() -> int:
     ap.add_argument("--keep", default=None, metavar="DIR", help="write (or reuse) the random models here")
     ap.add_argument("--tensor-parallel-size", type=int, action="append", default=[], metavar="N",
                     help="serve each model at this size (repeatable; default 1)")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "load_memory.json"))
+    ap.add_argument("--out", default=str(report_path("load_memory.json")))
     args = ap.parse_args()
     print(header(), flush=True)
     from gateeng.model.loader import default_model_path

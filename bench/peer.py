@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import command, commit, machine  # noqa: E402
+from common import command, commit, machine, report_path  # noqa: E402
 from models import SHAPES, quantized, random_llama, to_gguf  # noqa: E402
 from servers import Server, executable, llama_version  # noqa: E402
 from serve import pct, prompts  # noqa: E402
@@ -160,7 +160,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=64, help="chat prompts per run")
     ap.add_argument("--tokens", type=int, default=64, help="output tokens per prompt")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "peer.json"))
+    ap.add_argument("--out", default=str(report_path("peer.json")))
     args = ap.parse_args()
     for tool in (args.llama_server, args.llama_quantize):
         if executable(tool):

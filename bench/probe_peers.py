@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import command, commit, machine  # noqa: E402
+from common import command, commit, machine, report_path  # noqa: E402
 from models import quantized  # noqa: E402
 from servers import Server, executable, llama_version  # noqa: E402
 
@@ -53,9 +53,9 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--chat", action="store_true", help="send the prompts as chat messages (/v1/chat/completions)")
     ap.add_argument("--num-prompts", type=int, default=16)
-    ap.add_argument("--out", default=None, help="the JSON report (default: bench/probe_peers[_chat].json)")
+    ap.add_argument("--out", default=None, help="the JSON report (default: probe_peers[_chat].json outside the tree)")
     args = ap.parse_args()
-    args.out = args.out or str(ROOT / "bench" / ("probe_peers_chat.json" if args.chat else "probe_peers.json"))
+    args.out = args.out or str(report_path("probe_peers_chat.json" if args.chat else "probe_peers.json"))
     for tool in (args.llama_server, args.llama_quantize):
         if executable(tool):
             ap.error(executable(tool))

@@ -18,7 +18,7 @@ for the load phase only):
             the excess gets RESOURCE_EXHAUSTED, the admitted requests complete.
   rss       server RSS after 50 and after 500 sequential requests.
 
-Writes bench/out/serve.json, serve.md and serve.png; prints the markdown.
+Writes serve.json, serve.md and serve.png (--out; default outside the tree); prints the markdown.
 ITL is the gap between consecutive stream messages (a VERIFIED message may
 carry several tokens released by one verify pass).
 """
@@ -42,11 +42,10 @@ from pathlib import Path
 import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import commit, machine  # noqa: E402
+from bench.common import commit, machine, report_path  # noqa: E402
 from gateeng.v1 import engine_pb2 as pb  # noqa: E402
 from gateeng.v1 import engine_pb2_grpc as pb_grpc  # noqa: E402
 
-OUT = Path(__file__).resolve().parent / "out"
 SUBJECTS = ["the ocean", "a small robot", "ancient Rome", "quantum computers", "a lighthouse keeper",
             "bread baking", "the moon landing", "a jazz club", "mountain goats", "a chess match",
             "volcanoes", "a lost key", "the printing press", "honeybees", "a desert caravan", "winter"]
@@ -473,7 +472,7 @@ def main(argv=None) -> int:
     ap.add_argument("--metrics-port", type=int, default=None, help="with --target: its metrics port")
     ap.add_argument("--phases", default="load,prefill,rss,queue", help="which phases to run")
     ap.add_argument("--server-args", default="", help="extra `gateeng serve` flags for the servers started here")
-    ap.add_argument("--out", default=str(OUT / "serve"), help="output path prefix (.json, .md, .png)")
+    ap.add_argument("--out", default=str(report_path("serve")), help="output path prefix (.json, .md, .png)")
     args = ap.parse_args(argv)
     phases = set(filter(None, args.phases.split(",")))
     extra = args.server_args.split()

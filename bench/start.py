@@ -39,12 +39,11 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
-from bench.common import command, commit, machine  # noqa: E402
+from bench.common import command, commit, machine, report_path  # noqa: E402
 from bench.servers import free_port  # noqa: E402
 from gateeng.config import ServerConfig, cache_root  # noqa: E402
 from gateeng.engine import route_costs  # noqa: E402
 
-OUT = Path(__file__).parent / "start.json"
 SERVICE = "gateeng.v1.Engine"
 POLL_S = 0.05
 TIMEOUT_S = 600
@@ -152,6 +151,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3, help="first + second starts per condition")
     ap.add_argument("--hog", type=int, default=2, help="busy-loop processes beside the server (the hog condition)")
     ap.add_argument("--quiet-only", action="store_true", help="skip the hog condition")
+    ap.add_argument("--out", default=str(report_path("start.json")),
+                    help="the JSON report (default: outside the tree; bench/start.json is the one RESULTS cites)")
     args = ap.parse_args()
     grpc_port, metrics_port = free_port(), free_port()
     http_port = free_port() if ServerConfig().http_port is not None else None   # the default command's fronts
@@ -187,7 +188,7 @@ def main() -> int:
     result = {"machine": machine(), "commit": commit(), "command": command(),
               "server_command": " ".join(["gateeng"] + cmd[1:]), "hog_processes": args.hog,
               "load_average_at_end": os.getloadavg(), "summary": summary, "runs": runs}
-    OUT.write_text(json.dumps(result, indent=1) + "\n")
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"\n`{result['command']}` at {result['commit']}; {result['machine']}\n")
     names = [name for name, _ in PHASES]
     print("| case | gRPC SERVING (median) | each round | HTTP /health | " + " | ".join(names) + " | route costs |")
@@ -197,7 +198,7 @@ def main() -> int:
         print(f"| {case} | {s['grpc_serving_median_s']:.1f} s | {'/'.join(f'{v:.1f}' for v in s['grpc_serving_s'])} "
               f"| {http} | " + " | ".join(f"{s['phases_median_s'][n]:.1f}" for n in names)
               + f" | {', '.join(s['route'])} |")
-    print(f"\nwrote {OUT}", file=sys.stderr)
+    print(f"\nwrote {args.out}", file=sys.stderr)
     return 0
 
 

@@ -14,7 +14,7 @@ ratios are against the first size in the same round, and the table shows their
 median over rounds.
 
 Usage: python bench/tensor_parallel.py [--prompts 16] [--tokens 64] [--sizes 1,2,4] [--rounds 2]
-       [--threads N] [--out bench/tensor_parallel.json]
+       [--threads N] [--out FILE]
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import command, commit, header, machine, prompt_set  # noqa: E402
+from common import command, commit, header, machine, prompt_set, report_path  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads per rank (default: the engine's, this machine's threads shared out over the "
                          "ranks)")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "tensor_parallel.json"))
+    ap.add_argument("--out", default=str(report_path("tensor_parallel.json")))
     args = ap.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     machine = header()   # before any engine: a size > 1 engine sets this process's torch threads

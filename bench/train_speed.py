@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import command, commit, machine  # noqa: E402
+from common import command, commit, machine, report_path  # noqa: E402
 
 from gateeng.train import Policy  # noqa: E402
 
@@ -34,6 +34,7 @@ def main() -> int:
     ap.add_argument("--seqs", type=int, default=8)
     ap.add_argument("--len", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default=str(report_path("train_speed.json")), help="the JSON report")
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM
     policy = Policy.load()
@@ -73,7 +74,8 @@ def main() -> int:
     result = {"machine": machine(), "commit": commit(), "command": command(),
               "seqs": args.seqs, "len": args.len, "rounds": args.rounds, "seconds": times,
               "seconds_per_1000_positions": per_k, "ratio": ratio, "reference_build": policy.isa}
-    (Path(__file__).resolve().parent / "train_speed.json").write_text(json.dumps(result, indent=1))
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(f"wrote {args.out}", file=sys.stderr)
     print(f"{machine()}; reference build {policy.isa}; {args.seqs} x {args.len} tokens, {args.rounds} rounds")
     print("| trainer | forward + backward, s per 1000 positions (median) | ratio |")
     print("| --- | --- | --- |")
