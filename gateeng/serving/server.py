@@ -1,8 +1,11 @@
 """The serving process: one gateway (gateway.py) with the gRPC front and, with
 --http-port, the OpenAI-compatible HTTP front over it, and the /metrics endpoint.
-The HTTP front and /metrics are bounded listeners (http_server.py); the open-file
-limit is raised at start so that they at their limits leave gRPC and health theirs.
-With an API key, both fronts refuse calls without it (auth.py).
+Every listener is bounded: gRPC behind its accept gate (grpc_gate.py), the HTTP
+front and /metrics in http_server.py. At start the open-file limit is raised to what
+their limits need plus the descriptors kept for the model's files, and where it
+cannot be, their limits are lowered alike to fit; so no flood on one listener
+starves another, health or the model's files. With TLS files (tls.py) both fronts
+speak TLS; with an API key, both refuse calls without it (auth.py).
 
 Lifetime: the fronts listen (health NOT_SERVING) while the model loads and the
 self-check runs; then health turns SERVING. SIGTERM / SIGINT drain: health turns
