@@ -4,9 +4,10 @@ client.py, or a bench stepping it by hand). `new_request` and `register` may be
 called from any thread: they read only what is fixed at start-up and the handle
 table, which a lock guards.
 
-Wiring: the model and its KV cache, the plans (plans/factory.py), the scheduler
-with its block manager and route policy, the verification stage, the runner and
-the output processor. The step reads as the data flow: schedule -> run both
+Wiring: the served parts, assembled in one place (engine/assembly.py: the model,
+its KV cache, both plans in the runner, the self-check, the route's prices and the
+Reproducibility record; a weight swap assembles them again), the scheduler over
+their blocks and route policy, the verification stage and the output processor. The step reads as the data flow: schedule -> run both
 plans -> gate, verify, commit / rollback -> scheduler update -> measure, record
 -> emit.
 """
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import os
 import secrets
 import threading
 import time
@@ -22,26 +22,20 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from gateeng import __version__, reproducibility
-from gateeng.config import ADAPTIVE, FAST, INVARIANT, EngineConfig, kv_blocks, validate_threshold, validate_window
-from gateeng.engine import pricing, tp_processes, weights
-from gateeng.engine.block_manager import BlockManager
+from gateeng import __version__
+from gateeng.config import INVARIANT, EngineConfig, kv_blocks, validate_threshold, validate_window
+from gateeng.engine import assembly, weights
 from gateeng.engine.detokenizer import IncrementalText
 from gateeng.engine.errors import DeterminismUnavailable, QueueFull
 from gateeng.engine.output_processor import OutputProcessor, RequestHandle
 from gateeng.engine.records import Counts, PrefixLookup, RequestTimes, SeqRecord, StepRecord
-from gateeng.engine.route import RoutePolicy
 from gateeng.engine.scheduler import Scheduler
 from gateeng.engine.stopping import StopChecker
 from gateeng.engine.verification import VerificationStage, discard_speculation
 from gateeng.heap import trim_heap
 from gateeng.model.chat import encode_prompt
-from gateeng.model.llama import KVCache
-from gateeng.model.loader import DTYPES, LoadedModel, load
+from gateeng.model.loader import LoadedModel, load
 from gateeng.outputs import Completion
-from gateeng.plans import factory, host_load
-from gateeng.plans.runner import ModelRunner
-from gateeng.plans.selfcheck import run_selfcheck
 from gateeng.request import DeterminismParams, DeterminismStats, Mode, Request, SamplingParams
 from gateeng.step import Kind, ScheduledSeq, StepPlan
 
@@ -92,47 +86,28 @@ class EngineCore:
         if self.loaded.model.quantized and cfg.device != "cpu":
             raise ValueError("quantized weights are served on CPU: load the model with dequantize=True "
                              "(--dequantize)")
-        self.model, self.tokenizer = self.loaded.model, self.loaded.tokenizer
+        self.tokenizer = self.loaded.tokenizer
         mc = self.model_config = self.loaded.config
         self.max_model_len = resolve_max_model_len(cfg, mc)
-        blocks = kv_blocks(cfg)
         eos = set(mc.eos_token_ids)
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.stop = StopChecker(eos, self.max_model_len, text_of=self._text_of)
-        self.tp_group = None   # the tensor-parallel group (engine.tp_processes), at sizes > 1
-        if cfg.tensor_parallel_size > 1:   # the model becomes this process's shard (rank 0)
-            self.model, plans, self.tp_group = tp_processes.start(cfg, self.model, cfg.tensor_parallel_timeout,
-                                                                  owned=loaded is None)
-            if loaded is None:   # the whole model is not needed past sharding: let it go
-                self.loaded = dataclasses.replace(self.loaded, model=self.model)
-        else:
-            plans = factory.build(cfg, self.model, mc, DTYPES[cfg.dtype], owned=loaded is None)
-        shape = self.model.cfg   # the shard's heads and columns at sizes > 1
-        self.kv = KVCache(shape, blocks, cfg.block_size, DTYPES[cfg.dtype], cfg.device)
-        self.blocks = BlockManager(blocks, cfg.block_size, cfg.enable_prefix_caching)
-        self.invariant_plan, self.fast_matmul = plans.invariant, plans.fast_matmul
-        self.route = RoutePolicy(cfg.verified_route, group_rows=self.invariant_plan.group_rows,
-                                 replay_delay=cfg.max_verify_delay)
+        served = assembly.assemble(cfg, self.loaded, self.max_model_len, owned=loaded is None)
+        self.tp_group = served.tp_group   # the tensor-parallel group (engine.tp_processes), at sizes > 1
+        self.blocks, self.route = served.blocks, served.route
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.route,
                                    cfg.max_verify_delay, cfg.prefill_chunk)
         self.verification = VerificationStage(self.stop)
-        self.runner = ModelRunner(self.model, self.kv, plans.fast, self.invariant_plan, plans.sample, plans.logprobs)
-        self.verified_unavailable = plans.unavailable
-        self.selfcheck = run_selfcheck(self.invariant_plan, shape.hidden_size, shape.num_heads, shape.num_kv_heads,
-                                       shape.head_dim, DTYPES[cfg.dtype], cfg.block_size, device=cfg.device,
-                                       weights=self.invariant_plan.selfcheck_weights(self.model))
-        if cfg.plan == FAST and cfg.verified_route == ADAPTIVE and self.selfcheck.passed:
-            self._price_plans(cfg, plans.builds)
         self.margin_threshold = cfg.margin_threshold
         self.max_window = cfg.max_window
         self.version = __version__
-        self.reproducibility = self._answer_record(self.loaded.fingerprint)
         self.weight_version = 0   # +1 per applied weight update (apply_weight_update)
         self._weight_update: Optional[weights.Prepared] = None   # built aside, waiting for its step boundary
         self._weight_deadline = 0.0
         self.observer = observer or Observer()
-        self.outputs = OutputProcessor(self.observer, self.reproducibility)
+        self.outputs = OutputProcessor(self.observer, served.reproducibility)
+        self._serve(served)
         self.counts = Counts()   # replaced (never mutated) by the driving thread
         self._handles: dict[str, RequestHandle] = {}
         self._ids = itertools.count()
@@ -141,47 +116,19 @@ class EngineCore:
         # together outnumber the cores, and then every parallel region waits for its
         # workers to wake (cpu_ops.cpp). So the thread that built the engine lets its
         # pool go now, and the driving thread its own when idle (`idle`).
-        self.release_threads = plans.release_threads
         self.release_threads()
         trim_heap()   # what loading and packing freed goes back to the OS
 
-    def _answer_record(self, fingerprint: str) -> reproducibility.Reproducibility:
-        """The Reproducibility record of every answer on the weights `fingerprint` names."""
-        cfg = self.config
-        return reproducibility.build(
-            engine_version=self.version, model_fingerprint=fingerprint, dtype=cfg.dtype,
-            device=cfg.device, plan=cfg.plan, reference=self.invariant_plan.describe(cfg.dtype),
-            self_check_passed=self.selfcheck.passed, self_check=self.selfcheck.describe(),
-            tensor_parallel_size=cfg.tensor_parallel_size)
-
-    def _price_plans(self, cfg: EngineConfig, builds: str) -> None:
-        """Seed the route policy's cost models with decode-pass costs of both plans,
-        timed once per machine, build, model and settings and kept (pricing.py says
-        why traffic alone is not enough, route_costs.py where they are kept)."""
-        context = min(pricing.CONTEXT, self.max_model_len)
-        limit = min(cfg.max_num_seqs, pricing.rows_that_fit(self.blocks, context))
-        rows = sorted({min(r, limit) for r in pricing.PRICE_ROWS})
-        cpu = cfg.device == "cpu"   # a GPU's passes leave the CPU idle: its share says nothing
-        pricing.seed(self.route, pricing.decode_pass_timer(self.runner, self.blocks, context), rows, context,
-                     self._cost_facts(cfg, builds), torch.get_num_threads() if cpu else 0,
-                     host_load.cpu_share if cpu else (lambda: None), measure_again=cfg.recalibrate_route)
-
-    def _cost_facts(self, cfg: EngineConfig, builds: str) -> dict:
-        """What a decode pass's cost depends on besides the rows and keys priced: the
-        route-cost cache's key (route_costs.py). The fast plan's start-up choice of
-        matmul by row count (LlamaModel.pack_fast's probe) is left out: it is timed
-        too, and a key that moved with it would time the passes again on a busy host,
-        whose probe is the one that errs; traffic refines the fast plan's costs."""
-        device, isa = reproducibility.device_identity(cfg.device)
-        return {
-            "device": f"{cfg.device}: {device}", "isa": isa, "threads": torch.get_num_threads(),
-            "isa_caps": {name: os.environ.get(name, "") for name in reproducibility.ISA_CAPS},
-            "torch": torch.__version__, "gateeng": __version__, "builds": builds,
-            "invariant_plan": self.invariant_plan.describe(cfg.dtype), "packed_weights": cfg.pack_fast_weights,
-            "model": self.loaded.fingerprint, "dtype": cfg.dtype, "group_rows": self.invariant_plan.group_rows,
-            "block_size": cfg.block_size, "max_num_seqs": cfg.max_num_seqs,
-            "tensor_parallel_size": cfg.tensor_parallel_size, "fast_logit_noise": cfg.fast_logit_noise,
-        }
+    def _serve(self, served: assembly.Served) -> None:
+        """Serve from `served` (engine.assembly) from the next step on; what the
+        requests' checks, the step and the fronts read of it, as plain attributes."""
+        self.served = served
+        self.loaded, self.model, self.kv, self.runner = served.loaded, served.model, served.kv, served.runner
+        plans = served.plans
+        self.invariant_plan, self.fast_matmul = plans.invariant, plans.fast_matmul
+        self.verified_unavailable, self.release_threads = plans.unavailable, plans.release_threads
+        self.selfcheck = served.selfcheck
+        self.reproducibility = self.outputs.reproducibility = served.reproducibility
 
     # ---- requests (any thread) ---------------------------------------------------
     def new_request(self, prompt: Union[str, Sequence[int]], params: Optional[SamplingParams] = None,
@@ -359,16 +306,12 @@ class EngineCore:
             sch.abort(req.request_id)
         self._collect_finished()
         self.blocks.drop_prefix_cache()
-        plans = prepared.plans
-        self.model = self.runner.model = prepared.model
-        self.runner.plans = {Kind.FAST: plans.fast, Kind.INVARIANT: plans.invariant}
-        self.runner.sample, self.runner.logprobs = plans.sample, plans.logprobs
-        # The same shapes, dtype and kernels as before: the self-check (which ran on
-        # the weights' shapes), the route's prices and the group rows still hold.
-        self.invariant_plan, self.fast_matmul = plans.invariant, plans.fast_matmul
-        self.verified_unavailable, self.release_threads = plans.unavailable, plans.release_threads
-        self.loaded = dataclasses.replace(self.loaded, model=prepared.model, fingerprint=prepared.fingerprint)
-        self.reproducibility = self.outputs.reproducibility = self._answer_record(prepared.fingerprint)
+        # The same shapes, dtype and kernels as before: the KV cache, the self-check
+        # (which ran on the weights' shapes), the route's prices and the group rows hold.
+        self._serve(assembly.assemble(self.config, dataclasses.replace(self.loaded, model=prepared.model,
+                                                                      fingerprint=prepared.fingerprint),
+                                      self.max_model_len, model=prepared.model, plans=prepared.plans,
+                                      before=self.served))
         self.weight_version += 1
         sch.admitting = True
         self.publish_counts()
@@ -392,12 +335,13 @@ class EngineCore:
 
     @property
     def fast_plan(self):
-        return self.runner.plans[Kind.FAST]
+        return self.served.plans.fast
 
     def replace_fast_plan(self, plan) -> None:
         """Run another fast plan from the next step on (benches and tests that
         measure one; the invariant plan, and so the reference, stay)."""
-        self.runner.plans[Kind.FAST] = plan
+        self._serve(assembly.assemble(self.config, self.loaded, self.max_model_len, model=self.model,
+                                      plans=dataclasses.replace(self.served.plans, fast=plan), before=self.served))
 
     def teacher_forced(self, prompts: Sequence[Sequence[int]], forced: Sequence[Sequence[int]],
                        kind: Kind = Kind.FAST) -> list:
