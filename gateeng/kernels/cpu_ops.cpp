@@ -18,6 +18,8 @@
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+
+#include "packed_checks.h"
 #include <omp.h>
 #include <pybind11/functional.h>
 
@@ -402,11 +404,8 @@ inline void dpbf16_tile(const u16* x, int64_t k, const u16* w, int64_t block_str
 }
 
 torch::Tensor linear_dpbf16(torch::Tensor x, torch::Tensor packed, int64_t n) {
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.device().is_cpu(), "x must be bf16 [M, K]");
-  TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.dim() == 4 && packed.size(2) == 16 &&
-                  packed.size(3) == 2 && packed.is_contiguous(), "packed must come from the reference's pack");
+  gateeng::check_packed(x, packed, n);
   const int64_t m = x.size(0), k = x.size(1), blocks = packed.size(0);
-  TORCH_CHECK(packed.size(1) * 2 == k && (n + 15) / 16 == blocks, "packed weight does not match x or n");
   x = x.contiguous();
   auto out = torch::empty({m, n}, x.options());
   const u16* xp = reinterpret_cast<const u16*>(x.data_ptr<at::BFloat16>());
@@ -437,7 +436,8 @@ torch::Tensor linear_dpbf16(torch::Tensor x, torch::Tensor packed, int64_t n) {
 // reference's bits.
 namespace qint8 {
 
-constexpr int64_t QK = 32, REC_Q8_0 = 32 + 512, REC_Q4_0 = 32 + 256, REC_Q4_1 = 64 + 256;
+using gateeng::QK;
+constexpr int64_t REC_Q8_0 = 32 + 512, REC_Q4_0 = 32 + 256, REC_Q4_1 = 64 + 256;
 
 // One row's inputs by block: int8 values, their scale, the sum of the int8s, the sum of x.
 void quantize_rows(const u16* x, int64_t m, int64_t k, int8_t* q, float* d, int32_t* qsum, float* xsum) {
@@ -492,12 +492,10 @@ using TileFn = void (*)(int64_t rec_bytes, int64_t nb, const std::vector<int64_t
 // both tiles share.
 torch::Tensor qlinear_on(torch::Tensor x, torch::Tensor packed, int64_t n, bool f32, int64_t whole_per,
                          const TileFn (&tiles)[4]) {
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.device().is_cpu(), "x must be bf16 [M, K]");
-  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.dim() == 3 && packed.is_contiguous() &&
-                  (packed.size(2) == REC_Q8_0 || packed.size(2) == REC_Q4_0 || packed.size(2) == REC_Q4_1),
-              "packed must come from the reference's qpack");
+  gateeng::check_qpacked(x, packed, n);
+  TORCH_CHECK(packed.size(2) == REC_Q8_0 || packed.size(2) == REC_Q4_0 || packed.size(2) == REC_Q4_1,
+              "packed must come from the reference's qpack (a Q8_0, Q4_0 or Q4_1 record)");
   const int64_t m = x.size(0), k = x.size(1), nb = packed.size(1), cbs = packed.size(0), rec = packed.size(2);
-  TORCH_CHECK(nb * QK == k && (n + 15) / 16 == cbs, "packed weight does not match x or n");
   x = x.contiguous();
   auto out = torch::empty({m, n}, x.options().dtype(f32 ? torch::kFloat : torch::kBFloat16));
   if (m == 0 || n == 0) return out;

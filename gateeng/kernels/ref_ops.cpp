@@ -19,6 +19,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "packed_checks.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -46,6 +48,10 @@
 #endif
 
 namespace {
+
+using gateeng::QK;
+using gateeng::check_packed;
+using gateeng::check_qpacked;
 
 using u16 = uint16_t;
 using u32 = uint32_t;
@@ -415,14 +421,6 @@ torch::Tensor pack(torch::Tensor w) {
   return out;
 }
 
-// x is bf16 [M, K], packed is pack() of an [n, K] weight.
-void check_packed(const torch::Tensor& x, const torch::Tensor& packed, int64_t n) {
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.device().is_cpu(), "x must be bf16 [M, K]");
-  TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.dim() == 4 && packed.size(2) == 16 &&
-                  packed.size(3) == 2 && packed.is_contiguous(), "packed must come from pack");
-  TORCH_CHECK(packed.size(1) * 2 == x.size(1) && (n + 15) / 16 == packed.size(0),
-              "packed weight does not match x or n");
-}
 
 // The tiles over x @ w.T, each output the tree over the blocks `bl` names.
 void matmul(torch::Tensor x, const torch::Tensor& packed, const Blocks& bl, const Out& out) {
@@ -474,7 +472,6 @@ Out out_to(torch::Tensor& result, int64_t n) {
 // nibble is pair 2j and high nibble pair 2j + 1. The record size names the type.
 // Zero columns (scale 0) pad the last column block.
 
-constexpr int64_t QK = 32;                            // values per GGUF block
 constexpr int64_t GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q8_0 = 8;   // GGML type ids
 constexpr int64_t REC_Q8_0 = 32 + 512, REC_Q4_0 = 32 + 256, REC_Q4_1 = 64 + 256;
 
@@ -867,14 +864,6 @@ void qtile_avx2(const QType& t, const QLayout& lay, const float* xo, const float
   }
 }
 #endif
-
-void check_qpacked(const torch::Tensor& x, const torch::Tensor& packed, int64_t n) {
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.device().is_cpu(), "x must be bf16 [M, K]");
-  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.dim() == 3 && packed.is_contiguous(),
-              "packed must come from qpack");
-  TORCH_CHECK(packed.size(1) * QK == x.size(1) && (n + 15) / 16 == packed.size(0),
-              "packed weight does not match x or n");
-}
 
 // x @ w.T on a quantized packed weight (qpack, with `per`): bf16 out (rounded), or
 // binary32 out; the sums of 2^levels lanes (4: the whole dot; fewer: a tensor-parallel

@@ -81,10 +81,12 @@ def compiler() -> str:
 
 
 def digest(source: Path, cflags: list) -> str:
-    """What a build's bits depend on besides the CPU: the source, the compiler, its
-    flags and torch."""
+    """What a build's bits depend on besides the CPU: the source and the headers of its
+    folder (which it may include), the compiler, its flags and torch."""
     import torch
-    key = source.read_bytes() + compiler().encode() + " ".join(cflags).encode() + torch.__version__.encode()
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+    key = (source.read_bytes() + headers + compiler().encode() + " ".join(cflags).encode()
+           + torch.__version__.encode())
     return hashlib.sha256(key).hexdigest()[:12]
 
 
