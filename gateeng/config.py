@@ -9,12 +9,11 @@ from pathlib import Path
 from typing import Optional
 
 # The largest prefill chunk (its queries x its keys) the fast plan's C++ kernels
-# attend row by row, as the invariant plan does, rather than with SDPA. Measured on
-# one chunk (9 query and 3 KV heads of 64): the kernel takes 4 / 37 / 475 us at
-# 4 / 32 / 128 tokens against SDPA's 32 / 67 / 492, and 1.8 / 7.2 ms against
-# 1.4 / 5.6 at 256 / 512. The scheduler lets OFF chunks within it ride along on an
-# invariant pass: beyond it the fast plan's attention is the faster one, which the
-# route cost model, fitted on decode passes, would not see.
+# attend row by row, as the invariant plan does, rather than with SDPA: up to about
+# this size the row-by-row kernel is the faster, past it SDPA is. The scheduler lets
+# OFF chunks within it ride along on an invariant pass: beyond it the fast plan's
+# attention is the faster one, which the route cost model, fitted on decode passes,
+# would not see.
 KERNEL_PREFILL_WORK = 128 * 128
 
 # The routes of a VERIFIED decode, and the policies that choose them (--verified-route):
@@ -149,9 +148,9 @@ class EngineConfig:
     # While requests are decoding, a step prefills at most max(prefill_chunk, number
     # of decoding requests) prompt positions (0 = up to the whole budget): long
     # prompts are chunked and interleaved with the decodes, which bounds their
-    # inter-token latency. 8: bench/serve.py's prefill phase (bench/RESULTS.md, "Long
-    # prompts"): a decoding stream keeps about 70% of its speed beside long prompts,
-    # which prefill at about 85% of their uncapped rate (16: 33-47% and about 100%).
+    # inter-token latency. 8: chosen with bench/serve.py's prefill phase, which
+    # measures a decoding stream beside long prompts at each setting (bench/RESULTS.md,
+    # "Long prompts").
     prefill_chunk: int = 8
     enable_prefix_caching: bool = True
     # CPU: the fast plan multiplies packed weights (LlamaModel.pack_fast). With the C++

@@ -3,18 +3,18 @@
 Each plan's cost model learns only from that plan's own passes, so a plan the
 policy stops using keeps the price it last saw. Priced from traffic alone, a
 plan's first passes set that price, and they pay one-time set-up (kernel builds,
-oneDNN primitives, allocator growth): on torch ops a 20-row fast pass was once
-priced at 216 ms where it takes about 110, and with every VERIFIED decode then
-going direct, the fast plan never ran again to correct it. So before serving,
-the engine times decode passes of both plans at a few row counts on throwaway
-sequences, discards each shape's first pass, and feeds the fastest of the rest
-to the cost models; traffic refines them from there.
+oneDNN primitives, allocator growth): a first pass can cost twice a later one,
+and with every VERIFIED decode then going direct, the fast plan would never run
+again to correct it. So before serving, the engine times decode passes of both
+plans at a few row counts on throwaway sequences, discards each shape's first
+pass, and feeds the fastest of the rest to the cost models; traffic refines them
+from there.
 
 The passes are timed once per machine, build, model and plan settings and kept
-(route_costs.py): on a busy host timing them took 18-40 s of every start. A set
-of timings whose fit is negative, falls with rows or misses the timings is
-refused (`refusal`): a host's stall had fitted a fast plan at -8.7 ms + 95.48 ms
-per row, which would have steered the route for the server's life. A refused
+(route_costs.py): on a busy host timing them takes tens of seconds of every
+start. A set of timings whose fit is negative, falls with rows or misses the
+timings is refused (`refusal`): a host's stall can fit a negative intercept and
+a huge per-row cost, which would steer the route for the server's life. A refused
 set leaves the policy at its priors, both plans priced alike, which sends
 neither plan's work away from it for good: traffic runs and measures both. Its
 fit is never used. The refusal is kept, as are timings taken on a busy host, and
