@@ -30,7 +30,7 @@ from gateeng.config import EngineConfig  # noqa: E402
 from gateeng.engine import pricing  # noqa: E402
 from gateeng.engine.client import Engine  # noqa: E402
 from gateeng.model.loader import load  # noqa: E402
-from gateeng.plans import cpu_ops, reference_ops  # noqa: E402
+from gateeng.plans import cpu_ops, packing, reference_ops  # noqa: E402
 from gateeng.plans.generic import InvariantPlan, default_invariant_rows  # noqa: E402
 from gateeng.plans.reference import ReferencePlan  # noqa: E402
 from gateeng.reproducibility import cpu_model_and_isa  # noqa: E402
@@ -48,10 +48,11 @@ def main() -> None:
     engine = Engine(EngineConfig(plan="invariant", num_kv_blocks=64 + max(args.rows) * 2), loaded=load(None))
     core = engine.core
     model, runner = core.model, core.runner
+    stored = packing.of(model)
     kernels = cpu_ops.load()
     plans = {"fast": runner.plans[Kind.FAST],
-             "machine-v4": InvariantPlan(default_invariant_rows(cpu_model_and_isa()[1]), 64, model.invariant_packed,
-                                         kernels, core.config.block_size, model.invariant_matmul)}
+             "machine-v4": InvariantPlan(default_invariant_rows(cpu_model_and_isa()[1]), 64, stored.invariant_packed,
+                                         kernels, core.config.block_size, stored.invariant_matmul)}
     for isa in reference_ops.runnable():
         plans[f"ref-{isa}"] = ReferencePlan(model, reference_ops.load(isa), core.config.block_size)
     print("plans:", "; ".join(f"{name}: {getattr(p, 'describe', lambda: core.fast_matmul)()}"

@@ -153,7 +153,7 @@ class EngineConfig:
     # "Long prompts").
     prefill_chunk: int = 8
     enable_prefix_caching: bool = True
-    # CPU: the fast plan multiplies packed weights (LlamaModel.pack_fast). With the C++
+    # CPU: the fast plan multiplies packed weights (plans.packing.pack_fast). With the C++
     # kernels and the reference, that is the one packed copy the reference multiplies
     # too (plans/cpu_linear.py: VDPBF16PS on AVX-512 BF16, else the reference's AVX2
     # matmul), and an engine that loaded its own model frees the plain weights;

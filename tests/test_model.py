@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from gateeng.model.llama import KVCache
-from gateeng.plans import kernel_names
+from gateeng.plans import kernel_names, packing
 from gateeng.plans.generic import FastPlan, InvariantPlan
 from gateeng.plans.rows import Rows
 from tiny import hf_tiny, tiny_loaded
@@ -66,10 +66,11 @@ def rowwise_plan(matmul: str, loaded) -> InvariantPlan:
         ref = reference_ops.load("avx2")
         k = SimpleNamespace(**{n: getattr(k, n) for n in dir(k) if not n.startswith("__")} | {"dpbf16": False})
     m = loaded.model
-    m.pack_shared(ref)
-    m.pack_fast(k, ref)
-    return InvariantPlan(rows=8, split=8, packed=m.invariant_packed, kernels=k, block_size=BS,
-                         matmul=m.invariant_matmul)
+    packing.pack_shared(m, ref)
+    packing.pack_fast(m, k, ref)
+    stored = packing.of(m)
+    return InvariantPlan(rows=8, split=8, packed=stored.invariant_packed, kernels=k, block_size=BS,
+                         matmul=stored.invariant_matmul)
 
 
 def make_plan(name, loaded):
@@ -82,8 +83,9 @@ def make_plan(name, loaded):
         return InvariantPlan(rows=8, split=8)
     if name.startswith("invariant-rowwise-"):
         return rowwise_plan(name.removeprefix("invariant-rowwise-"), loaded)
-    loaded.model.pack_fast()
-    return InvariantPlan(rows=8, split=8, packed=loaded.model.packed, kernels=cpu_kernels(), block_size=BS)
+    packing.pack_fast(loaded.model)
+    return InvariantPlan(rows=8, split=8, packed=packing.of(loaded.model).packed, kernels=cpu_kernels(),
+                         block_size=BS)
 
 
 @pytest.mark.parametrize("rope", [None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -116,7 +118,7 @@ def test_invariant_plan_is_batch_and_chunk_invariant_in_bf16(plan_name):
     loaded = tiny_loaded("bfloat16")
     plan = make_plan(plan_name, loaded)
     if plan_name == "invariant-kernels":
-        assert "matmul=onednn_packed" in plan.describe() or not loaded.model.packed
+        assert "matmul=onednn_packed" in plan.describe() or not packing.of(loaded.model).packed
     if plan_name.startswith("invariant-rowwise-"):   # unpadded: every op row-invariant at any row count
         want = plan_name.removeprefix("invariant-rowwise-")
         assert want in kernel_names.ROWWISE_MATMULS
@@ -141,27 +143,29 @@ def test_one_call_decode_layers_give_the_op_by_op_bits(matmul):
     k = cpu_kernels()
     loaded = tiny_loaded("bfloat16")
     m, ref = loaded.model, reference_ops.load()
-    m.pack_shared(ref)
-    m.pack_fast(k, ref)
-    if m.fused_layers is None:
+    packing.pack_shared(m, ref)
+    packing.pack_fast(m, k, ref)
+    stored = packing.of(m)
+    if stored.fused_layers is None:
         pytest.skip("no row-invariant matmul here (neither AVX-512 BF16 nor an AVX2 reference build)")
-    m.fast_rowwise_max_rows = None   # every row count on the row-invariant matmul, both ways
+    stored.fast_rowwise_max_rows = None   # every row count on the row-invariant matmul, both ways
     if matmul == "the reference's":
-        m.fused_layers = m.fused_layers[:3] + (ref.linear,)
-    plan = FastPlan(0.0, m.packed, k, m.dense_head)
+        stored.fused_layers = stored.fused_layers[:3] + (ref.linear,)
+    plan = FastPlan(0.0, stored.packed, k, stored.dense_head)
     one_call = plan.decode_layers
     calls = []
     plan.decode_layers = lambda *a: calls.append(one_call(*a)) or calls[-1]
     seqs = [list(range(5, 40)), [7, 3, 9, 11, 200, 13], list(range(100, 117))]
     fused = prefill_logits(loaded, plan, seqs, chunk=1)   # one row per sequence a step: decode steps
     assert calls and all(c is not None for c in calls[1:])   # the first step is a prefill
-    m.fused_layers = None
+    stored.fused_layers = None
     op_by_op = prefill_logits(loaded, plan, seqs, chunk=1)
     assert all(torch.equal(a, b) for a, b in zip(fused, op_by_op))
 
 
 def test_fast_lm_head_gives_float32_top2_for_greedy_rows_and_float32_rows_for_sampled():
     from gateeng.kernels.fixed_order import argmax_margin
+    from gateeng.plans.head import float_logits
     model = tiny_loaded("bfloat16").model
     gen = torch.Generator().manual_seed(0)
     hidden = (torch.randn(300, model.cfg.hidden_size, generator=gen) * 3).to(torch.bfloat16)
@@ -169,7 +173,7 @@ def test_fast_lm_head_gives_float32_top2_for_greedy_rows_and_float32_rows_for_sa
     w = model.lm_head.float()
     hidden[:20] = ((w[torch.arange(20)] + w[torch.arange(20) + 50]) * 4).to(torch.bfloat16)
     greedy = [i % 7 != 3 for i in range(300)]
-    full = model.logits(hidden, FastPlan())
+    full = float_logits(FastPlan(), model, hidden)
     got = FastPlan().lm_head(model, hidden, greedy)
     g = torch.tensor(greedy)
     tok_full, mar_full = argmax_margin(full[g])
@@ -187,8 +191,7 @@ def _head(vocab: int, hidden_size: int = 64, packed: bool = False, seed: int = 0
     from gateeng.plans import cpu_linear
     gen = torch.Generator().manual_seed(seed)
     w = (torch.randn(vocab, hidden_size, generator=gen) * 0.2).to(torch.bfloat16)
-    f32 = w.float()
-    model = SimpleNamespace(lm_head=w, lm_head_f32=f32, lm_head_max_norm=float(f32.norm(dim=-1).max()))
+    model = SimpleNamespace(lm_head=w, stored=None)   # packing.of makes the float32 lm_head and its norm
     return model, (cpu_linear.pack(w) if packed else None)
 
 
@@ -214,7 +217,7 @@ def test_greedy_top2_equals_the_dense_greedy_path(vocab, packed, search):
     want_tok, want_mar = argmax_margin(greedy_logits(model, hidden, head))
     assert tok == want_tok.tolist() and mar == want_mar.tolist()
     assert tok[10] == 0 and mar[10] == 0.0
-    exact = torch.nn.functional.linear(hidden.float(), model.lm_head_f32)
+    exact = torch.nn.functional.linear(hidden.float(), packing.lm_head_f32(model))
     chosen = exact.gather(1, torch.tensor(tok)[:, None])[:, 0]
     assert (exact.max(-1).values - chosen).max() < 1e-4   # the float32 argmax, up to float32 rounding
     broken = hidden.clone()

@@ -1,11 +1,11 @@
 """A model loaded for one engine gives up each plain weight as soon as its packed copy
-exists (LlamaModel.pack_shared(release=True)), so start-up never holds the weights
+exists (packing.pack_shared(release=True)), so start-up never holds the weights
 twice; the plans it then builds answer with the bits of a model that kept them."""
 import pytest
 import torch
 
 from gateeng.config import EngineConfig
-from gateeng.plans import cpu_linear, cpu_ops, factory, reference_ops
+from gateeng.plans import cpu_linear, cpu_ops, factory, packing, reference_ops
 from tiny import tiny_loaded
 
 
@@ -34,11 +34,11 @@ def test_release_frees_every_weight_while_packing_and_reads_them_back_exactly():
     ref = _ref()
     model = tiny_loaded("bfloat16").model
     before = {id(w): w.clone() for w in _weights(model)}
-    model.pack_shared(ref, release=True)
+    packing.pack_shared(model, ref, release=True)
     assert all(w.untyped_storage().nbytes() == 0 for w in _weights(model))
-    assert model.freed_bytes == sum(w.numel() * w.element_size() for w in before.values())
+    assert packing.of(model).freed_bytes == sum(w.numel() * w.element_size() for w in before.values())
     for w in _weights(model):
-        assert torch.equal(model.plain(w), before[id(w)])
+        assert torch.equal(packing.plain(model, w), before[id(w)])
 
 
 def test_plain_weights_come_back_where_a_plan_multiplies_them():
@@ -47,11 +47,11 @@ def test_plain_weights_come_back_where_a_plan_multiplies_them():
     ref = _ref()
     model = tiny_loaded("bfloat16").model
     before = {id(w): w.clone() for w in _weights(model)}
-    model.pack_shared(ref, release=True)
-    model.pack_fast(None, ref)
-    assert model.plain_needed and model.freed_bytes == 0
+    packing.pack_shared(model, ref, release=True)
+    packing.pack_fast(model, None, ref)
+    assert packing.of(model).plain_needed and packing.of(model).freed_bytes == 0
     assert all(torch.equal(w, before[id(w)]) for w in _weights(model))
-    assert model.release_plain_weights() == 0
+    assert packing.release_plain_weights(model) == 0
 
 
 @pytest.mark.parametrize("onednn", [True, False], ids=["oneDNN", "no oneDNN"])
@@ -71,7 +71,7 @@ def test_an_engine_that_released_early_answers_with_the_same_bits(onednn, monkey
     for owned in (True, False):
         loaded = tiny_loaded("bfloat16")
         plans = factory.build(cfg, loaded.model, loaded.config, torch.bfloat16, owned=owned)
-        if owned and loaded.model.plain_needed:
+        if owned and packing.of(loaded.model).plain_needed:
             pytest.skip("no row-invariant matmul here: the plain weights stay")
         assert (loaded.model.lm_head.untyped_storage().nbytes() == 0) is owned
         out[owned] = [prefill_logits(loaded, plan, seqs, chunk=3) for plan in (plans.fast, plans.invariant)]
@@ -91,10 +91,10 @@ def test_weights_are_checked_while_their_plain_copy_is_at_hand(monkeypatch):
     monkeypatch.setattr(cpu_linear, "unpack", lambda p: calls.append(p) or unpack(p))
     loaded = tiny_loaded("bfloat16")
     factory.build(EngineConfig(block_size=4), loaded.model, loaded.config, torch.bfloat16, owned=True)
-    if loaded.model.plain_needed:
+    if packing.of(loaded.model).plain_needed:
         pytest.skip("no row-invariant matmul here: the plain weights stay")
     weights = len(loaded.model.projections()) + 1   # and the lm_head
-    second_copy = loaded.model.fast_rowwise_max_rows is not None
+    second_copy = packing.of(loaded.model).fast_rowwise_max_rows is not None
     assert len(calls) <= 1 + (weights if second_copy else 0)
 
 
@@ -110,10 +110,10 @@ def test_a_second_copy_is_kept_only_where_it_fits(monkeypatch, available):
     monkeypatch.setattr(cpu_linear, "available_bytes", lambda: available)
     loaded = tiny_loaded("bfloat16")
     factory.build(EngineConfig(block_size=4), loaded.model, loaded.config, torch.bfloat16, owned=True)
-    model = loaded.model
-    if model.rowwise_checked_name is None:
+    model, stored = loaded.model, packing.of(loaded.model)
+    if stored.rowwise_checked_name is None:
         pytest.skip("no row-invariant matmul here")
     fits = available > 1 << 20
-    assert (model.fast_rowwise_max_rows == 8) is fits
+    assert (stored.fast_rowwise_max_rows == 8) is fits
     if not fits:
-        assert not model.plain_needed and all(w.untyped_storage().nbytes() == 0 for w in _weights(model))
+        assert not stored.plain_needed and all(w.untyped_storage().nbytes() == 0 for w in _weights(model))

@@ -9,7 +9,7 @@ import torch
 from gateeng.config import EngineConfig
 from gateeng.engine.client import Engine
 from gateeng.model import loader
-from gateeng.plans import reference_ops
+from gateeng.plans import packing, reference_ops
 from gateeng.plans.kernel_names import REFERENCE, REFERENCE_ISAS
 from gateeng.request import DeterminismParams, Mode, SamplingParams
 from tests.tiny_gguf import write_tiny_gguf
@@ -72,13 +72,14 @@ def test_every_build_multiplies_quantized_weights_as_the_oracle(gguf_type, isa):
 
 def test_a_gguf_is_served_as_stored_by_default(files):
     loaded = loader.load(str(files["Q4_0"]["path"]))
-    assert loaded.model.quantized and loaded.model.stored_types == {"Q4_0": 15}   # GGUF tensors: embed (tied) + 7 per layer
+    # GGUF tensors: embed (tied) + 7 per layer
+    assert packing.quantized(loaded.model) and packing.of(loaded.model).stored_types == {"Q4_0": 15}
     deq = loader.load(str(files["Q4_0"]["path"]), dequantize=True)
-    assert not deq.model.quantized
+    assert not packing.quantized(deq.model)
     assert loaded.fingerprint != deq.fingerprint, "the same file served two ways is two models"
     assert loader.load(str(files["Q4_0"]["path"])).fingerprint == loaded.fingerprint
     # float32 serves the file dequantized (the log says so)
-    assert not loader.load(str(files["Q4_0"]["path"]), dtype="float32").model.quantized
+    assert not packing.quantized(loader.load(str(files["Q4_0"]["path"]), dtype="float32").model)
 
 
 @pytest.mark.parametrize("gguf_type", list(TYPES))
@@ -109,7 +110,7 @@ def test_quantized_logits_follow_the_file_and_the_plans_agree(files, gguf_type):
 
 def test_other_types_are_converted_to_bf16_and_named(files, capsys):
     loaded = loader.load(str(files["mixed"]["path"]))
-    assert loaded.model.stored_types == {"Q4_0": 14}   # all but the two Q6_K ffn_down
+    assert packing.of(loaded.model).stored_types == {"Q4_0": 14}   # all but the two Q6_K ffn_down
     err = capsys.readouterr().err
     assert "dequantized to bf16 (not served as stored): 2 Q6_K" in err, err
 
@@ -120,7 +121,7 @@ def test_quantized_weights_fail_closed(files, tmp_path):
     with pytest.raises(ValueError, match="no transformers checkpoint"):
         loaded.model.hf_state_dict()
     with pytest.raises(RuntimeError, match="no plain copy"):
-        loaded.model.restore_plain_weights()
+        packing.restore_plain_weights(loaded.model)
     engine = Engine(EngineConfig(num_kv_blocks=32, max_model_len=64), loaded=loaded)
     try:
         with pytest.raises(WeightUpdateUnavailable, match="--dequantize"):

@@ -15,6 +15,7 @@ from gateeng.config import EngineConfig, ModelConfig
 from gateeng.engine.client import Engine
 from gateeng.engine.errors import EngineDead
 from gateeng.model import loader, shard
+from gateeng.plans import packing
 from gateeng.plans.tp_shapes import QUANT_BLOCK
 from gateeng.request import DeterminismParams, Mode, SamplingParams
 from tests.tiny import tiny_loaded
@@ -109,7 +110,7 @@ def test_a_quantized_gguf_served_as_stored_has_the_bits_of_one_process(tmp_path,
         e = Engine(EngineConfig(model=str(path), tensor_parallel_size=n, num_kv_blocks=64, max_num_seqs=8,
                                 num_threads=1))
         try:
-            assert e.core.model.quantized
+            assert packing.quantized(e.core.model)
             if n > 1:
                 assert e.core.model.tp.layout.attention_split == (shape["heads"] == 4)
             done = [e.generate(p, params, VERIFIED) for p in PROMPTS[:2] for params in (GREEDY, SEEDED)]
@@ -136,9 +137,9 @@ def test_a_model_split_weight_by_weight_lets_each_weight_go_and_gives_the_same_s
     for a, b in zip(want, got):
         assert a.keys() == b.keys() and all(same(a[name], b[name]) for name in a)
     weights = model.projections() + [model.lm_head]
-    assert not any(id(w) in model.shared for w in weights)               # every packed copy let go
+    assert not any(id(w) in packing.of(model).shared for w in weights)   # every packed copy let go
     assert all(w.untyped_storage().nbytes() == 0 for w in weights)       # and every plain one
-    assert any(isinstance(t, Packed) for t in got[1].values()) and kept.quantized
+    assert any(isinstance(t, Packed) for t in got[1].values()) and packing.quantized(kept)
 
 
 def test_layers_that_mix_quantized_and_bf16_split_only_where_both_split_alike(tmp_path):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from gateeng.kernels import triton_reference as tr
-from gateeng.plans import reference_ops
+from gateeng.plans import packing, reference_ops
 from gateeng.plans.kernel_names import REFERENCE
 
 pytestmark = pytest.mark.kernels
@@ -112,20 +112,22 @@ def test_the_triton_plan_serves_a_quantized_gguf_as_the_cpu_reference(tmp_path, 
     packed copy, the quantized embedding looked up and the lm_head multiplied as stored
     (the interpreter multiplies only the lm_head's first 96 rows: each logit is its own
     row's)."""
-    from gateeng.model.llama import QuantBlocks
+    from gateeng.plans.packing import QuantBlocks
     from gateeng.model.loader import load_gguf
     from gateeng.plans.gpu import TritonReferencePlan
     from gateeng.plans.reference import ReferencePlan
     from tests.tiny_gguf import write_tiny_gguf
     path = write_tiny_gguf(tmp_path / "tiny.gguf", qtype, tie=tie)["path"]
     cpu, blocks = load_gguf(path), load_gguf(path, blocks_on="cpu")
-    assert blocks.model.quantized and not blocks.model.shared and cpu.fingerprint == blocks.fingerprint
+    assert packing.quantized(blocks.model) and not packing.of(blocks.model).shared
+    assert cpu.fingerprint == blocks.fingerprint
     ref, tri = ReferencePlan(cpu.model, reference_ops.load(), 4), TritonReferencePlan(4, blocks.model)
     assert tri.describe() == ref.describe() != REFERENCE   # "gateeng-ref-1 (... weights)"
     want, got = two_steps(cpu.model, ref), two_steps(blocks.model, tri)
-    head = blocks.model.blocks[id(blocks.model.lm_head)]
-    blocks.model.blocks[id(blocks.model.lm_head)] = QuantBlocks(*(None if t is None else t[:96] for t in
-                                                                    (head.q, head.d, head.m)))
+    stored = packing.of(blocks.model)
+    head = stored.blocks[id(blocks.model.lm_head)]
+    stored.blocks[id(blocks.model.lm_head)] = QuantBlocks(*(None if t is None else t[:96] for t in
+                                                            (head.q, head.d, head.m)))
     for a, b in zip(want, got):
         assert same(b, a)
         assert same(tri.full_logits(blocks.model, b), ref.full_logits(cpu.model, a)[:, :96])

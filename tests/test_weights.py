@@ -8,7 +8,7 @@ import torch
 from gateeng.config import EngineConfig
 from gateeng.engine.client import Engine
 from gateeng.model.loader import load
-from gateeng.plans import reference_ops
+from gateeng.plans import packing, reference_ops
 from gateeng.request import DeterminismParams, Mode, SamplingParams
 from tests.tiny import save_family
 
@@ -46,9 +46,9 @@ def test_an_engine_that_loads_its_model_keeps_one_packed_copy(model_dir):
         m = engine.core.model
         layer = m.layers[0]
         for w in (layer.qkv, layer.o, layer.gate_up, layer.down, m.lm_head):
-            assert stored(w) == 0 and id(w) in m.shared and w.shape[0] > 0   # shape kept, storage freed
+            assert stored(w) == 0 and id(w) in packing.of(m).shared and w.shape[0] > 0   # shape kept, storage freed
         assert (stored(m.embed) == 0) == tied   # an untied embedding is looked up, not multiplied: it stays
-        assert "lm_head_f32" not in m.__dict__
+        assert packing.of(m).lm_head_f32 is None
         with pytest.raises(RuntimeError, match="storage"):   # a stray use of a freed weight fails loudly
             torch.nn.functional.linear(torch.zeros(1, layer.qkv.shape[1], dtype=torch.bfloat16), layer.qkv)
         verified = answers(engine, DeterminismParams(Mode.VERIFIED))

@@ -22,6 +22,7 @@ from gateeng.engine.output_processor import RequestHandle
 from gateeng.heap import trim_heap
 from gateeng.logs import log
 from gateeng.model.loader import LoadedModel
+from gateeng.plans import packing
 from gateeng.request import DeterminismParams, SamplingParams
 
 
@@ -142,7 +143,7 @@ class Engine:
                 if not self.accepting:
                     raise WeightUpdateUnavailable("the engine is shutting down")
                 weights.refuse_unless_supported(self.config, self.core.tp_group is not None,
-                                                  self.core.model.quantized)
+                                                  packing.quantized(self.core.model))
                 prepared = weights.prepare(self.config, self.model_config, path)
             except Exception as exc:   # refused (WeightsRefused, WeightUpdateUnavailable) or failed: nothing changed
                 log(f"weight update from {path} refused: {exc}")

@@ -36,6 +36,7 @@ from gateeng.heap import trim_heap
 from gateeng.model.chat import encode_prompt
 from gateeng.model.loader import LoadedModel, load
 from gateeng.outputs import Completion
+from gateeng.plans import packing
 from gateeng.request import DeterminismParams, DeterminismStats, Mode, Request, SamplingParams
 from gateeng.step import Kind, ScheduledSeq, StepPlan
 
@@ -83,7 +84,7 @@ class EngineCore:
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         self.loaded = loaded or load(cfg.model, cfg.dtype, cfg.device, dequantize=cfg.dequantize)
-        if self.loaded.model.quantized and cfg.device != "cpu":
+        if packing.quantized(self.loaded.model) and cfg.device != "cpu":
             raise ValueError("quantized weights are served on CPU: load the model with dequantize=True "
                              "(--dequantize)")
         self.tokenizer = self.loaded.tokenizer

@@ -36,7 +36,7 @@ def seed(cfg: EngineConfig, route, runner, blocks, max_model_len: int, facts: di
 def cost_facts(cfg: EngineConfig, builds: str, invariant_plan, fingerprint: str) -> dict:
     """What a decode pass's cost depends on besides the rows and keys priced: the
     route-cost cache's key (route_costs.py). The fast plan's start-up choice of
-    matmul by row count (LlamaModel.pack_fast's probe) is left out: it is timed
+    matmul by row count (plans.packing.pack_fast's probe) is left out: it is timed
     too, and a key that moved with it would time the passes again on a busy host,
     whose probe is the one that errs; traffic refines the fast plan's costs."""
     device, isa = reproducibility.device_identity(cfg.device)

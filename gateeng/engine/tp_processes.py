@@ -62,7 +62,7 @@ from gateeng.logs import log
 from gateeng.model import shard
 from gateeng.model.llama import KVCache
 from gateeng.model.loader import DTYPES
-from gateeng.plans import factory, reference_ops, sharded
+from gateeng.plans import factory, packing, reference_ops, sharded
 from gateeng.plans.cpu_linear import Packed
 from gateeng.step import Kind
 
@@ -374,7 +374,8 @@ def start(cfg: EngineConfig, model, timeout: float, owned: bool = False):
         reference_ops.load()
     except reference_ops.ReferenceUnavailable as exc:
         raise ValueError(f"tensor parallelism needs the reference (gateeng-ref-1) on this machine: {exc}") from exc
-    stored_types, quant_ops = model.stored_types, model.quant_ops
+    stored = packing.of(model)
+    stored_types, quant_ops = stored.stored_types, stored.quant_ops
     if owned:   # every rank's part at once, each weight let go once split
         parts = shard.shard_tensors(model, lays, release=True)
 

@@ -24,8 +24,9 @@ import numpy as np
 import torch
 
 from gateeng.model.fingerprint import Fingerprint
-from gateeng.model.llama import QuantBlocks
+from gateeng.plans import packing
 from gateeng.plans.cpu_linear import Packed
+from gateeng.plans.packing import QuantBlocks
 
 # The types multiplied as stored, by GGML type id (ref_ops.cpp's QTYPES).
 SERVED_QUANTIZED = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3}
@@ -185,11 +186,11 @@ class GGUFLoad:
             if self.blocks_on is not None:
                 q, d, m = (None if a is None else torch.from_numpy(a).to(self.blocks_on)
                            for a in split_blocks(raw, kind, w.shape[1]))
-                model.set_blocks(w, QuantBlocks(q, d, m))
+                packing.set_blocks(model, w, QuantBlocks(q, d, m))
                 return
             packed = self.ops.qpack(torch.from_numpy(raw), SERVED_QUANTIZED[kind])
             del raw
-            model.set_packed(w, Packed(packed, w.shape[0], w.shape[1]), self.ops)
+            packing.set_packed(model, w, Packed(packed, w.shape[0], w.shape[1]), self.ops)
             return
         with torch.no_grad():
             start = 0
@@ -223,8 +224,8 @@ class GGUFLoad:
         self._fill(model, model.norm, ["output_norm.weight"])
         if not cfg.tie_word_embeddings:
             self._fill(model, model.lm_head, ["output.weight"])
-        model.stored_types = {t.split(" as ")[0]: n for t, n in sorted(self.served.items()) if t.endswith("stored")
-                              and t.split(" as ")[0] in SERVED_QUANTIZED}
+        packing.of(model).stored_types = {t.split(" as ")[0]: n for t, n in sorted(self.served.items())
+                                          if t.endswith("stored") and t.split(" as ")[0] in SERVED_QUANTIZED}
 
     def describe(self) -> str:
         """What serving the file does to its weights, in words, for the start-up log."""

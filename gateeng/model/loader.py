@@ -200,7 +200,7 @@ def load(path: Optional[str], dtype: str = BFLOAT16, device: str = "cpu", dequan
 def load_gguf(src: Path, blocks_on: Optional[str] = None) -> LoadedModel:
     """A GGUF file served as stored, in bf16 on CPU (model.gguf_weights). `blocks_on`: a
     device on which the quantized weights are kept as the Triton reference reads them
-    (LlamaModel.set_blocks), the model with them, instead of the CPU reference's packed
+    (plans.packing.set_blocks), the model with them, instead of the CPU reference's packed
     copy."""
     from gateeng.model.gguf_weights import SERVED_QUANTIZED, TENSOR_TABLE, GGUFLoad, GGUFTensors
     from gateeng.plans import reference_ops

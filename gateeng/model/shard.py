@@ -24,7 +24,7 @@ import torch
 from gateeng.config import ModelConfig
 from gateeng.heap import trim_heap
 from gateeng.model.llama import LlamaModel
-from gateeng.plans import collectives
+from gateeng.plans import collectives, packing
 from gateeng.plans.cpu_linear import Packed
 from gateeng.plans.tp_shapes import PAIR, QUANT_BLOCK, KSlice, k_slice, refusal
 
@@ -90,7 +90,7 @@ def row_units(model: LlamaModel, size: int) -> tuple:
 
 def _quantized(model: LlamaModel, w: torch.Tensor):
     """w's packed copy where it is served quantized (ref_ops.cpp qpack), else None."""
-    p = model.shared.get(id(w))
+    p = packing.of(model).shared.get(id(w))
     return p if p is not None and p.data.dtype == torch.uint8 else None
 
 
@@ -112,7 +112,7 @@ def shard_tensors(model: LlamaModel, lays: list, release: bool = False) -> list:
     cfg, d = model.cfg, model.cfg.head_dim
     nq, nkv = cfg.num_heads * d, cfg.num_kv_heads * d
     inter = cfg.intermediate_size
-    ops = model.quant_ops
+    ops = packing.of(model).quant_ops
     outs = [{} for _ in lays]
 
     def rows(t, r: range, offset: int = 0, unit: int = 1):
@@ -136,7 +136,7 @@ def shard_tensors(model: LlamaModel, lays: list, release: bool = False) -> list:
             out[name] = (part.detach().clone().contiguous() if p is None else
                          Packed(ops.qpack(part.contiguous(), ops.qtype(p.data)), part.shape[0], p.k))
         if release:
-            model.drop_weight(w)
+            packing.drop_weight(model, w)
 
     def by_k(name: str, w, which: str) -> None:
         """w's columns of each rank's slice of K (a quantized w: its GGUF blocks there,
@@ -153,10 +153,10 @@ def shard_tensors(model: LlamaModel, lays: list, release: bool = False) -> list:
             part = raw[:, ks.start // QUANT_BLOCK * block: ks.stop // QUANT_BLOCK * block].contiguous()
             out[name] = Packed(ops.qpack(part, ops.qtype(p.data), ks.per), p.n, ks.stop - ks.start, ks.per)
         if release:
-            model.drop_weight(w)
+            packing.drop_weight(model, w)
 
     # The embedding is whole on every rank: one tensor (or packed copy) they all share.
-    embed = _quantized(model, model.embed) or model.embed_rows(torch.arange(cfg.vocab_size)).contiguous()
+    embed = _quantized(model, model.embed) or packing.embed_rows(model, torch.arange(cfg.vocab_size)).contiguous()
     for out in outs:
         out["embed"] = embed
     plain("norm", model.norm)
@@ -210,8 +210,8 @@ def build_shard(cfg: ModelConfig, lay: ShardLayout, tensors: dict, stored_types:
     for name, t in tensors.items():
         if isinstance(t, Packed):
             owner, _, attr = name.rpartition(".")
-            model.set_packed(getattr(model.get_submodule(owner), attr), t, ops)
-    model.stored_types = dict(stored_types or {})
+            packing.set_packed(model, getattr(model.get_submodule(owner), attr), t, ops)
+    packing.of(model).stored_types = dict(stored_types or {})
     return model
 
 

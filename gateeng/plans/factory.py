@@ -1,7 +1,7 @@
 """The one place that chooses, names and builds the kernel plans for a device.
 
 CPU: the fast plan on the C++ kernels (cpu_ops) when they build, the model's
-weights packed for it (cpu_linear), torch ops otherwise. The invariant plan of a
+weights packed for it (packing, cpu_linear), torch ops otherwise. The invariant plan of a
 bf16 model is the reference (ReferencePlan, gateeng-ref-1: the same bits on every
 machine), and both plans sample on its arithmetic; where no build of the
 reference can serve, the engine says so and refuses VERIFIED (`unavailable`). A
@@ -20,7 +20,7 @@ import torch
 
 from gateeng.config import EngineConfig
 from gateeng.logs import log
-from gateeng.plans import cpp_build, cpu_ops, kernel_names, reference_ops, sampler
+from gateeng.plans import cpp_build, cpu_ops, kernel_names, packing, reference_ops, sampler
 from gateeng.plans.generic import FastPlan, InvariantPlan, default_invariant_rows
 from gateeng.plans.reference import ReferencePlan
 
@@ -41,29 +41,31 @@ class Plans:
 
 def build(cfg: EngineConfig, model, model_config, dtype, owned: bool = False) -> Plans:
     """Both plans for `model` on cfg.device. On CPU this packs the model's weights
-    (LlamaModel.pack_shared for the reference, pack_fast where cfg.pack_fast_weights
+    (plans.packing: pack_shared for the reference, pack_fast where cfg.pack_fast_weights
     says so). `owned`: the caller loaded the model for this engine alone, so plain
-    weights that no plan multiplies are freed (LlamaModel.release_plain_weights)."""
+    weights that no plan multiplies are freed (packing.release_plain_weights)."""
     if cfg.device != "cpu":
         return _cuda_plans(cfg, model, model_config, dtype)
     kernels = cpu_ops.load() if cfg.cpu_kernels else None
     ops, unavailable = _reference_ops(model)
     # A model loaded for this engine alone gives up each plain weight once packed: the
-    # weights are never in memory twice, even for a moment (LlamaModel.pack_shared).
+    # weights are never in memory twice, even for a moment (packing.pack_shared).
     fast_kernels = kernels if cfg.pack_fast_weights else None
-    model.pack_shared(ops, release=owned and cfg.pack_fast_weights, kernels=fast_kernels)
+    packing.pack_shared(model, ops, release=owned and cfg.pack_fast_weights, kernels=fast_kernels)
     if cfg.pack_fast_weights:
-        model.pack_fast(kernels, ops)
+        packing.pack_fast(model, kernels, ops)
+    stored = packing.of(model)
     rows = cfg.invariant_rows or default_invariant_rows(",".join(cpp_build.cpu_flags().split()))
-    inv_packed, matmul = model.invariant_packed, model.invariant_matmul
+    inv_packed, matmul = stored.invariant_packed, stored.invariant_matmul
     if not cfg.pack_fast_weights or (matmul in kernel_names.ROWWISE_MATMULS and kernels is None):
         inv_packed, matmul = {}, kernel_names.TORCH_MM   # the row-invariant matmul is one of the kernels
     packed = cfg.pack_fast_weights
-    fast = FastPlan(cfg.fast_logit_noise, model.packed if packed else {}, kernels, model.dense_head if packed else None)
-    fast_matmul = _fast_matmul(model, cfg)
+    fast = FastPlan(cfg.fast_logit_noise, stored.packed if packed else {}, kernels,
+                    stored.dense_head if packed else None)
+    fast_matmul = _fast_matmul(stored, cfg)
     reference = ReferencePlan(model, ops, cfg.block_size) if ops is not None else None
     invariant = reference or InvariantPlan(rows, cfg.attention_split, inv_packed, kernels, cfg.block_size, matmul)
-    freed = model.release_plain_weights() if owned and packed and reference is not None else 0
+    freed = packing.release_plain_weights(model) if owned and packed and reference is not None else 0
     log(f"fast plan: {fast_matmul}, {'C++ kernels' if kernels is not None else 'torch ops'} "
         f"for norms, RoPE, SiLU and attention; invariant plan {invariant.describe(cfg.dtype)}"
         + (f" ({reference.ops.isa} build)" if reference is not None else "")
@@ -94,17 +96,17 @@ def _reference_ops(model) -> tuple:
         return None, why
 
 
-def _fast_matmul(model, cfg: EngineConfig) -> str:
-    if not model.packed or not cfg.pack_fast_weights:
+def _fast_matmul(stored: packing.PackedWeights, cfg: EngineConfig) -> str:
+    if not stored.packed or not cfg.pack_fast_weights:
         return "plain weights"
-    if model.fast_quantized_matmul is not None:
-        return f"{kernel_names.QUANTIZED_MATMULS[model.fast_quantized_matmul]}, on the one packed copy"
-    kernel = kernel_names.ROWWISE_MATMULS.get(model.invariant_matmul)
+    if stored.fast_quantized_matmul is not None:
+        return f"{kernel_names.QUANTIZED_MATMULS[stored.fast_quantized_matmul]}, on the one packed copy"
+    kernel = kernel_names.ROWWISE_MATMULS.get(stored.invariant_matmul)
     if kernel is None:
         return "oneDNN packed weights"
-    if model.fast_rowwise_max_rows is None:
+    if stored.fast_rowwise_max_rows is None:
         return f"{kernel} on the shared packed weights at every row count"
-    return (f"{kernel} on the shared packed weights up to {model.fast_rowwise_max_rows} rows, a second copy of "
+    return (f"{kernel} on the shared packed weights up to {stored.fast_rowwise_max_rows} rows, a second copy of "
             "the weights above (oneDNN's, or the plain ones)")
 
 

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from gateeng.config import BFLOAT16, BLOCK_SIZE, FAST, FLOAT32, INVARIANT, KERNEL_PREFILL_WORK
 from gateeng.plans.kernel_names import ONEDNN_PACKED, ROWWISE_MATMULS, TORCH_MM
 from gateeng.kernels import fixed_order as ref
-from gateeng.plans.head import mixed_lm_head
+from gateeng.plans import packing
+from gateeng.plans.head import float_logits, mixed_lm_head
 from gateeng.plans.rows import Rows, seq_block_tables, slot_tensor
 
 
@@ -46,7 +47,7 @@ class CpuKernelOps:
     @staticmethod
     def embed(model, ids: torch.Tensor) -> torch.Tensor:
         """The token ids' embedding rows (a copy: no arithmetic)."""
-        return model.embed_rows(ids)
+        return packing.embed_rows(model, ids)
 
     @staticmethod
     def add(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -109,9 +110,9 @@ class FastPlan(CpuKernelOps):
     def __init__(self, logit_noise: float = 0.0, packed: dict | None = None, kernels=None, dense_head=None):
         self.logit_noise = logit_noise   # test-only perturbation (provokes rollbacks)
         self._noise_gen = torch.Generator().manual_seed(1234)
-        self.packed = packed if packed is not None else {}   # LlamaModel.packed
+        self.packed = packed if packed is not None else {}   # packing's `packed`
         self.kernels = kernels   # plans.cpu_ops' module, or None for torch ops
-        # hidden -> float32 logits on the packed lm_head (LlamaModel.dense_head), or None:
+        # hidden -> float32 logits on the packed lm_head (packing's dense_head), or None:
         # as cheap as bf16 logits, so every row takes dense logits (no candidate search).
         self.dense_head = dense_head
 
@@ -128,7 +129,7 @@ class FastPlan(CpuKernelOps):
     @staticmethod
     def candidate_head(model):
         """The bf16 lm_head for the greedy candidate search: the packed copy."""
-        return model.lm_head_bf16
+        return packing.of(model).lm_head_bf16
 
     def decode_layers(self, model, h, x, cos, sin, kv, slots, meta):
         """A decode step (no prefill chunk) on the row-invariant matmul: every layer in
@@ -136,11 +137,12 @@ class FastPlan(CpuKernelOps):
         the op-by-op forward, so the same bits, without a Python call per op: a one-row
         step spent more time in those calls than in everything but the matmuls. Only
         at the row counts where the op-by-op forward takes that matmul too."""
-        if model.fused_layers is None or self.kernels is None or meta.prefill or h.device.type != "cpu":
+        stored = packing.of(model)
+        if stored.fused_layers is None or self.kernels is None or meta.prefill or h.device.type != "cpu":
             return None
-        if model.fast_rowwise_max_rows is not None and x.shape[0] > model.fast_rowwise_max_rows:
+        if stored.fast_rowwise_max_rows is not None and x.shape[0] > stored.fast_rowwise_max_rows:
             return None
-        packed, ns, norms, matmul = model.fused_layers
+        packed, ns, norms, matmul = stored.fused_layers
         cfg = model.cfg
         args = (h, x, packed, ns, norms, cos, sin, kv.k, kv.v, slots.all, meta.decode_tables, meta.decode_lens,
                 cfg.num_heads, cfg.rms_norm_eps, 1.0 / math.sqrt(cfg.head_dim))
@@ -222,8 +224,8 @@ class FastPlan(CpuKernelOps):
         if self.dense_head is not None:
             return self.dense_head(hidden)
         if model.dtype == torch.float32 or not any(greedy):
-            return model.logits(hidden, self)
-        return mixed_lm_head(model, hidden, greedy, lambda h: model.logits(h, self), self.candidate_head(model))
+            return float_logits(self, model, hidden)
+        return mixed_lm_head(model, hidden, greedy, lambda h: float_logits(self, model, h), self.candidate_head(model))
 
     @torch.inference_mode()
     def hidden(self, model, kv, rows: Rows) -> torch.Tensor:
@@ -245,7 +247,7 @@ class FastPlan(CpuKernelOps):
     @torch.inference_mode()
     def full_logits(self, model, hidden: torch.Tensor) -> torch.Tensor:
         """Full float32 logits (logprobs need the whole distribution)."""
-        return self.dense_head(hidden) if self.dense_head is not None else model.logits(hidden, self)
+        return self.dense_head(hidden) if self.dense_head is not None else float_logits(self, model, hidden)
 
     def logits(self, model, kv, rows: Rows) -> torch.Tensor:
         return self.choice_logits(model, self.hidden(model, kv, rows), rows.greedy)
@@ -316,7 +318,7 @@ class InvariantPlan(CpuKernelOps):
                  block_size: int = BLOCK_SIZE, matmul: Optional[str] = None):
         self.rows = rows
         self.split = split
-        self.packed = packed if packed is not None else {}   # LlamaModel.invariant_packed
+        self.packed = packed if packed is not None else {}   # packing's invariant_packed
         self.matmul = matmul or (ONEDNN_PACKED if self.packed else TORCH_MM)
         self.kernels = kernels   # plans.cpu_ops' module, or None for torch ops
         self.block_size = block_size   # the KV cache's (the kernel attention's bits depend on it)
@@ -334,7 +336,7 @@ class InvariantPlan(CpuKernelOps):
     def candidate_head(model):
         """The bf16 lm_head for the greedy candidate search (packed where the model
         has it). Only which ids become candidates depends on it, never the result."""
-        return model.lm_head_bf16
+        return packing.of(model).lm_head_bf16
 
     def describe(self, dtype: str = BFLOAT16) -> str:
         """What the canonical bits depend on, besides weights, dtype and device kind."""
@@ -356,7 +358,7 @@ class InvariantPlan(CpuKernelOps):
         """The matrices this plan multiplies by, for its self-check: one layer's (every
         layer has the same shapes) and the lm_head it takes logits from."""
         layer = model.layers[0]
-        return [layer.qkv, layer.o, layer.gate_up, layer.down, model.lm_head_f32]
+        return [layer.qkv, layer.o, layer.gate_up, layer.down, packing.lm_head_f32(model)]
 
     def _check_rows(self, n: int) -> None:
         if n % self.rows:
@@ -407,7 +409,7 @@ class InvariantPlan(CpuKernelOps):
         n = hidden.shape[0]
         padded = torch.zeros(self._pad(n), hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
         padded[:n] = hidden
-        return model.logits(padded, self)[:n]
+        return float_logits(self, model, padded)[:n]
 
     @torch.inference_mode()
     def hidden(self, model, kv, rows: Rows) -> torch.Tensor:

@@ -20,7 +20,9 @@ import torch
 
 from gateeng.config import BFLOAT16, BLOCK_SIZE
 from gateeng.kernels import fixed_order as ref
+from gateeng.plans import packing
 from gateeng.plans.generic import FastPlan, InvariantAttnMeta, InvariantPlan
+from gateeng.plans.head import float_logits
 from gateeng.plans.kernel_names import REFERENCE
 from gateeng.plans.reference import ReferenceBase
 from gateeng.plans.rows import Rows, seq_block_tables
@@ -62,20 +64,20 @@ class TritonInvariantPlan(InvariantPlan):
 
     @torch.inference_mode()
     def choice_logits(self, model, hidden, greedy):
-        return model.logits(hidden, self)   # the Triton matmul is row-invariant at any row count
+        return float_logits(self, model, hidden)   # the Triton matmul is row-invariant at any row count
 
     full_logits = choice_logits
 
 
 class TritonReferencePlan(ReferenceBase):
     """Every op of the reference in Triton; rows run unpadded, one forward per step.
-    `model`'s quantized weights (LlamaModel.set_blocks) are multiplied and looked up
+    `model`'s quantized weights (plans.packing.set_blocks) are multiplied and looked up
     as stored (kernels/SPEC.md, "Quantized weights"); every other weight is bf16."""
 
     def __init__(self, block_size: int = BLOCK_SIZE, model=None):
         from gateeng.kernels import triton_reference
         super().__init__(triton_reference, block_size)
-        self._blocks = model.blocks if model is not None else {}
+        self._blocks = packing.of(model).blocks if model is not None else {}
         self._version = self.reference_version(model) if model is not None else REFERENCE
 
     def describe(self, dtype: str = BFLOAT16) -> str:

@@ -8,13 +8,21 @@ import torch
 import torch.nn.functional as F
 
 from gateeng.kernels import fixed_order as ref
+from gateeng.plans import packing
+
+
+def float_logits(plan, model, hidden: torch.Tensor) -> torch.Tensor:
+    """Logits in float32, by `plan`'s matmul over the float32 lm_head (from the
+    dtype-rounded hidden state and weights): bf16 logits are so coarse that
+    top-1/top-2 ties are common and the margin would say little."""
+    return plan.linear(hidden.float(), packing.lm_head_f32(model))
 
 
 def _greedy_bound(model, hidden: torch.Tensor, largest: torch.Tensor) -> torch.Tensor:
     """[rows] bound on |bf16 logit - float32 logit| for every id (see greedy_logits),
     given each row's largest |bf16 logit|."""
     k = hidden.shape[-1]
-    accumulation = hidden.float().norm(dim=-1) * (model.lm_head_max_norm * k * 2.0 ** -23)
+    accumulation = hidden.float().norm(dim=-1) * (packing.lm_head_max_norm(model) * k * 2.0 ** -23)
     return largest * 2.0 ** -7 + accumulation + 1e-3
 
 
@@ -38,7 +46,7 @@ def greedy_logits(model, hidden: torch.Tensor, head=None) -> torch.Tensor:
     bound = _greedy_bound(model, hidden, logits.abs().amax(dim=-1))[:, None]
     second = torch.topk(logits, 2, dim=-1).values[:, 1:]
     r, v = torch.nonzero(logits >= second - 2 * bound, as_tuple=True)
-    logits.index_put_((r, v), exact_logits(hidden, model.lm_head_f32, r, v))
+    logits.index_put_((r, v), exact_logits(hidden, packing.lm_head_f32(model), r, v))
     return logits
 
 
@@ -75,7 +83,7 @@ def greedy_top2(model, hidden: torch.Tensor, head=None, kernels=None) -> tuple[l
         r, ids = _chunked_candidates(model, hidden, bf)
         found = True
     if found:
-        exact = exact_logits(hidden, model.lm_head_f32, r, ids)
+        exact = exact_logits(hidden, packing.lm_head_f32(model), r, ids)
         neg = torch.full((rows,), float("-inf"), device=bf.device)
         top = neg.scatter_reduce(0, r, exact, "amax")
         is_top = exact == top[r]

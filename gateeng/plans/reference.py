@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from gateeng.config import BFLOAT16, BLOCK_SIZE
-from gateeng.plans import cpu_linear
+from gateeng.plans import cpu_linear, packing
 from gateeng.plans.generic import InvariantAttnMeta, InvariantPlan
 from gateeng.plans.kernel_names import REFERENCE
 
@@ -61,7 +61,7 @@ class ReferenceBase(InvariantPlan):
     def reference_version(model) -> str:
         """The reference's version for `model`: kernel_plan names the quantized types it
         multiplies (kernels/SPEC.md, "Quantized weights")."""
-        stored = ", ".join(sorted(model.stored_types))
+        stored = ", ".join(sorted(packing.of(model).stored_types))
         return f"{REFERENCE} ({stored} weights)" if stored else REFERENCE
 
     def add(self, x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -83,12 +83,12 @@ class ReferenceBase(InvariantPlan):
 
 class ReferencePlan(ReferenceBase):
     """The reference on the CPU build `ops` (plans.reference_ops), on the model's one
-    packed copy of its weights (LlamaModel.pack_shared: every build's layout is the
+    packed copy of its weights (plans.packing.pack_shared: every build's layout is the
     same), packed here where the model has none."""
 
     def __init__(self, model, ops, block_size: int = BLOCK_SIZE):
         super().__init__(ops, block_size)
-        self._packed = {id(w): model.shared.get(id(w)) or cpu_linear.shared_pack(w, ops)
+        self._packed = {id(w): packing.of(model).shared.get(id(w)) or cpu_linear.shared_pack(w, ops)
                         for w in model.projections() + [model.lm_head]}
         self._lm_head = id(model.lm_head)
         self._version = self.reference_version(model)

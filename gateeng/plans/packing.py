@@ -1,0 +1,341 @@
+"""How a model's weights are stored for the plans: packed once, released, or kept
+quantized as a GGUF stores them. The model (model.llama) says what the network
+computes; this module owns every other form of its weights, as llama.cpp's ggml
+owns how a weight is stored and multiplied apart from the graph.
+
+Per model, one PackedWeights (`of`) holds, by id of the model's weight:
+- `shared`: the one packed copy of every projection and the lm_head, in the
+  reference kernels' layout (plans.cpu_linear.Packed): the reference multiplies it,
+  and the fast plan too where it can (`pack_shared`, `pack_fast`); a GGUF's
+  quantized weight arrives as such a copy (`set_packed`);
+- `blocks`: a quantized weight as the Triton reference reads it (`set_blocks`);
+- the fast plan's matmuls (`packed`), its float32 logits head (`dense_head`), its
+  bf16 candidate head (`lm_head_bf16`) and one-call decode layers (`fused_layers`),
+  and the machine-specific invariant plan's matmuls (`invariant_packed`);
+- what `pack_fast`'s probe chose, and the cached float32 lm_head.
+A weight whose one copy is packed keeps its shape and dtype, its storage emptied, so
+a stray use fails loudly; `plain` reads it back. plans.factory calls the packing,
+the loaders (model.gguf_weights, model.shard) set what arrives stored, and the plans
+read the result. The PackedWeights sits on the model (`LlamaModel.stored`), refers
+to no model, and goes with the weights when new ones are loaded.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from gateeng.logs import log
+from gateeng.plans import cpu_linear, kernel_names
+
+
+@dataclass(frozen=True)
+class QuantBlocks:
+    """A Q8_0, Q4_0 or Q4_1 weight [N, K] as its integers and block scales (kernels/SPEC.md,
+    "Quantized weights"), on any device: q int8 [N, K] (Q4_0's n - 8), d float16
+    [N, K/32], m float16 [N, K/32] for Q4_1, else None."""
+    q: torch.Tensor
+    d: torch.Tensor
+    m: Optional[torch.Tensor]
+
+
+class PackedWeights:
+    """One model's weights as the plans hold them (see the module doc)."""
+
+    def __init__(self, lm_head: torch.Tensor):
+        self.packed = {}   # id(weight) -> x @ weight.T for the fast plan (pack_fast)
+        self.shared = {}   # id(weight) -> cpu_linear.Packed: the one packed copy (pack_shared, set_packed)
+        self.blocks = {}   # id(weight) -> QuantBlocks: a quantized weight on a device (set_blocks)
+        # Weights served as stored in a GGUF file (model.gguf_weights): {type: tensors}, and
+        # the reference kernels their packed copies need (embedding rows, plain copies).
+        self.stored_types, self.quant_ops = {}, None
+        self.fast_quantized_matmul = None   # the fast plan's matmul on them, by kernel_plan name (pack_fast)
+        self.invariant_packed = {}   # the same for the machine-specific invariant plan, whose bits
+        self.invariant_matmul = kernel_names.TORCH_MM   # depend on the kernel: its name in kernel_plan
+        # pack_fast's probe: the fast plan takes the row-invariant kernel up to this many
+        # rows and the other one above (None: the row-invariant kernel at every row count).
+        self.fast_rowwise_max_rows = None
+        self.dense_head = None   # hidden -> float32 logits on the packed lm_head (pack_fast)
+        self.plain_needed = True   # whether a plan multiplies the plain weights (pack_fast)
+        self.freed_bytes = 0       # plain weights freed once packed (pack_shared, release_plain_weights)
+        # pack_shared's check of each weight's row-invariant matmul (id -> the matmul, or
+        # None where it disagreed), and that matmul's name.
+        self.rowwise_checked, self.rowwise_checked_name = {}, None
+        # (packed, output sizes, norms, matmul) for the one-call decode layers (pack_fast);
+        # matmul None: cpu_ops' own VDPBF16PS, else the reference's linear.
+        self.fused_layers = None
+        self.lm_head_bf16 = lambda x: torch.nn.functional.linear(x, lm_head)   # the greedy candidate search
+        self.lm_head_f32 = None       # the float32 lm_head, made on first use (lm_head_f32)
+        self.lm_head_max_norm = None  # its largest row norm, made on first use (lm_head_max_norm)
+
+    @property
+    def quantized(self) -> bool:
+        """Whether some weights are served quantized, as stored (set_packed, set_blocks)."""
+        return bool(self.blocks) or any(p.data.dtype == torch.uint8 for p in self.shared.values())
+
+
+def of(model) -> PackedWeights:
+    """The model's PackedWeights, made on first use (as LlamaModel.stored)."""
+    if model.stored is None:
+        model.stored = PackedWeights(model.lm_head)
+    return model.stored
+
+
+def quantized(model) -> bool:
+    """Whether some of the model's weights are served quantized, as stored."""
+    return of(model).quantized
+
+
+def _released(t: torch.Tensor) -> bool:
+    """Whether release_plain_weights emptied t's storage."""
+    return t.numel() > 0 and t.untyped_storage().nbytes() == 0
+
+
+def _release(t: torch.Tensor) -> int:
+    """Empty t's storage (its shape and dtype stay; a stray use fails loudly); the bytes freed."""
+    freed = t.untyped_storage().nbytes()
+    t.untyped_storage().resize_(0)
+    return freed
+
+
+def lm_head_f32(model) -> torch.Tensor:
+    """The lm_head in float32, made on first use: only the plans that take logits
+    from a float32 matmul read it (the machine-specific invariant plan, the exact
+    top-2 of plans.head). A float32 model's is its lm_head itself."""
+    s = of(model)
+    if s.lm_head_f32 is None:
+        s.lm_head_f32 = model.lm_head.detach().float()
+    return s.lm_head_f32
+
+
+def lm_head_max_norm(model) -> float:
+    """The largest row norm of the lm_head: bounds the bf16 lm_head's error (plans.head)."""
+    s = of(model)
+    if s.lm_head_max_norm is None:
+        s.lm_head_max_norm = max(float(rows.float().norm(dim=-1).max())
+                                 for rows in model.lm_head.detach().split(4096))
+    return s.lm_head_max_norm
+
+
+def set_blocks(model, w: torch.Tensor, blocks: QuantBlocks) -> None:
+    """w's one copy is `blocks`, a quantized weight as the Triton reference reads it
+    (kernels/triton_reference.py qmatmul, qrows): w keeps its shape, without
+    storage. Call after LlamaModel.finalize."""
+    _release(w)
+    of(model).blocks[id(w)] = blocks
+
+
+def set_packed(model, w: torch.Tensor, packed: cpu_linear.Packed, ops) -> None:
+    """w's one copy is `packed`, a quantized weight in the reference kernels' layout
+    (`ops`: their module, which reads it): w keeps its shape, without storage. Call
+    after LlamaModel.finalize."""
+    _release(w)
+    s = of(model)
+    s.shared[id(w)] = packed
+    s.quant_ops = ops
+
+
+def pack_shared(model, ref, release: bool = False, kernels=None) -> None:
+    """The one packed copy of every projection and the lm_head, in the reference
+    kernels' layout (`ref`: plans.reference_ops' module), as `shared`: the
+    reference multiplies it, and the fast plan too where it can (pack_fast).
+    Nothing where the reference does not take this model's weights.
+    `release` (a model no one else holds, as for release_plain_weights): each plain
+    weight is freed as soon as its packed copy exists, so start-up never holds the
+    weights twice, only one weight more than once. pack_fast reads a freed weight
+    back from its packed copy where it needs it (plain), and puts every plain
+    weight back where a plan multiplies them after all (restore_plain_weights).
+    With `kernels` (the C++ kernels pack_fast will get), each weight's row-invariant
+    matmul is checked against F.linear here, while its plain copy is still at hand."""
+    s = of(model)
+    every = [w for w in model.projections() + [model.lm_head] if id(w) not in s.shared]
+    if not every or ref is None:
+        return
+    if not all(cpu_linear.packable(w, ref) for w in every):
+        return
+    name = cpu_linear.rowwise_kernel(kernels, ref)
+    for w in every:
+        p = s.shared[id(w)] = cpu_linear.shared_pack(w, ref)
+        if name is not None:
+            s.rowwise_checked[id(w)] = cpu_linear.checked(cpu_linear.rowwise(name, p, kernels, ref), w)
+        if release:
+            s.freed_bytes += _release(w)
+    s.rowwise_checked_name = name
+    if release:
+        s.lm_head_f32 = None
+
+
+def plain(model, w: torch.Tensor) -> torch.Tensor:
+    """w, or where pack_shared freed it, an exact copy read back from its packed copy
+    (a quantized weight: its values in bf16, kernels/SPEC.md)."""
+    if not _released(w):
+        return w
+    s = of(model)
+    p = s.shared[id(w)]
+    if p.data.dtype == torch.uint8:
+        return s.quant_ops.qrows(p.data, torch.arange(p.n), p.per)
+    return cpu_linear.unpack(p)
+
+
+def restore_plain_weights(model) -> None:
+    """Every freed plain weight back, read from its packed copy (its own storage
+    again, so every reference to the weight sees it)."""
+    s = of(model)
+    if s.quantized:
+        raise RuntimeError("quantized weights have no plain copy to restore")
+    with torch.no_grad():
+        for w in model.projections() + [model.lm_head]:
+            if _released(w):
+                values = cpu_linear.unpack(s.shared[id(w)])
+                w.untyped_storage().resize_(values.numel() * values.element_size())
+                w.copy_(values)
+    s.freed_bytes = 0
+
+
+def pack_fast(model, kernels=None, ref=None) -> None:
+    """The fast plan's matmuls (`packed`, plans.cpu_linear says which): with the C++
+    kernels (`kernels`), a row-invariant matmul on the shared copy (pack_shared),
+    with float32 logits from the same packed lm_head (`dense_head`); a start-up
+    probe keeps oneDNN's packed copy too only where it is much faster at some row
+    count. Without a row-invariant matmul, oneDNN's copy (or the plain weights),
+    which the machine-specific invariant plan multiplies in fixed row groups."""
+    s = of(model)
+    if s.packed:
+        return
+    weights = model.projections()
+    every = weights + [model.lm_head]
+    if s.quantized:
+        return _pack_quantized(model, s, kernels, ref)
+    name = cpu_linear.rowwise_kernel(kernels, ref) if s.shared else None
+    rowwise = {}
+    if name is not None:   # each weight checked on its own, by pack_shared or here (plain: read back)
+        done = s.rowwise_checked if s.rowwise_checked_name == name else {}
+        rowwise = {id(w): done[id(w)] if id(w) in done else
+                   cpu_linear.checked(cpu_linear.rowwise(name, s.shared[id(w)], kernels, ref), plain(model, w))
+                   for w in every}
+        if not all(rowwise.values()):   # a kernel that disagrees with F.linear is never used
+            rowwise, name = {}, None
+    onednn = cpu_linear.onednn_available()
+
+    def other(w):   # the fast plan's alternative to the row-invariant kernel
+        values = plain(model, w)   # (a copy read back only for the probe: `others` come after a restore)
+        return cpu_linear.pack(values) if onednn else (lambda x: torch.nn.functional.linear(x, values))
+    copy_bytes = sum(w.numel() * w.element_size() for w in every)
+    if rowwise and not cpu_linear.second_copy_fits(copy_bytes):
+        log(f"fast plan: no second copy of the weights is tried ({copy_bytes / 2**20:.0f} MiB would not fit "
+            "in the memory available)")
+    elif rowwise:
+        probe = model.layers[0].gate_up
+        s.fast_rowwise_max_rows = cpu_linear.rowwise_max_rows(rowwise[id(probe)], other(probe), probe.shape[1])
+    need_other = not rowwise or s.fast_rowwise_max_rows is not None   # it serves some row counts
+    s.plain_needed = not rowwise or (need_other and not onednn)
+    if s.plain_needed:
+        restore_plain_weights(model)
+    others = {id(w): other(w) for w in every} if need_other and (rowwise or onednn) else {}
+    fast = {id(w): cpu_linear.fast_linear(rowwise.get(id(w)), others.get(id(w)), s.fast_rowwise_max_rows)
+            for w in every}
+    s.packed = {id(w): fast[id(w)] for w in weights if fast[id(w)] is not None}
+    s.lm_head_bf16 = fast[id(model.lm_head)] or s.lm_head_bf16
+    # Only weights really packed: the invariant plan's description says which kernel.
+    if rowwise:
+        s.dense_head = cpu_linear.dense_head(s.shared[id(model.lm_head)], ref)
+        s.invariant_packed = {id(w): rowwise[id(w)] for w in weights}
+        s.invariant_matmul = name
+    elif s.packed:
+        s.invariant_packed, s.invariant_matmul = dict(s.packed), kernel_names.ONEDNN_PACKED
+    # The C++ one-call decode layers (FastPlan.decode_layers) take the row-invariant
+    # matmul (VDPBF16PS, or the reference's AVX2 build) at the row counts it serves,
+    # and layers without biases or q/k norms.
+    if rowwise and _plain_layers(model):   # (not a shard: its o and down sum over the ranks)
+        s.fused_layers = _fused_layers(model, s, [s.shared[id(w)] for w in _layer_matrices(model)],
+                                       None if name == kernel_names.CPU_DPBF16 else ref.linear)
+
+
+def _pack_quantized(model, s: PackedWeights, kernels, ref) -> None:
+    """pack_fast for weights served as stored: the fast plan multiplies them with
+    cpu_ops' int8 kernel where the CPU has one (AVX-512 VNNI, else AVX2: its own
+    arithmetic), else with the reference's matmul, the one kernel that takes them
+    (bf16 weights beside them: the reference's matmul too, which takes both
+    layouts)."""
+    weights = model.projections()
+    ref = ref or s.quant_ops   # the build that packed them reads them in any case
+    int8, s.fast_quantized_matmul = (
+        (kernels.qlinear_vnni, kernel_names.CPU_QVNNI) if getattr(kernels, "qvnni", False) else
+        (kernels.qlinear_avx2, kernel_names.CPU_QAVX2) if getattr(kernels, "qavx2", False) else
+        (None, kernel_names.REF_LINEAR))
+
+    def fast(w, f32=False):
+        p = s.shared[id(w)]
+        fn = int8 if int8 is not None and p.data.dtype == torch.uint8 else ref.linear
+        return lambda x: fn(x.contiguous(), p.data, p.n, f32, p.per)
+    s.packed = {id(w): fast(w) for w in weights}
+    s.lm_head_bf16 = fast(model.lm_head)
+    s.dense_head = fast(model.lm_head, True)
+    s.invariant_packed = {id(w): cpu_linear.rowwise(kernel_names.REF_LINEAR, s.shared[id(w)], kernels, ref)
+                          for w in weights}
+    s.invariant_matmul = kernel_names.REF_LINEAR
+    s.plain_needed = False
+    if _plain_layers(model):
+        packed = [s.shared[id(w)] for w in _layer_matrices(model)]
+        every_quantized = all(p.data.dtype == torch.uint8 for p in packed)
+        s.fused_layers = _fused_layers(model, s, packed,
+                                       int8 if int8 is not None and every_quantized else ref.linear)
+
+
+def _plain_layers(model) -> bool:
+    """Whether the one-call decode layers can run the model: no biases, no q/k norms,
+    and not a tensor-parallel shard (whose o and down sum over the ranks)."""
+    return model.tp is None and all(w is None for layer in model.step_layers
+                                    for w in (layer.qkv_bias, layer.o_bias, layer.q_norm, layer.k_norm))
+
+
+def _layer_matrices(model) -> list:
+    """qkv, o, gate_up and down of every layer, in the order the one-call decode layers read them."""
+    return [w for lw in model.step_layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down)]
+
+
+def _fused_layers(model, s: PackedWeights, packed: list, matmul) -> tuple:
+    """(packed data, output sizes, norms, matmul) for FastPlan.decode_layers."""
+    return ([p.data for p in packed], [p.n for p in packed],
+            [w for lw in model.step_layers for w in (lw.post_norm, lw.next_norm)], matmul)
+
+
+def drop_weight(model, w: torch.Tensor) -> None:
+    """Let w's memory go, its plain storage and its packed copy: for a model no one
+    else holds whose weights were copied elsewhere (model.shard), which then no
+    longer runs."""
+    of(model).shared.pop(id(w), None)
+    if not _released(w):
+        _release(w)
+
+
+def release_plain_weights(model) -> int:
+    """Free the plain projection and lm_head weights where no plan multiplies them
+    (pack_fast: the one packed copy serves both plans): each keeps its shape and
+    dtype, its storage emptied, so a stray use fails loudly ("setStorage ...
+    requiring a storage size") instead of reading anything. A tied embedding's
+    rows then come from the packed lm_head (embed_rows). Returns the bytes freed.
+    Only for a model no one else holds (the engine that loaded it): a released
+    model no longer runs on torch ops. Counts the weights pack_shared freed too."""
+    s = of(model)
+    if s.plain_needed or not s.shared:
+        return 0
+    # An untied embedding is not in this list: its plain rows stay (looked up, not multiplied).
+    for w in model.projections() + [model.lm_head]:
+        s.freed_bytes += _release(w)
+    s.lm_head_f32 = None
+    return s.freed_bytes
+
+
+def embed_rows(model, ids: torch.Tensor) -> torch.Tensor:
+    """The embeddings of token ids: rows of the embedding, or of the packed lm_head
+    when they are tied and the plain copy was released (the pairs of a row sit at
+    [id // 16, :, id % 16, :] of the packed layout)."""
+    if not _released(model.embed):
+        return model.embed[ids]
+    s = of(model)
+    packed = s.shared[id(model.embed)].data
+    if packed.dtype == torch.uint8:
+        return s.quant_ops.qrows(packed, ids, s.shared[id(model.embed)].per)
+    return packed[ids // 16, :, ids % 16, :].reshape(ids.shape[0], -1)
