@@ -35,7 +35,7 @@ from bench.common import header, prompt_set  # noqa: E402
 def run_one(prompts: int, tokens: int, mixed: bool, model, dequantize: bool) -> None:
     """In the child: print one JSON line (kernel_plan, build, per prompt: tokens and logprob bits)."""
     from gateeng.config import EngineConfig
-    from gateeng.engine.client import Engine
+    from gateeng.engine.engine import Engine
     from gateeng.request import DeterminismParams, Mode, SamplingParams
     texts = prompt_set(prompts, mixed=True)
     params = SamplingParams(max_tokens=tokens, ignore_eos=True, logprobs=0)

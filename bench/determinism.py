@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import TORCH_OPS, commit, machine, prompt_set, timed  # noqa: E402
 
 from gateeng.config import EngineConfig  # noqa: E402
-from gateeng.engine.client import Engine  # noqa: E402
+from gateeng.engine.engine import Engine  # noqa: E402
 from gateeng.model.loader import load  # noqa: E402
 from gateeng.request import DeterminismParams, Mode, SamplingParams  # noqa: E402
 

@@ -232,7 +232,7 @@ def check_golden(dev):
 
 def check_end_to_end(dev):
     from gateeng.config import EngineConfig, ModelConfig
-    from gateeng.engine.client import Engine
+    from gateeng.engine.engine import Engine
     from gateeng.model.loader import LoadedModel
     from gateeng.model.llama import LlamaModel
     from gateeng.request import DeterminismParams, Mode, SamplingParams
@@ -287,7 +287,7 @@ def check_policy(dev):
     server on the same tiny model; its backward runs."""
     sys.path.append(str(ROOT))
     from gateeng.config import EngineConfig
-    from gateeng.engine.client import Engine
+    from gateeng.engine.engine import Engine
     from gateeng.request import DeterminismParams, Mode, SamplingParams
     from gateeng.train import Policy
     from tests.tiny import hf_family, tiny_loaded

@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import TORCH_OPS, header, prompt_set  # noqa: E402
 
 from gateeng.config import ADAPTIVE, SPECULATIVE, EngineConfig  # noqa: E402
-from gateeng.engine.client import Engine  # noqa: E402
+from gateeng.engine.engine import Engine  # noqa: E402
 from gateeng.engine.core import EngineCore, Observer  # noqa: E402
 from gateeng.model.loader import load  # noqa: E402
 from gateeng.outputs import Chunk, Completion  # noqa: E402
@@ -156,7 +156,7 @@ def lockstep(lanes) -> None:
 def plan_steps_ms(loaded, batch: int, tokens: int, reps: int = 5, **config) -> tuple:
     """(fast, invariant) ms of one decode step over the same `batch` running
     requests, after `tokens` decode steps (the runner alone, both plans in turn)."""
-    from gateeng.step import Kind, ScheduledSeq, StepPlan
+    from gateeng.step import PlanKind, ScheduledSeq, StepPlan
     e = EngineCore(EngineConfig(**config), loaded=loaded)
     for p in prompt_set(batch, mixed=True):
         e.add_request(e.new_request(p, SamplingParams(max_tokens=tokens + 256, ignore_eos=True), chat=True))
@@ -169,7 +169,7 @@ def plan_steps_ms(loaded, batch: int, tokens: int, reps: int = 5, **config) -> t
     for r in running:
         e.scheduler.reserve(r, len(r.tokens))   # the slot of the token each decode writes
     out = []
-    for kind in (Kind.FAST, Kind.INVARIANT):
+    for kind in (PlanKind.FAST, PlanKind.INVARIANT):
         step = StepPlan([ScheduledSeq.plan(r, len(r.tokens) - 1, len(r.tokens), kind) for r in running])
         e.runner.run(step)
         best = float("inf")

@@ -31,7 +31,7 @@ from common import command, commit, header, machine, prompt_set, report_path  # 
 import torch  # noqa: E402
 
 from gateeng.config import EngineConfig  # noqa: E402
-from gateeng.engine.client import Engine  # noqa: E402
+from gateeng.engine.engine import Engine  # noqa: E402
 from gateeng.model.loader import load  # noqa: E402
 from gateeng.request import DeterminismParams, Mode, SamplingParams  # noqa: E402
 

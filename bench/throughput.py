@@ -25,7 +25,7 @@ from common import decode_step_ms, header, prompt_set, timed  # noqa: E402
 
 from gateeng.plans import cpu_ops  # noqa: E402
 from gateeng.config import EngineConfig  # noqa: E402
-from gateeng.engine.client import Engine  # noqa: E402
+from gateeng.engine.engine import Engine  # noqa: E402
 from gateeng.model.loader import default_model_path, ensure_hf_dir, load  # noqa: E402
 from gateeng.request import SamplingParams  # noqa: E402
 

@@ -143,7 +143,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from gateeng.config import EngineConfig
-    from gateeng.engine.client import Engine
+    from gateeng.engine.engine import Engine
     from gateeng.model.loader import DTYPES, load
     from gateeng.plans import factory
 

@@ -20,7 +20,7 @@ KERNEL_PREFILL_WORK = 128 * 128
 # adaptive picks a route per step from measured plan costs (engine/route.py).
 SPECULATIVE, DIRECT, ADAPTIVE = "speculative", "direct", "adaptive"
 ROUTE_POLICIES = (ADAPTIVE, SPECULATIVE, DIRECT)
-# The two plans, by name (--plan; a step's Kind in gateeng/step.py).
+# The two plans, by name (--plan; a step's PlanKind in gateeng/step.py).
 FAST, INVARIANT = "fast", "invariant"
 PLANS = (FAST, INVARIANT)
 # The weights' and KV cache's dtypes, and the devices an engine runs on.

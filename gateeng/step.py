@@ -13,10 +13,11 @@ from gateeng import config
 from gateeng.config import SPECULATIVE
 from gateeng.request import Mode, Request
 
-__all__ = ["Kind", "ScheduledSeq", "StepPlan", "SeqOutput"]
+__all__ = ["PlanKind", "ScheduledSeq", "StepPlan", "SeqOutput"]
 
 
-class Kind(enum.Enum):
+class PlanKind(enum.Enum):
+    """Which plan computes a scheduled sequence: the fast one, or the invariant one."""
     FAST = config.FAST
     INVARIANT = config.INVARIANT
 
@@ -28,19 +29,19 @@ class ScheduledSeq:
     request: Request
     start: int           # first position to compute
     end: int             # one past the last position
-    kind: Kind
+    kind: PlanKind
     replay: bool = False  # verify pass: a prediction for every row
     sample_rows: tuple = ()   # row offsets within the chunk that need a sampled token
     route: Optional[str] = None   # VERIFIED decodes: SPECULATIVE or DIRECT
 
     @classmethod
-    def plan(cls, req: Request, start: int, end: int, kind: Kind, replay: bool = False,
+    def plan(cls, req: Request, start: int, end: int, kind: PlanKind, replay: bool = False,
              route: Optional[str] = None) -> "ScheduledSeq":
         if replay:
             rows = tuple(range(end - start))
         else:
             rows = (end - start - 1,) if end == len(req.tokens) else ()
-        if route is None and req.mode is Mode.VERIFIED and kind is Kind.FAST and rows:
+        if route is None and req.mode is Mode.VERIFIED and kind is PlanKind.FAST and rows:
             route = SPECULATIVE
         return cls(req, start, end, kind, replay, rows, route)
 
@@ -58,7 +59,7 @@ class ScheduledSeq:
 class StepPlan:
     seqs: list = field(default_factory=list)
 
-    def of_kind(self, kind: Kind) -> list:
+    def of_kind(self, kind: PlanKind) -> list:
         return [s for s in self.seqs if s.kind is kind]
 
 

@@ -2,7 +2,7 @@
 can be tested without a model."""
 from __future__ import annotations
 
-from gateeng.step import Kind, SeqOutput, StepPlan
+from gateeng.step import PlanKind, SeqOutput, StepPlan
 
 VOCAB = 50
 EOS = 49
@@ -24,7 +24,7 @@ class FakeRunner:
         self.script = script or {}
         self.margin = margin
         self.invariant_override = invariant_override or {}
-        self.calls = {Kind.FAST: 0, Kind.INVARIANT: 0}
+        self.calls = {PlanKind.FAST: 0, PlanKind.INVARIANT: 0}
 
     def run(self, plan: StepPlan) -> dict:
         out = {}
@@ -37,9 +37,9 @@ class FakeRunner:
                 ctx = req.tokens[:pos]
                 tok, mar = truth(ctx), self.margin
                 out_idx = pos - req.num_prompt
-                if seq.kind is Kind.FAST and (req.request_id, out_idx) in self.script:
+                if seq.kind is PlanKind.FAST and (req.request_id, out_idx) in self.script:
                     tok, mar = self.script[(req.request_id, out_idx)]
-                if seq.kind is Kind.INVARIANT and (req.request_id, out_idx) in self.invariant_override:
+                if seq.kind is PlanKind.INVARIANT and (req.request_id, out_idx) in self.invariant_override:
                     tok = self.invariant_override[(req.request_id, out_idx)]
                 toks.append(tok)
                 margins.append(mar)

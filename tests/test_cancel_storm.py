@@ -12,7 +12,7 @@ import pytest
 
 from gateeng.config import EngineConfig, ServerConfig
 from gateeng.engine.aio import stream_request
-from gateeng.engine.client import Engine
+from gateeng.engine.engine import Engine
 from gateeng.model.loader import LoadedModel
 from gateeng.request import SamplingParams
 from gateeng.v1 import engine_pb2 as pb

@@ -43,7 +43,7 @@ def test_every_recording_rule_and_alert_has_a_passing_unit_test():
 def exported_names() -> set:
     """Sample names a serving engine exports after OFF and VERIFIED traffic (tiny model)."""
     from gateeng.config import EngineConfig
-    from gateeng.engine.client import Engine
+    from gateeng.engine.engine import Engine
     from gateeng.serving.metrics import Metrics
     from gateeng.request import DeterminismParams, Mode, SamplingParams
     from tiny import tiny_loaded

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from gateeng.config import EngineConfig
-from gateeng.engine.client import Engine
+from gateeng.engine.engine import Engine
 from gateeng.outputs import Chunk, Completion
 from gateeng.plans.generic import InvariantPlan
 from gateeng.request import DeterminismParams, FinishReason, Mode, SamplingParams
@@ -271,7 +271,7 @@ def test_teacher_forced_runs_a_plan_along_given_tokens_on_borrowed_kv_blocks():
     """The invariant plan fed the reference's own tokens predicts each next one, every
     sequence in one pass per step, and the KV blocks it borrowed are all free again."""
     from gateeng.engine.core import EngineCore
-    from gateeng.step import Kind
+    from gateeng.step import PlanKind
 
     core = EngineCore(EngineConfig(dtype="float32", num_kv_blocks=24, max_model_len=96, block_size=4,
                                    attention_split=8, invariant_rows=8, plan="invariant",
@@ -283,7 +283,7 @@ def test_teacher_forced_runs_a_plan_along_given_tokens_on_borrowed_kv_blocks():
         core.step()
     refs = [h.result().token_ids for h in handles]
     free = core.blocks.num_free
-    steps = core.teacher_forced(prompts, [r[:-1] for r in refs], Kind.INVARIANT)
+    steps = core.teacher_forced(prompts, [r[:-1] for r in refs], PlanKind.INVARIANT)
     assert len(steps) == 8 and all(len(tokens) == len(margins) == 3 for tokens, margins in steps)
     assert [[tokens[i] for tokens, _ in steps] for i in range(3)] == [r[1:] for r in refs]
     assert core.blocks.num_free == free

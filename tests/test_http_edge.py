@@ -7,7 +7,7 @@ import pytest
 
 from gateeng.config import HTTP_MAX_N, GateBounds
 from gateeng.request import Mode, StreamPolicy
-from gateeng.serving import checks, edge, http_edge
+from gateeng.serving import checks, grpc_edge, http_edge
 from gateeng.serving.refusals import Kind, Refusal
 from gateeng.v1 import engine_pb2 as pb
 
@@ -118,7 +118,7 @@ def test_both_fronts_name_the_same_determinism_modes():
     names = [v.name for v in pb.Determinism.Mode.DESCRIPTOR.values if v.name != "MODE_UNSPECIFIED"]
     assert [n.removeprefix("MODE_").lower() for n in names] == list(checks.MODES)
     for name in names:
-        assert checks.MODES[name.removeprefix("MODE_").lower()] is edge.mode_from_proto(pb.Determinism.Mode.Value(name))
+        assert checks.MODES[name.removeprefix("MODE_").lower()] is grpc_edge.mode_from_proto(pb.Determinism.Mode.Value(name))
 
 
 @pytest.mark.parametrize("body, want", [

@@ -2,7 +2,7 @@
 import pytest
 
 from gateeng.config import EngineConfig
-from gateeng.engine.client import Engine
+from gateeng.engine.engine import Engine
 from gateeng.request import DeterminismParams, FinishReason, Mode, SamplingParams
 
 pytestmark = pytest.mark.model

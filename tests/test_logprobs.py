@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gateeng.config import EngineConfig
-from gateeng.engine.client import Engine
+from gateeng.engine.engine import Engine
 from gateeng.request import DeterminismParams, Mode, SamplingParams
 from tiny import hf_family, tiny_loaded
 

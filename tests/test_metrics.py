@@ -9,7 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from fakes import FakeRunner
 from gateeng.config import EngineConfig
 from gateeng.engine.block_manager import BlockManager
-from gateeng.engine.client import Engine
+from gateeng.engine.engine import Engine
 from gateeng.engine.records import RequestTimes
 from gateeng.engine.route import RoutePolicy
 from gateeng.engine.scheduler import Scheduler

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from gateeng.config import EngineConfig, ModelConfig
-from gateeng.engine.client import Engine
+from gateeng.engine.engine import Engine
 from gateeng.plans.generic import FastPlan, InvariantPlan
 from gateeng.request import DeterminismParams, Mode, SamplingParams
 from test_model import prefill_logits

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gateeng.config import EngineConfig
-from gateeng.engine.client import Engine
+from gateeng.engine.engine import Engine
 from gateeng.plans import reference_ops
 from gateeng.request import DeterminismParams, Mode, SamplingParams
 from gateeng.train import Policy

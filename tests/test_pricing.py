@@ -4,15 +4,15 @@ left as it was."""
 import pytest
 
 from gateeng.config import EngineConfig
-from gateeng.engine.client import Engine
+from gateeng.engine.engine import Engine
 from gateeng.request import DeterminismParams, Mode, SamplingParams
 from gateeng.engine import pricing, route_costs
 from gateeng.engine.pricing import PRICE_ROWS, REPEATS, price_plans
 from gateeng.engine.route import RoutePolicy
-from gateeng.step import Kind
+from gateeng.step import PlanKind
 from tiny import tiny_loaded
 
-STEADY = {Kind.FAST: (0.010, 0.001), Kind.INVARIANT: (0.010, 0.002)}   # seconds: base, per row
+STEADY = {PlanKind.FAST: (0.010, 0.001), PlanKind.INVARIANT: (0.010, 0.002)}   # seconds: base, per row
 SET_UP = 0.200   # what a shape's first pass costs on top
 STALL = 0.100    # a host's stall, on each shape's second pass
 
@@ -35,7 +35,7 @@ def test_pricing_fits_the_steady_cost_of_both_plans_without_set_up_or_stalls():
     assert len(calls) == len(PRICE_ROWS) * 2 * (1 + REPEATS)
     assert len(observed) == len(PRICE_ROWS) * 2
     assert all(seconds < STALL for _, _, seconds in observed)
-    for kind, model in ((Kind.FAST, policy.fast), (Kind.INVARIANT, policy.invariant)):
+    for kind, model in ((PlanKind.FAST, policy.fast), (PlanKind.INVARIANT, policy.invariant)):
         base, per_row = STEADY[kind]
         for rows in (1, 20, 32):
             assert model.cost(rows) == pytest.approx(base + per_row * rows, rel=0.05)
@@ -47,7 +47,7 @@ def test_a_priced_policy_keeps_a_verified_minority_speculative_where_the_fast_pl
     passes (set-up included), the fast plan looks dear; two VERIFIED decodes among 18
     OFF ones then go direct with the OFF rows riding along, the fast plan stops
     running, and its price is never corrected."""
-    steady = {Kind.FAST: (0.040, 0.0035), Kind.INVARIANT: (0.128, 0.0005)}
+    steady = {PlanKind.FAST: (0.040, 0.0035), PlanKind.INVARIANT: (0.128, 0.0005)}
     unpriced = RoutePolicy(group_rows=0, replay_delay=8)
     unpriced.observe_pass("fast", 1, 0.200)
     unpriced.observe_pass("fast", 2, 0.216)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gateeng.config import EngineConfig
-from gateeng.engine.client import Engine
+from gateeng.engine.engine import Engine
 from gateeng.model import loader
 from gateeng.plans import packing, reference_ops
 from gateeng.plans.kernel_names import REFERENCE, REFERENCE_ISAS

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from gateeng.config import EngineConfig
-from gateeng.engine.client import Engine
+from gateeng.engine.engine import Engine
 from gateeng.plans import reference_ops
 from gateeng.plans.kernel_names import ISA_ENV, REFERENCE, REFERENCE_ISAS
 from gateeng.request import SamplingParams

@@ -6,7 +6,7 @@ import pytest
 from fakes import FakeRunner, reference_output
 from gateeng.engine.route import CostModel, GroupCost, RoutePolicy
 from gateeng.request import Mode
-from gateeng.step import Kind
+from gateeng.step import PlanKind
 from test_scheduler import PROMPT, make_request, make_scheduler, run_all
 
 
@@ -168,9 +168,9 @@ def test_off_requests_riding_on_invariant_passes_still_finish_and_verified_is_th
                 (decodes if x.decode else prefills).append(x.kind)
 
     done = run_all(sched, FakeRunner({("v1", 3): (47, 0.05)}), on_step=on_step)
-    assert Kind.INVARIANT in decodes                      # OFF decodes did ride along
+    assert PlanKind.INVARIANT in decodes                      # OFF decodes did ride along
     if not group_rows:   # both plans cost alike: the OFF prompts join the VERIFIED prefill's pass
-        assert set(prefills) == {Kind.INVARIANT}
+        assert set(prefills) == {PlanKind.INVARIANT}
     for rid, req in done.items():
         assert req.output_ids == reference_output(req.prompt_ids, 10, rid=rid)
 
@@ -190,7 +190,7 @@ def test_a_long_off_prefill_chunk_keeps_its_attention_on_the_fast_plan():
     done = run_all(sched, FakeRunner({}), on_step=on_step)
     # Moving both would drop the fast pass, and the cost model (fitted on decodes) would
     # take it; the long chunk stays, so the short one has no pass to save either.
-    assert prefill_kind == {"short": Kind.FAST, "long": Kind.FAST}
+    assert prefill_kind == {"short": PlanKind.FAST, "long": PlanKind.FAST}
     for rid, req in done.items():
         assert req.output_ids == reference_output(req.prompt_ids, 6, rid=rid)
 

@@ -10,7 +10,7 @@ from gateeng.config import EngineConfig
 from gateeng.engine import pricing, route_costs
 from gateeng.engine.core import EngineCore
 from gateeng.engine.route import RoutePolicy
-from gateeng.step import Kind
+from gateeng.step import PlanKind
 from tiny import tiny_loaded
 
 FACTS = {"device": "cpu: a test CPU", "threads": 2, "model": "m1"}
@@ -61,7 +61,7 @@ def test_missing_and_non_positive_timings_are_refused():
 def fake_timer(fast: dict, invariant: dict, calls: list):
     def time_pass(kind, rows):
         calls.append((kind, rows))
-        return (fast if kind is Kind.FAST else invariant)[rows] / 1e3
+        return (fast if kind is PlanKind.FAST else invariant)[rows] / 1e3
     return time_pass
 
 
@@ -155,7 +155,7 @@ def test_a_stall_over_the_first_rounds_is_outlasted_by_more_rounds(cache):
 
     def stalled(kind, rows):   # every 8-row fast pass of the first four rounds stalls
         seconds = steady(kind, rows)
-        return 0.300 if (kind, rows) == (Kind.FAST, 8) and calls.count((kind, rows)) <= 5 else seconds
+        return 0.300 if (kind, rows) == (PlanKind.FAST, 8) and calls.count((kind, rows)) <= 5 else seconds
     route = seeded(stalled)
     assert route.fast.seen == 3 and route.fast.cost(8) == pytest.approx(0.013, rel=0.1)
     assert len(calls) == 3 * 2 * (1 + 5)   # the set-up pass, then five rounds

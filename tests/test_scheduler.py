@@ -9,7 +9,7 @@ from gateeng.request import (DeterminismParams, DeterminismStats, FinishReason, 
                              StreamPolicy)
 from gateeng.engine.route import RoutePolicy
 from gateeng.engine.scheduler import Scheduler
-from gateeng.step import Kind
+from gateeng.step import PlanKind
 from gateeng.engine.stopping import StopChecker
 from gateeng.engine.verification import VerificationStage
 
@@ -160,7 +160,7 @@ def test_a_margin_replay_waits_at_most_the_delay_and_joins_an_invariant_pass():
     sched.add(make_request("t", PROMPT + [9], max_tokens=4, window=100))
     plan = sched.schedule()
     kinds = {s.request.request_id: (s.kind, s.replay) for s in plan.seqs}
-    assert kinds["t"][0] is Kind.INVARIANT and kinds["r"] == (Kind.INVARIANT, True)
+    assert kinds["t"][0] is PlanKind.INVARIANT and kinds["r"] == (PlanKind.INVARIANT, True)
     update(sched, plan, runner.run(plan))
     done = run_all(sched, runner)
     assert done["r"].output_ids == reference_output(PROMPT, 30)
@@ -177,7 +177,7 @@ def test_waiting_for_verification_does_not_decode():
         (seq,) = plan.seqs
         req = seq.request
         if req.pending_verify:
-            assert seq.kind is Kind.INVARIANT and seq.replay
+            assert seq.kind is PlanKind.INVARIANT and seq.replay
         update(sched, plan, runner.run(plan))
 
 
@@ -187,7 +187,7 @@ def test_off_requests_never_verify():
     sched.add(make_request("r", PROMPT, max_tokens=6, mode=Mode.OFF))
     req = run_all(sched, runner)["r"]
     assert req.output_ids[2] == 47 and req.stats.verify_passes == 0
-    assert runner.calls[Kind.INVARIANT] == 0
+    assert runner.calls[PlanKind.INVARIANT] == 0
 
 
 def test_preemption_under_kv_pressure_loses_nothing():

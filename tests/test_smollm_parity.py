@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from gateeng.config import EngineConfig
-from gateeng.engine.client import Engine
+from gateeng.engine.engine import Engine
 from gateeng.model.loader import default_model_path, ensure_hf_dir
 from gateeng.request import SamplingParams
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from gateeng.config import EngineConfig, ModelConfig
-from gateeng.engine.client import Engine
+from gateeng.engine.engine import Engine
 from gateeng.engine.errors import EngineDead
 from gateeng.model import loader, shard
 from gateeng.plans import packing

@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 
 from gateeng.config import EngineConfig
 from gateeng.engine import tp_processes as tp
-from gateeng.engine.client import Engine
+from gateeng.engine.engine import Engine
 from gateeng.request import DeterminismParams, Mode, SamplingParams
 from tests.tiny import tiny_loaded
 

@@ -11,7 +11,7 @@ import random
 import pytest
 
 from gateeng.config import EngineConfig
-from gateeng.engine.client import Engine
+from gateeng.engine.engine import Engine
 from gateeng.outputs import Chunk, Completion, Rollback
 from gateeng.request import DeterminismParams, Mode, SamplingParams, StreamPolicy
 

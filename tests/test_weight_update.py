@@ -412,7 +412,7 @@ def test_the_swap_lets_the_old_weights_go(new_dir):
     keep it for the process's life)."""
     import gc
     import weakref
-    from gateeng.engine.client import Engine
+    from gateeng.engine.engine import Engine
     engine = Engine(config(verified_route="speculative"), loaded=fresh_loaded(new_dir))
     old = weakref.ref(engine.model)
     try:

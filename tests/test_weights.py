@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gateeng.config import EngineConfig
-from gateeng.engine.client import Engine
+from gateeng.engine.engine import Engine
 from gateeng.model.loader import load
 from gateeng.plans import packing, reference_ops
 from gateeng.request import DeterminismParams, Mode, SamplingParams

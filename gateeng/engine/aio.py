@@ -63,7 +63,7 @@ class _Submission:
 
 async def stream_request(engine, pool: Executor, prompt, sampling, determinism, request_id: str,
                          chat: bool = False) -> AsyncIterator:
-    """`engine`: an Engine (client.py), whose submit and abort this calls.
+    """`engine`: an Engine (engine.py), whose submit and abort this calls.
     Yields Submitted, then Chunk / Rollback events, then the Completion. Raises
     what `Engine.submit` raises (ValueError, QueueFull, DeterminismUnavailable,
     EngineDead) before anything is yielded, and EngineDead if the loop dies.

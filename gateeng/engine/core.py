@@ -1,6 +1,6 @@
 """EngineCore: the synchronous engine. `add_request`, `abort` and `step` are its
-whole working surface; one thread at a time drives it (the threaded client in
-client.py, or a bench stepping it by hand). `new_request` and `register` may be
+whole working surface; one thread at a time drives it (the threaded Engine in
+engine.py, or a bench stepping it by hand). `new_request` and `register` may be
 called from any thread: they read only what is fixed at start-up and the handle
 table, which a lock guards.
 
@@ -38,7 +38,7 @@ from gateeng.model.loader import LoadedModel, load
 from gateeng.outputs import Completion
 from gateeng.plans import packing
 from gateeng.request import DeterminismParams, DeterminismStats, Mode, Request, SamplingParams
-from gateeng.step import Kind, ScheduledSeq, StepPlan
+from gateeng.step import PlanKind, ScheduledSeq, StepPlan
 
 
 def resolve_max_model_len(cfg: EngineConfig, mc) -> int:
@@ -345,7 +345,7 @@ class EngineCore:
                                       plans=dataclasses.replace(self.served.plans, fast=plan), before=self.served))
 
     def teacher_forced(self, prompts: Sequence[Sequence[int]], forced: Sequence[Sequence[int]],
-                       kind: Kind = Kind.FAST) -> list:
+                       kind: PlanKind = PlanKind.FAST) -> list:
         """Greedy choices of plan `kind` along given tokens, as the runner runs a step:
         each prompt is prefilled on the invariant plan (as a VERIFIED request's is),
         then forced[i] is fed to sequence i one decode step at a time, every sequence
@@ -365,7 +365,7 @@ class EngineCore:
                     borrowed.append(self.blocks.allocate())
                     req.block_table.append(borrowed[-1])
                 reqs.append(req)
-            self.runner.run(StepPlan([ScheduledSeq.plan(r, 0, len(r.tokens), Kind.INVARIANT) for r in reqs]))
+            self.runner.run(StepPlan([ScheduledSeq.plan(r, 0, len(r.tokens), PlanKind.INVARIANT) for r in reqs]))
             for t in range(len(forced[0]) if forced else 0):
                 for req, tokens in zip(reqs, forced):
                     req.tokens.append(int(tokens[t]))

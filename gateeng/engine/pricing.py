@@ -30,7 +30,7 @@ from typing import Callable, Optional
 from gateeng.engine import route_costs
 from gateeng.logs import log
 from gateeng.request import DeterminismParams, Request, SamplingParams
-from gateeng.step import Kind, ScheduledSeq, StepPlan
+from gateeng.step import PlanKind, ScheduledSeq, StepPlan
 
 PRICE_ROWS = (1, 8, 32)   # spans the decode batches the fit is asked about
 REPEATS = 3               # timed passes per plan and row count, after the discarded one
@@ -59,7 +59,7 @@ QUIET_SHARE = 0.85
 AGAIN = "--recalibrate-route times them again"   # what every line about kept costs tells an operator
 
 
-def price_plans(time_pass: Callable[[Kind, int], float], row_counts=PRICE_ROWS, repeats: int = REPEATS,
+def price_plans(time_pass: Callable[[PlanKind, int], float], row_counts=PRICE_ROWS, repeats: int = REPEATS,
                 sound: Callable[[list], bool] = lambda measured: True) -> list:
     """[(kind name, rows, seconds)], once per plan and row count, with the fastest of
     `repeats` timed decode passes, or of more while `sound(measured)` is False (up to
@@ -70,7 +70,7 @@ def price_plans(time_pass: Callable[[Kind, int], float], row_counts=PRICE_ROWS, 
     a plan the policy then avoids is never. The rounds go round the shapes, so that
     a stall of the host, which lasts a while, lands on one pass of several shapes
     rather than on every pass of one."""
-    shapes = [(kind, rows) for rows in row_counts for kind in (Kind.FAST, Kind.INVARIANT)]
+    shapes = [(kind, rows) for rows in row_counts for kind in (PlanKind.FAST, PlanKind.INVARIANT)]
     for shape in shapes:
         time_pass(*shape)
     best = {shape: math.inf for shape in shapes}
@@ -92,7 +92,7 @@ def refusal(measured: list, group_rows: int) -> Optional[str]:
     squares fit (seconds per row group where the invariant plan pads to `group_rows`,
     else base + per row) must be non-negative and within FIT_TOLERANCE (or NOISE) of
     every timing."""
-    for kind in (Kind.FAST.value, Kind.INVARIANT.value):
+    for kind in (PlanKind.FAST.value, PlanKind.INVARIANT.value):
         points = sorted((rows, seconds) for k, rows, seconds in measured if k == kind)
         if not points:
             return f"no {kind} pass was timed"
@@ -102,7 +102,7 @@ def refusal(measured: list, group_rows: int) -> Optional[str]:
         for (r0, s0), (r1, s1) in zip(points, points[1:]):
             if s1 < s0 - max(NOISE, FIT_TOLERANCE * s0):
                 return f"the {kind} plan's passes got cheaper with more rows ({_ms(s0)} at {r0}, {_ms(s1)} at {r1})"
-        groups = group_rows if kind == Kind.INVARIANT.value else 0
+        groups = group_rows if kind == PlanKind.INVARIANT.value else 0
         if groups:
             per_group = _group_fit(points, groups)
             cost, fit = (lambda r: -(-r // groups) * per_group), f"{_ms(per_group)} per {groups}-row group"
@@ -119,7 +119,7 @@ def refusal(measured: list, group_rows: int) -> Optional[str]:
     return None
 
 
-def seed(route, time_pass: Callable[[Kind, int], float], row_counts: list, context: int, facts: dict,
+def seed(route, time_pass: Callable[[PlanKind, int], float], row_counts: list, context: int, facts: dict,
          threads: int, probe: Callable[[], Optional[float]], measure_again: bool = False) -> None:
     """Seeds `route` (a RoutePolicy with nothing observed) with decode-pass costs of both
     plans: those kept for `facts` and these rows and keys (route_costs), or, where
@@ -186,7 +186,7 @@ def _time_and_keep(route, time_pass, row_counts: list, context: int, facts: dict
 def describe(measured: list) -> str:
     """'fast 7.9/13.1/30.2 ms at 1/8/32 rows, invariant ...'"""
     out = []
-    for kind in (Kind.FAST.value, Kind.INVARIANT.value):
+    for kind in (PlanKind.FAST.value, PlanKind.INVARIANT.value):
         points = sorted((rows, seconds) for k, rows, seconds in measured if k == kind)
         out.append(f"{kind} {'/'.join(f'{s * 1e3:.1f}' for _, s in points)} ms at "
                    f"{'/'.join(str(r) for r, _ in points)} rows")
@@ -233,7 +233,7 @@ def _ms(seconds: float, digits: int = 1) -> str:
     return f"{seconds * 1e3:.{digits}f} ms"
 
 
-def decode_pass_timer(runner, blocks, context: int = CONTEXT) -> Callable[[Kind, int], float]:
+def decode_pass_timer(runner, blocks, context: int = CONTEXT) -> Callable[[PlanKind, int], float]:
     """time_pass for price_plans: one decode pass of `rows` throwaway sequences, each
     decoding position context - 1 (attention reads `context` keys), through the runner
     and timed as a step's pass is (rows, the plan's forward, the lm_head, sampling).
@@ -242,7 +242,7 @@ def decode_pass_timer(runner, blocks, context: int = CONTEXT) -> Callable[[Kind,
     back unregistered, so the KV accounting and the prefix cache are as before."""
     bs = blocks.block_size
 
-    def time_pass(kind: Kind, rows: int) -> float:
+    def time_pass(kind: PlanKind, rows: int) -> float:
         shared, own, reqs = [], [], []
         try:
             shared.extend(blocks.allocate() for _ in range(_shared_blocks(context, bs)))

@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import Optional
 
 from gateeng.config import ADAPTIVE, DIRECT, ROUTE_POLICIES, SPECULATIVE
-from gateeng.step import Kind
+from gateeng.step import PlanKind
 
 DIRECT_PREFERENCE = 0.05   # relative cost margin within which direct is preferred
 
@@ -191,7 +191,7 @@ class RoutePolicy:
 
     # ---- measurements ----------------------------------------------------------
     def observe_pass(self, kind: str, rows: int, seconds: float) -> None:
-        if kind == Kind.FAST.value:
+        if kind == PlanKind.FAST.value:
             self.fast.observe(rows, seconds)
         else:
             self.invariant.observe(rows, seconds)

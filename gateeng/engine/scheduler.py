@@ -28,7 +28,7 @@ from gateeng.config import DIRECT, KERNEL_PREFILL_WORK, SPECULATIVE
 from gateeng.request import FinishReason, Mode, Request, Status
 from gateeng.engine.route import RoutePolicy
 from gateeng.engine.verification import Outcome, discard_speculation
-from gateeng.step import Kind, ScheduledSeq, StepPlan
+from gateeng.step import PlanKind, ScheduledSeq, StepPlan
 
 
 class Scheduler:
@@ -137,13 +137,13 @@ class Scheduler:
         spec = [i for i, s in enumerate(plan.seqs) if s.route == SPECULATIVE]
         waiting = [i for i in spec if plan.seqs[i].request.pending_verify]   # replays that wait
         idx = [i for i in spec if not plan.seqs[i].request.pending_verify]
-        fast = sum(s.num_tokens for s in plan.seqs if s.kind is Kind.FAST)
-        inv = sum(s.num_tokens for s in plan.seqs if s.kind is Kind.INVARIANT)
+        fast = sum(s.num_tokens for s in plan.seqs if s.kind is PlanKind.FAST)
+        inv = sum(s.num_tokens for s in plan.seqs if s.kind is PlanKind.INVARIANT)
         rows = [self._replay_rows(i, plan) for i in idx]
         waiting_rows = tuple(self._replay_rows(i, plan) for i in waiting)
         # OFF sequences on the fast plan that may join an invariant pass, fewest rows first
         # (decodes, then prefill chunks both plans attend alike): the order they would move in.
-        off = sorted((i for i, s in enumerate(plan.seqs) if s.kind is Kind.FAST and s.request.mode is Mode.OFF
+        off = sorted((i for i, s in enumerate(plan.seqs) if s.kind is PlanKind.FAST and s.request.mode is Mode.OFF
                       and s.num_tokens * s.end <= KERNEL_PREFILL_WORK),
                      key=lambda i: plan.seqs[i].num_tokens)
         off_rows = tuple(plan.seqs[i].num_tokens for i in off)
@@ -161,10 +161,10 @@ class Scheduler:
                 self._to_replay(plan, i, None)
         # OFF decodes and prefill chunks may ride along on it too (they promise nothing
         # about the plan).
-        fast = sum(s.num_tokens for s in plan.seqs if s.kind is Kind.FAST)
+        fast = sum(s.num_tokens for s in plan.seqs if s.kind is PlanKind.FAST)
         for i in off[:self.route.off_to_move(fast, inv, off_rows)]:
             s = plan.seqs[i]
-            plan.seqs[i] = ScheduledSeq.plan(s.request, s.start, s.end, Kind.INVARIANT)
+            plan.seqs[i] = ScheduledSeq.plan(s.request, s.start, s.end, PlanKind.INVARIANT)
 
     @staticmethod
     def _replay_rows(i: int, plan: StepPlan) -> int:
@@ -174,7 +174,7 @@ class Scheduler:
     @staticmethod
     def _to_replay(plan: StepPlan, i: int, route: Optional[str]) -> None:
         req = plan.seqs[i].request
-        plan.seqs[i] = ScheduledSeq.plan(req, req.canonical_len, len(req.tokens), Kind.INVARIANT,
+        plan.seqs[i] = ScheduledSeq.plan(req, req.canonical_len, len(req.tokens), PlanKind.INVARIANT,
                                          replay=True, route=route)
 
     def fits(self, num_tokens: int) -> bool:
@@ -188,7 +188,7 @@ class Scheduler:
             start, end = req.canonical_len, len(req.tokens)
             if end - start > budget:
                 return None   # replays are not split; next step
-            return ScheduledSeq.plan(req, start, end, Kind.INVARIANT, replay=True)
+            return ScheduledSeq.plan(req, start, end, PlanKind.INVARIANT, replay=True)
         start = req.num_computed
         end = min(len(req.tokens), start + budget)
         if end - start > 1:                 # a prefill chunk
@@ -196,11 +196,11 @@ class Scheduler:
             if end <= start:
                 return None                 # this step's prefill share is spent
         if req.mode is Mode.REFERENCE:
-            kind = Kind.INVARIANT
+            kind = PlanKind.INVARIANT
         elif req.mode is Mode.VERIFIED and start < req.prefill_target:
-            kind = Kind.INVARIANT   # prompt (or recompute) KV is canonical from the start
+            kind = PlanKind.INVARIANT   # prompt (or recompute) KV is canonical from the start
         else:
-            kind = Kind.FAST
+            kind = PlanKind.FAST
         return ScheduledSeq.plan(req, start, end, kind)
 
     def _count_prefill(self, seq: ScheduledSeq) -> None:

@@ -64,7 +64,7 @@ from gateeng.model.llama import KVCache
 from gateeng.model.loader import DTYPES
 from gateeng.plans import factory, packing, reference_ops, sharded
 from gateeng.plans.cpu_linear import Packed
-from gateeng.step import Kind
+from gateeng.step import PlanKind
 
 HOST = "127.0.0.1"
 LOOPBACK_INTERFACE = "lo"   # Linux's loopback interface: its address is 127.0.0.1
@@ -395,8 +395,8 @@ def start(cfg: EngineConfig, model, timeout: float, owned: bool = False):
     except BaseException:
         group.close()
         raise
-    plans = replace(plans, fast=sharded.ShardedPlan(plans.fast, Kind.FAST, group.command),
-                    invariant=sharded.ShardedPlan(plans.invariant, Kind.INVARIANT, group.command))
+    plans = replace(plans, fast=sharded.ShardedPlan(plans.fast, PlanKind.FAST, group.command),
+                    invariant=sharded.ShardedPlan(plans.invariant, PlanKind.INVARIANT, group.command))
     attention = ("split by head" if lay.attention_split else
                  "whole on every rank (its heads, or its quantized o's GGUF blocks, do not split evenly)")
     log(f"tensor parallel: {group.size} ranks on gloo, threads per rank: {threads_per_rank(cfg)}; "
@@ -441,7 +441,7 @@ def _worker_main(rank: int, port: int, secret: str, timeout: float, cfg: EngineC
     del own
     dtype = DTYPES[cfg.dtype]
     built = factory.build(cfg, model, model.cfg, dtype, owned=True)
-    plans = {Kind.FAST: built.fast, Kind.INVARIANT: built.invariant}
+    plans = {PlanKind.FAST: built.fast, PlanKind.INVARIANT: built.invariant}
     kv = KVCache(model.cfg, kv_blocks(cfg), cfg.block_size, dtype, cfg.device)
     store = SignedStore(dist.TCPStore(HOST, port, cfg.tensor_parallel_size, False,
                                       timedelta(seconds=STARTUP_SECONDS)), secret)

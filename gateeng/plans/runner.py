@@ -11,7 +11,7 @@ from gateeng.plans import sampler
 from gateeng.plans.generic import FastPlan, InvariantPlan
 from gateeng.plans.head import choose
 from gateeng.plans.rows import Rows
-from gateeng.step import Kind, SeqOutput, StepPlan
+from gateeng.step import PlanKind, SeqOutput, StepPlan
 
 if TYPE_CHECKING:   # the model calls the plans' ops, so compute names it only for types
     from gateeng.model.llama import KVCache, LlamaModel
@@ -24,7 +24,7 @@ class ModelRunner:
         self.sample = sample
         self.logprobs = logprobs
         self.kv = kv
-        self.plans = {Kind.FAST: fast, Kind.INVARIANT: invariant}
+        self.plans = {PlanKind.FAST: fast, PlanKind.INVARIANT: invariant}
         self.last_seconds: dict = {}   # wall time per plan in the last step (metrics)
 
     def run(self, step: StepPlan) -> dict:

@@ -15,7 +15,7 @@ import torch
 
 from gateeng.plans.collectives import vocab_logits
 from gateeng.plans.rows import Rows
-from gateeng.step import Kind
+from gateeng.step import PlanKind
 
 HIDDEN, LOGITS = "hidden", "logits"   # the messages a rank runs (engine.tp_processes)
 
@@ -23,7 +23,7 @@ HIDDEN, LOGITS = "hidden", "logits"   # the messages a rank runs (engine.tp_proc
 class ShardedPlan:
     sparse_greedy = False   # dense logits for every row: no candidate search over a shard
 
-    def __init__(self, inner, kind: Kind, command):
+    def __init__(self, inner, kind: PlanKind, command):
         self.inner = inner
         self.kind = kind
         self._command = command

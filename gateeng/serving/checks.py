@@ -1,5 +1,5 @@
 """The one request-checking path both fronts use, once each has read its own wire
-format into plain Python values (edge.py for protobuf, http_edge.py for JSON):
+format into plain Python values (grpc_edge.py for protobuf, http_edge.py for JSON):
 strict types, the prompt's size before anything is tokenized, the sampling
 fields and their bounds, and the determinism field with the names of its modes.
 

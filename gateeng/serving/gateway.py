@@ -16,7 +16,7 @@ from typing import AsyncIterator, Optional
 
 from gateeng.config import ServerConfig
 from gateeng.engine import aio
-from gateeng.engine.client import Engine
+from gateeng.engine.engine import Engine
 from gateeng.request import DeterminismParams, FinishReason, SamplingParams
 from gateeng.serving import checks, refusals
 from gateeng.serving.metrics import Metrics

@@ -3,7 +3,7 @@ over the gateway (gateway.py).
 
 No thread per call: every RPC is a coroutine on one event loop, so health checks
 and new calls are answered at once however many streams are open. Tokenizing a
-prompt runs on the gateway's thread pool, after the cheap checks (edge.py for
+prompt runs on the gateway's thread pool, after the cheap checks (grpc_edge.py for
 the protobuf, checks.py for what both fronts share).
 
 Status codes a client can act on (refusals.py): INVALID_ARGUMENT (bad or unknown
@@ -47,7 +47,7 @@ from gateeng.logs import LOGGER
 from gateeng.outputs import Chunk, Completion, Rollback
 from gateeng.reproducibility import Reproducibility, untrainable
 from gateeng.request import FinishReason
-from gateeng.serving import auth, edge, refusals
+from gateeng.serving import auth, grpc_edge, refusals
 from gateeng.serving.grpc_client import sampling_proto
 from gateeng.serving.grpc_gate import GrpcGate
 from gateeng.serving.refusals import Kind, Refusal, internal_error
@@ -137,8 +137,8 @@ class EngineService:
 
     async def _parse(self, cls, raw: bytes, context):
         try:
-            return edge.parse(cls, raw)
-        except edge.BadRequest as e:
+            return grpc_edge.parse(cls, raw)
+        except grpc_edge.BadRequest as e:
             await self._refuse(context, refusals.from_engine(e))
 
     async def _run(self, raw: bytes, context):
@@ -148,10 +148,10 @@ class EngineService:
         engine = await self._engine(context)
         peer = context.peer()
         try:
-            edge.check_generate(request)
-            sampling = edge.sampling_from_proto(request.sampling, engine.max_model_len)
-            det = edge.determinism_from_proto(request.determinism, self.gateway.bounds)
-        except (edge.BadRequest, Refusal) as e:
+            grpc_edge.check_generate(request)
+            sampling = grpc_edge.sampling_from_proto(request.sampling, engine.max_model_len)
+            det = grpc_edge.determinism_from_proto(request.determinism, self.gateway.bounds)
+        except (grpc_edge.BadRequest, Refusal) as e:
             await self._refuse(context, refusals.from_engine(e))
         key = (peer, request.request_id) if request.request_id else None
         if key is not None and key in self.owned:
@@ -171,7 +171,7 @@ class EngineService:
         stream = None
         try:
             try:
-                stream = await self.gateway.start(edge.prompt_from_proto(request), sampling, det, engine_id,
+                stream = await self.gateway.start(grpc_edge.prompt_from_proto(request), sampling, det, engine_id,
                                                   request.chat)
             except Refusal as r:
                 await self._refuse(context, r)
@@ -304,7 +304,7 @@ class EngineService:
 
     def handler(self) -> grpc.GenericRpcHandler:
         """Handlers that take raw bytes, so a malformed request is INVALID_ARGUMENT
-        (edge.parse) rather than the INTERNAL a failed deserializer gives."""
+        (grpc_edge.parse) rather than the INTERNAL a failed deserializer gives."""
         def out(cls):
             return cls.SerializeToString
         methods = {

@@ -6,7 +6,7 @@ shapes), GET /version, GET /health, GET /metrics (Prometheus); any other path is
 a 404 in OpenAI's error shape. It is the gRPC front's peer over the same serving
 gateway (gateway.py): the same bounds, checks (checks.py) and refusals
 (refusals.py). http_edge.py reads a body into the values a request runs with, as
-edge.py reads a protobuf; this module routes, reads the body's bytes, starts the
+grpc_edge.py reads a protobuf; this module routes, reads the body's bytes, starts the
 requests and shapes the answers. Per-request determinism rides in an extension
 field:
 
@@ -57,7 +57,7 @@ from starlette.routing import Route
 from gateeng import __version__, reproducibility
 from gateeng.answers import json_logprob
 from gateeng.config import HTTP_BODY_SLACK_BYTES
-from gateeng.engine.client import Engine
+from gateeng.engine.engine import Engine
 from gateeng.engine.errors import EngineDead
 from gateeng.logs import LOGGER
 from gateeng.outputs import Chunk, Completion

@@ -29,7 +29,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 from gateeng.config import DIRECT, FAST, INVARIANT, SPECULATIVE
-from gateeng.engine.client import Engine
+from gateeng.engine.engine import Engine
 from gateeng.engine.core import Observer
 from gateeng.engine.records import Counts, RequestTimes, StepRecord
 from gateeng.request import MISMATCH_FIELDS, TRIGGER_FIELDS, Mode

@@ -23,7 +23,7 @@ from typing import Optional
 from prometheus_client import make_asgi_app
 
 from gateeng.config import GRPC_FDS_PER_CONNECTION, RESERVED_FDS, EngineConfig, ServerConfig
-from gateeng.engine.client import Engine
+from gateeng.engine.engine import Engine
 from gateeng.logs import LOGGER
 from gateeng.serving import tls
 from gateeng.serving.auth import HttpApiKey

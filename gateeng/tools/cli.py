@@ -275,7 +275,7 @@ def cmd_generate(args) -> int:
                   f"{d.triggers_margin + d.triggers_window + d.triggers_finish}, mismatches={d.mismatches}]",
                   file=sys.stderr)
             return 0
-    from gateeng.engine.client import Engine
+    from gateeng.engine.engine import Engine
     from gateeng.engine.errors import DeterminismUnavailable, EngineDead
     engine = None
     try:

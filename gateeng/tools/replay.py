@@ -95,7 +95,7 @@ class LocalTarget:
     """A local engine: the config's model, or an already loaded one."""
 
     def __init__(self, config, loaded=None):
-        from gateeng.engine.client import Engine
+        from gateeng.engine.engine import Engine
         self.engine = Engine(config, loaded)
         self.name = f"this machine ({self.engine.reproducibility.device_name})"
 

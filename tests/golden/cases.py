@@ -6,7 +6,7 @@ import hashlib
 import struct
 
 from gateeng.config import EngineConfig
-from gateeng.engine.client import Engine
+from gateeng.engine.engine import Engine
 from gateeng.request import SamplingParams
 
 PROMPTS = [

@@ -2,9 +2,9 @@
 bounds (the checks shared with the HTTP front are test_checks.py's)."""
 import pytest
 
-from gateeng.serving import checks, edge
+from gateeng.serving import checks, grpc_edge
 from gateeng.config import GateBounds
-from gateeng.serving.edge import BadRequest
+from gateeng.serving.grpc_edge import BadRequest
 from gateeng.request import Mode
 from gateeng.v1 import engine_pb2 as pb
 
@@ -17,29 +17,29 @@ def raw(msg) -> bytes:
 
 def test_unknown_enum_values_are_refused_naming_the_field_and_the_known_values():
     with pytest.raises(BadRequest, match=r"determinism\.mode = 99 .*MODE_VERIFIED \(2\)"):
-        edge.parse(pb.GenerateRequest, raw(pb.GenerateRequest(text="hi", determinism=pb.Determinism(mode=99))))
+        grpc_edge.parse(pb.GenerateRequest, raw(pb.GenerateRequest(text="hi", determinism=pb.Determinism(mode=99))))
     with pytest.raises(BadRequest, match=r"determinism\.stream_policy = 7 .*EAGER \(1\)"):
-        edge.parse(pb.GenerateRequest, raw(pb.GenerateRequest(text="hi",
+        grpc_edge.parse(pb.GenerateRequest, raw(pb.GenerateRequest(text="hi",
                                                               determinism=pb.Determinism(stream_policy=7))))
-    ok = edge.parse(pb.GenerateRequest, raw(pb.GenerateRequest(text="hi", determinism=pb.Determinism(mode=2))))
-    assert edge.determinism_from_proto(ok.determinism, BOUNDS).mode is Mode.VERIFIED
+    ok = grpc_edge.parse(pb.GenerateRequest, raw(pb.GenerateRequest(text="hi", determinism=pb.Determinism(mode=2))))
+    assert grpc_edge.determinism_from_proto(ok.determinism, BOUNDS).mode is Mode.VERIFIED
 
 
 def test_fields_from_a_newer_api_are_refused_not_ignored():
     data = raw(pb.GenerateRequest(text="hi")) + b"\xf8\x06\x01"          # field 111, varint 1
     with pytest.raises(BadRequest, match=r"numbers \[111\]"):
-        edge.parse(pb.GenerateRequest, data)
+        grpc_edge.parse(pb.GenerateRequest, data)
     nested = pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(max_tokens=3))
     sub = raw(nested.sampling) + b"\xa0\x06\x05"                          # field 100 inside sampling
     data = raw(pb.GenerateRequest(text="hi")) + b"\x2a" + bytes([len(sub)]) + sub
     with pytest.raises(BadRequest, match=r"GenerateRequest\.sampling has fields"):
-        edge.parse(pb.GenerateRequest, data)
+        grpc_edge.parse(pb.GenerateRequest, data)
 
 
 def test_invalid_utf8_is_a_bad_request():
     data = b"\x12\x03a\xff\xfe"             # field 2 (text), 3 bytes, not UTF-8
     with pytest.raises(BadRequest, match="UTF-8"):
-        edge.parse(pb.GenerateRequest, data)
+        grpc_edge.parse(pb.GenerateRequest, data)
 
 
 @pytest.mark.parametrize("req, words", [
@@ -62,9 +62,9 @@ def test_size_limits(req, words):
 
 def before_tokenizing(req, max_prompt_bytes=64, max_model_len=100):
     """What the gRPC front and the gateway check before a prompt is tokenized."""
-    edge.check_generate(req)
-    edge.sampling_from_proto(req.sampling, max_model_len)
-    checks.prompt_size(edge.prompt_from_proto(req), max_prompt_bytes, max_model_len)
+    grpc_edge.check_generate(req)
+    grpc_edge.sampling_from_proto(req.sampling, max_model_len)
+    checks.prompt_size(grpc_edge.prompt_from_proto(req), max_prompt_bytes, max_model_len)
 
 
 def test_within_the_limits_passes():
@@ -73,14 +73,14 @@ def test_within_the_limits_passes():
 
 
 def test_unset_sampling_fields_take_the_grpc_defaults_and_set_ones_are_kept():
-    p = edge.sampling_from_proto(pb.SamplingParams(), max_model_len=100)
+    p = grpc_edge.sampling_from_proto(pb.SamplingParams(), max_model_len=100)
     assert (p.temperature, p.top_p, p.top_k, p.seed, p.max_tokens, p.logprobs) == (0.0, 1.0, 0, None, 99, None)
-    p = edge.sampling_from_proto(pb.SamplingParams(temperature=0.5, top_k=3, seed=7, max_tokens=5, logprobs=0,
+    p = grpc_edge.sampling_from_proto(pb.SamplingParams(temperature=0.5, top_k=3, seed=7, max_tokens=5, logprobs=0,
                                                    stop_token_ids=[4], ignore_eos=True), max_model_len=100)
     assert (p.temperature, p.top_k, p.seed, p.max_tokens, p.logprobs) == (0.5, 3, 7, 5, 0)
     assert p.stop_token_ids == (4,) and p.ignore_eos
     with pytest.raises(BadRequest, match=r"sampling.max_tokens 100 exceeds the context \(100 tokens"):
-        edge.sampling_from_proto(pb.SamplingParams(max_tokens=100), max_model_len=100)
+        grpc_edge.sampling_from_proto(pb.SamplingParams(max_tokens=100), max_model_len=100)
 
 
 @pytest.mark.parametrize("det, words", [
@@ -91,13 +91,13 @@ def test_unset_sampling_fields_take_the_grpc_defaults_and_set_ones_are_kept():
 ])
 def test_gate_settings_outside_the_operator_bounds_are_refused(det, words):
     with pytest.raises(BadRequest, match=words):
-        edge.determinism_from_proto(det, BOUNDS)
+        grpc_edge.determinism_from_proto(det, BOUNDS)
 
 
 def test_gate_settings_inside_the_bounds_pass_through():
-    d = edge.determinism_from_proto(pb.Determinism(mode=2, margin_threshold=4.0, max_window=4), BOUNDS)
+    d = grpc_edge.determinism_from_proto(pb.Determinism(mode=2, margin_threshold=4.0, max_window=4), BOUNDS)
     assert (d.margin_threshold, d.max_window) == (4.0, 4)
-    d = edge.determinism_from_proto(pb.Determinism(), BOUNDS)
+    d = grpc_edge.determinism_from_proto(pb.Determinism(), BOUNDS)
     assert (d.mode, d.margin_threshold, d.max_window) == (Mode.OFF, None, None)
 
 
