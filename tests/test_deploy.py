@@ -110,6 +110,9 @@ def test_kubernetes_deployment_has_what_operators_need():
     c = pod["containers"][0]
     assert {"startupProbe", "readinessProbe", "livenessProbe"} <= set(c)
     assert c["resources"]["requests"]["cpu"] and c["resources"]["limits"]["memory"]
+    # The limit is the quota the server sizes its threads to (gateeng.cpus): whole CPUs, as requested.
+    limit = c["resources"]["limits"]["cpu"]
+    assert limit == c["resources"]["requests"]["cpu"] and limit.isdigit()
     assert pod["securityContext"]["runAsNonRoot"] is True
     mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
     volumes = {v["name"]: v for v in pod["volumes"]}

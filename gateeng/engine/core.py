@@ -22,7 +22,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from gateeng import __version__
+from gateeng import __version__, cpus
 from gateeng.config import INVARIANT, EngineConfig, kv_blocks, validate_threshold, validate_window
 from gateeng.engine import assembly, weights
 from gateeng.engine.detokenizer import IncrementalText
@@ -33,6 +33,7 @@ from gateeng.engine.scheduler import Scheduler
 from gateeng.engine.stopping import StopChecker
 from gateeng.engine.verification import VerificationStage, discard_speculation
 from gateeng.heap import trim_heap
+from gateeng.logs import log
 from gateeng.model.chat import encode_prompt
 from gateeng.model.loader import LoadedModel, load
 from gateeng.outputs import Completion
@@ -81,8 +82,15 @@ class EngineCore:
                  observer: Optional[Observer] = None):
         self.config = cfg = config or EngineConfig()
         cfg.validate()
+        # Compute threads: --threads, else what the affinity mask and the CPU quota allow
+        # (gateeng.cpus); at tensor-parallel sizes above 1 each rank's share (tp_processes).
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
+            log(f"{cfg.num_threads} compute threads (--threads)")
+        elif cfg.device == "cpu" and cfg.tensor_parallel_size == 1:
+            cpu = cpus.budget()
+            torch.set_num_threads(cpu.threads)
+            log(f"compute threads: {cpu.describe()}")
         self.loaded = loaded or load(cfg.model, cfg.dtype, cfg.device, dequantize=cfg.dequantize)
         if packing.quantized(self.loaded.model) and cfg.device != "cpu":
             raise ValueError("quantized weights are served on CPU: load the model with dequantize=True "

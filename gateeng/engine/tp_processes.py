@@ -57,6 +57,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 import torch.multiprocessing as mp
 
+from gateeng import cpus
 from gateeng.config import BFLOAT16, EngineConfig, kv_blocks
 from gateeng.logs import log
 from gateeng.model import shard
@@ -218,9 +219,10 @@ def refusal(cfg: EngineConfig) -> Optional[str]:
 
 
 def threads_per_rank(cfg: EngineConfig) -> int:
-    """--threads where given, else the cores this process may run on shared out over
-    the ranks (not torch's current setting, which an earlier engine may have changed)."""
-    return cfg.num_threads or max(1, len(os.sched_getaffinity(0)) // cfg.tensor_parallel_size)
+    """--threads where given, else the CPUs this process may use (its affinity mask and
+    CPU quota, gateeng.cpus) shared out over the ranks (not torch's current setting,
+    which an earlier engine may have changed)."""
+    return cfg.num_threads or max(1, cpus.budget().threads // cfg.tensor_parallel_size)
 
 
 class Group:

@@ -83,8 +83,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         f"kernels/SPEC.md) either way, on its own kernels: the best build this CPU runs, or the "
                         f"one ${ISA_ENV}={'|'.join(REFERENCE_ISAS)} names; without a compiler VERIFIED is refused")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads, per rank with --tensor-parallel-size (default: torch's choice, "
-                        "usually the core count, shared out over the ranks)")
+                   help="torch CPU threads, per rank with --tensor-parallel-size (default: the CPUs this "
+                        "process may use, the smaller of its affinity mask and its cgroup CPU quota, rounded "
+                        "down, shared out over the ranks; the start-up log says how many and why)")
     _tensor_parallel_args(p)
     p.add_argument("--tensor-parallel-timeout", type=float, default=DEFAULTS.tensor_parallel_timeout,
                    metavar="SECONDS",
