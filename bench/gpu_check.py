@@ -247,7 +247,8 @@ def check_end_to_end(dev):
             return " ".join(map(str, ids))
 
     cfg = ModelConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_layers=16, num_heads=32,
-                      num_kv_heads=8, head_dim=64, max_position=4096, tie_word_embeddings=False, eos_token_ids=())
+                      num_kv_heads=8, head_dim=64, max_position=4096, tie_word_embeddings=False, eos_token_ids=(),
+                      architecture="llama")
     model = LlamaModel(cfg, torch.bfloat16, dev)
     with torch.no_grad():
         for p in model.parameters():

@@ -61,6 +61,7 @@ class ModelConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    architecture: str                  # transformers' model_type (gateeng/model/families.py)
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: Optional[dict] = None
@@ -68,16 +69,15 @@ class ModelConfig:
     tie_word_embeddings: bool = True
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple = ()
-    architecture: str = "llama"        # transformers' model_type
-    qkv_bias: bool = False             # Qwen2/2.5; Llama's attention_bias (with o_bias)
-    o_bias: bool = False
-    qk_norm: bool = False              # Qwen3: RMSNorm of each head's q and k before RoPE
-    sliding_window: Optional[int] = None   # attention window (Mistral); None = full attention
+    qkv_bias: bool = False             # q, k and v biases
+    o_bias: bool = False               # o's bias
+    qk_norm: bool = False              # RMSNorm of each head's q and k before RoPE
+    sliding_window: Optional[int] = None   # attention window; None = full attention
 
     @classmethod
-    def from_hf(cls, hf) -> "ModelConfig":
-        """From a transformers config of a Llama-family decoder (Llama 2/3.x, Mistral,
-        Qwen2/2.5, Qwen3, SmolLM)."""
+    def from_hf(cls, hf, *, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> "ModelConfig":
+        """From a transformers config, with the attention terms its family sets
+        (gateeng/model/families.py reads a config with them)."""
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         rope = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
         rope = dict(rope)
@@ -101,16 +101,16 @@ class ModelConfig:
             bos_token_id=hf.bos_token_id,
             eos_token_ids=eos,
             architecture=hf.model_type,
-            qkv_bias=hf.model_type == "qwen2" or bool(getattr(hf, "attention_bias", False)),
-            o_bias=hf.model_type != "qwen2" and bool(getattr(hf, "attention_bias", False)),
-            qk_norm=hf.model_type == "qwen3",
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            qk_norm=qk_norm,
             sliding_window=_sliding_window(hf),
         )
 
 
 def _sliding_window(hf) -> Optional[int]:
-    """The attention window the model applies, or None for full attention. Qwen
-    configs carry a window that applies only with use_sliding_window."""
+    """The attention window the model applies, or None for full attention. A config
+    with use_sliding_window carries a window that applies only where it is set."""
     window = getattr(hf, "sliding_window", None)
     if window is None or (hasattr(hf, "use_sliding_window") and not hf.use_sliding_window):
         return None

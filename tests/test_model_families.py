@@ -4,7 +4,8 @@ at every position, greedy output, and VERIFIED == reference in a batch."""
 import pytest
 import torch
 
-from gateeng.config import EngineConfig, ModelConfig
+from gateeng.config import EngineConfig
+from gateeng.model.families import config_from_hf
 from gateeng.engine.engine import Engine
 from gateeng.plans.generic import FastPlan, InvariantPlan
 from gateeng.request import DeterminismParams, Mode, SamplingParams
@@ -23,7 +24,7 @@ def family(request):
 
 def test_config_reads_the_family_terms(family):
     name, hf = family
-    cfg = ModelConfig.from_hf(hf.config)
+    cfg = config_from_hf(hf.config)
     assert cfg.qkv_bias == (name == "qwen2") and cfg.qk_norm == (name == "qwen3") and not cfg.o_bias
     assert cfg.head_dim == (32 if name == "qwen3" else 16)
     assert cfg.sliding_window == (4096 if name == "mistral" else None)
@@ -82,7 +83,7 @@ def test_a_saved_model_directory_loads_through_model_flag_path(family, tmp_path)
     save_family(name, tmp_path)
     loaded = load(str(tmp_path), "float32")
     assert loaded.config.architecture == hf.config.model_type
-    assert loaded.config == ModelConfig.from_hf(hf.config)
+    assert loaded.config == config_from_hf(hf.config)
     engine = Engine(EngineConfig(dtype="float32", **TINY), loaded=loaded)
     try:
         res = engine.generate("hi there", SamplingParams(max_tokens=8, ignore_eos=True), chat=True)

@@ -6,6 +6,8 @@ from there:
   determinism modes and stream policies (gateeng/config.py; "off" and "reference" are
   words of their own elsewhere, so the test follows "verified" and the policies, and
   checks that every list of modes is derived from config.Mode);
+- the model types the engine runs and the GGUF architectures it reads natively
+  (gateeng/model/families.py, the one table of model families);
 - the dot's block count: plans/tp_shapes.py, kernels/ref_ops.cpp and
   kernels/triton_reference.py each name it, in their own language, and it is the
   number kernels/SPEC.md states.
@@ -19,6 +21,7 @@ import re
 from pathlib import Path
 
 from gateeng import config
+from gateeng.model import families
 from gateeng.plans import kernel_names, tp_shapes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,6 +34,7 @@ OWNED = {
                                       kernel_names.ISA_ENV},
     "gateeng/config.py": {*config.ROUTE_POLICIES, *config.PLANS, *config.DTYPES, config.Mode.VERIFIED.value,
                           *(p.value for p in config.StreamPolicy)},
+    "gateeng/model/families.py": {*families.SUPPORTED, *families.GGUF_ARCHITECTURES},
 }
 CPU_FLAGS = "# cpuinfo flags"
 

@@ -145,7 +145,7 @@ def test_k_slices_tile_k_and_split_evenly_on_whole_blocks():
 
 def smollm2(**changes) -> ModelConfig:
     fields = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
-                  num_kv_heads=3, head_dim=64)
+                  num_kv_heads=3, head_dim=64, architecture="llama")
     return ModelConfig(**{**fields, **changes})
 
 

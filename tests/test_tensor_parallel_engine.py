@@ -236,14 +236,14 @@ def test_sizes_and_settings_it_cannot_run_are_refused_at_start_up(changes, why):
 
 def test_a_model_whose_mlp_does_not_split_is_refused_with_the_reason():
     cfg = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=100, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=16)
+                      num_kv_heads=2, head_dim=16, architecture="llama")
     with pytest.raises(ValueError, match="100 MLP columns"):
         shard.layout(cfg, 8, 0)
 
 
 def test_layouts_tile_the_model():
     smollm2 = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
-                          num_kv_heads=3, head_dim=64)
+                          num_kv_heads=3, head_dim=64, architecture="llama")
     for size in (2, 4, 8, 16):
         lays = [shard.layout(smollm2, size, r) for r in range(size)]
         assert not any(lay.attention_split for lay in lays)
@@ -255,7 +255,7 @@ def test_layouts_tile_the_model():
         assert [(lay.o.start, lay.o.stop) for lay in lays] == [(r * 576 // size, (r + 1) * 576 // size)
                                                                for r in range(size)]
     tiny = ModelConfig(vocab_size=250, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                       num_kv_heads=2, head_dim=16)
+                       num_kv_heads=2, head_dim=16, architecture="llama")
     lays = [shard.layout(tiny, 2, r) for r in range(2)]
     assert all(lay.attention_split for lay in lays)
     assert [lay.heads for lay in lays] == [range(0, 2), range(2, 4)]
@@ -266,13 +266,13 @@ def test_layouts_tile_the_model():
 def test_quantized_layouts_split_on_gguf_blocks():
     units = (QUANT_BLOCK, QUANT_BLOCK)
     smollm2 = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
-                          num_kv_heads=3, head_dim=64)
+                          num_kv_heads=3, head_dim=64, architecture="llama")
     lays = [shard.layout(smollm2, 4, r, units) for r in range(4)]
     # o's 18 blocks in lanes of 2: 8, 8, 2 and 0 blocks; down's 48 in lanes of 3: even
     assert [(lay.o.start, lay.o.stop) for lay in lays] == [(0, 256), (256, 512), (512, 576), (576, 576)]
     assert [lay.mlp for lay in lays] == [range(r * 384, (r + 1) * 384) for r in range(4)]
     tinyllama = ModelConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_layers=22, num_heads=32,
-                            num_kv_heads=4, head_dim=64)
+                            num_kv_heads=4, head_dim=64, architecture="llama")
     for size in (2, 4):   # 2048 and 5632 values are 64 and 176 blocks: whole lanes, even splits, heads split
         quantized, plain = ([(lay.attention_split, lay.heads, lay.mlp, lay.o[:2], lay.down[:2])
                              for lay in (shard.layout(tinyllama, size, r, u) for r in range(size))]
@@ -280,7 +280,7 @@ def test_quantized_layouts_split_on_gguf_blocks():
         assert quantized == plain and all(split for split, *_ in quantized)
     # heads that divide evenly but whose GGUF blocks do not: attention whole on every rank
     narrow = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=512, num_layers=2, num_heads=4,
-                         num_kv_heads=2, head_dim=16)
+                         num_kv_heads=2, head_dim=16, architecture="llama")
     assert shard.layout(narrow, 2, 0).attention_split and not shard.layout(narrow, 2, 0, units).attention_split
 
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 from transformers import AutoConfig, AutoTokenizer
 
-from gateeng.config import ModelConfig
+from gateeng.model.families import config_from_hf
 from gateeng.model.hf_config import defaulted_fields, read_config
 from gateeng.model.tokenizer import Tokenizer
 from tiny import FAMILIES, hf_family, save_family
@@ -78,7 +78,7 @@ def test_a_complete_config_is_read_as_json_and_equals_transformers(family, tmp_p
     (tmp_path / "config.json").write_text(json.dumps(hf.config.to_dict()))
     cfg = read_config(tmp_path)
     assert type(cfg).__name__ == "SimpleNamespace"
-    assert ModelConfig.from_hf(cfg) == ModelConfig.from_hf(AutoConfig.from_pretrained(tmp_path))
+    assert config_from_hf(cfg) == config_from_hf(AutoConfig.from_pretrained(tmp_path))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -91,7 +91,7 @@ def test_a_config_that_leaves_fields_to_class_defaults_is_read_through_transform
     assert dropped in defaulted_fields(json.loads((tmp_path / "config.json").read_text()))
     cfg = read_config(tmp_path)
     assert type(cfg).__name__ != "SimpleNamespace"
-    assert ModelConfig.from_hf(cfg) == ModelConfig.from_hf(AutoConfig.from_pretrained(tmp_path))
+    assert config_from_hf(cfg) == config_from_hf(AutoConfig.from_pretrained(tmp_path))
 
 
 @pytest.mark.model

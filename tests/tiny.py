@@ -5,6 +5,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from gateeng.config import ModelConfig
+from gateeng.model.families import config_from_hf
 from gateeng.model.loader import DTYPES, LoadedModel
 from gateeng.model.llama import LlamaModel
 
@@ -43,7 +44,7 @@ def hf_tiny(seed=0, rope_scaling=None, tie=True, max_positions=512) -> LlamaForC
 
 def tiny_loaded(dtype="float32", hf=None) -> LoadedModel:
     hf = hf or hf_tiny()
-    cfg = ModelConfig.from_hf(hf.config)
+    cfg = config_from_hf(hf.config)
     model = LlamaModel(cfg, DTYPES[dtype])
     model.load_hf_state_dict(hf.state_dict())
     return LoadedModel(model, ByteTokenizer(), cfg, "tiny-random", "tiny")
@@ -118,7 +119,7 @@ def spec_tiny(seed=0, head_dim=32, max_positions=256, device="cpu") -> LoadedMod
     cfg = ModelConfig(vocab_size=256, hidden_size=heads * head_dim, intermediate_size=192, num_layers=2,
                       num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, rms_norm_eps=1e-5,
                       rope_theta=10000.0, max_position=max_positions, tie_word_embeddings=True,
-                      eos_token_ids=(255,))
+                      eos_token_ids=(255,), architecture="llama")
     model = LlamaModel(cfg, torch.bfloat16, device)
     with torch.no_grad():
         for name, p in model.named_parameters():

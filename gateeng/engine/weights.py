@@ -23,6 +23,7 @@ import torch
 
 from gateeng.config import EngineConfig, ModelConfig
 from gateeng.engine.errors import WeightsRefused, WeightUpdateUnavailable
+from gateeng.model import families
 from gateeng.model.fingerprint import model_fingerprint
 from gateeng.model.llama import LlamaModel
 from gateeng.model.loader import DTYPES, read_model_config, weight_files
@@ -59,29 +60,15 @@ class Prepared:
 
 def expected_shapes(cfg: ModelConfig) -> dict:
     """Every tensor LlamaModel.load_hf_state_dict reads for `cfg`, by transformers'
-    name, with its shape. A tied lm_head is not among them (the embedding serves)."""
-    h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    nq, nkv = cfg.num_heads * d, cfg.num_kv_heads * d
-    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+    name (the family's table), with its shape. A tied lm_head is not among them (the
+    embedding serves)."""
+    block = families.of(cfg).block
+    shapes = {w.hf[0]: w.shapes(cfg)[0] for w in (block.embed, block.norm)}
     for i in range(cfg.num_layers):
-        pre = f"model.layers.{i}."
-        shapes[pre + "input_layernorm.weight"] = (h,)
-        shapes[pre + "post_attention_layernorm.weight"] = (h,)
-        for n, rows in (("q", nq), ("k", nkv), ("v", nkv)):
-            shapes[pre + f"self_attn.{n}_proj.weight"] = (rows, h)
-            if cfg.qkv_bias:
-                shapes[pre + f"self_attn.{n}_proj.bias"] = (rows,)
-        shapes[pre + "self_attn.o_proj.weight"] = (h, nq)
-        if cfg.o_bias:
-            shapes[pre + "self_attn.o_proj.bias"] = (h,)
-        if cfg.qk_norm:
-            shapes[pre + "self_attn.q_norm.weight"] = (d,)
-            shapes[pre + "self_attn.k_norm.weight"] = (d,)
-        shapes[pre + "mlp.gate_proj.weight"] = (inter, h)
-        shapes[pre + "mlp.up_proj.weight"] = (inter, h)
-        shapes[pre + "mlp.down_proj.weight"] = (h, inter)
+        for w in block.weights(cfg):
+            shapes.update((f"{block.hf_layers}{i}.{name}", shape) for name, shape in zip(w.hf, w.shapes(cfg)))
     if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+        shapes[block.lm_head.hf[0]] = block.lm_head.shapes(cfg)[0]
     return shapes
 
 
@@ -176,6 +163,8 @@ def _read_checked(files: list, served: ModelConfig, dtype) -> tuple:
     any value is read."""
     from safetensors import SafetensorError, safe_open
     expected = expected_shapes(served)
+    block = families.of(served).block
+    embed = block.embed.hf[0]
     handles, where, problems = {}, {}, []
     for f in files:
         try:
@@ -188,7 +177,7 @@ def _read_checked(files: list, served: ModelConfig, dtype) -> tuple:
             if name in where:
                 problems.append(f"{name}: in both {where[name].name} and {f.name}")
             where[name] = f
-    tied = "lm_head.weight" if served.tie_word_embeddings else None
+    tied = block.lm_head.hf[0] if served.tie_word_embeddings else None
     for name in expected:
         if name not in where:
             problems.append(f"missing tensor {name}")
@@ -196,7 +185,7 @@ def _read_checked(files: list, served: ModelConfig, dtype) -> tuple:
         if name not in expected and name != tied:
             problems.append(f"extra tensor {name}: the served model has no such weight")
     for name, f in where.items():
-        want = expected.get(name) or (expected["model.embed_tokens.weight"] if name == tied else None)
+        want = expected.get(name) or (expected[embed] if name == tied else None)
         if want is None:
             continue
         try:
@@ -228,8 +217,8 @@ def _read_checked(files: list, served: ModelConfig, dtype) -> tuple:
             if over:
                 problems.append(f"{name}: {_values(over)} beyond {str(dtype).removeprefix('torch.')}'s range")
         converted[name] = c
-    if tied in converted and not torch.equal(converted[tied], converted["model.embed_tokens.weight"]):
-        problems.append(f"{tied}: config.json ties it to model.embed_tokens.weight, but the values differ")
+    if tied in converted and not torch.equal(converted[tied], converted[embed]):
+        problems.append(f"{tied}: config.json ties it to {embed}, but the values differ")
     _refuse(problems)
     return raw, converted
 

@@ -23,6 +23,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from gateeng.model.families import GGUF_ARCHITECTURES
 from gateeng.model.fingerprint import Fingerprint
 from gateeng.plans import packing
 from gateeng.plans.cpu_linear import Packed
@@ -31,10 +32,9 @@ from gateeng.plans.packing import QuantBlocks
 # The types multiplied as stored, by GGML type id (ref_ops.cpp's QTYPES).
 SERVED_QUANTIZED = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3}
 PLAIN_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}   # type: its bytes' dtype
-# GGUF architectures read natively; llama.cpp's converter permutes the llama family's
-# q and k rows (rotary pairs interleaved), which loading undoes as transformers does.
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
-PERMUTED = ("llama",)
+# The GGUF architectures read natively, and their tensors' names, are the families'
+# (gateeng.model.families). llama.cpp's converter permutes some families' q and k rows
+# (rotary pairs interleaved), which loading undoes as transformers does.
 
 
 # The tensor table a header conversion writes beside the config (gateeng.model.cache).
@@ -148,9 +148,11 @@ class GGUFLoad:
     """Loads a GGUF file's weights into a LlamaModel, one stored tensor at a time."""
 
     def __init__(self, tensors: GGUFTensors, cfg, ops, quantized: bool = True, blocks_on: Optional[str] = None):
-        if tensors.architecture not in ARCHITECTURES:
+        if tensors.architecture not in GGUF_ARCHITECTURES:
             raise ValueError(f"{tensors.path.name}: GGUF architecture {tensors.architecture!r} is not read natively "
-                             f"({', '.join(ARCHITECTURES)} are); pass --dequantize to convert it through transformers")
+                             f"({', '.join(GGUF_ARCHITECTURES)} are); pass --dequantize to convert it through "
+                             "transformers")
+        self.family = GGUF_ARCHITECTURES[tensors.architecture]
         self.tensors, self.cfg, self.ops, self.quantized = tensors, cfg, ops, quantized
         # Where set, weights served as stored are kept as QuantBlocks on that device (the
         # Triton reference's form), not packed by `ops` (the CPU reference kernels').
@@ -159,9 +161,10 @@ class GGUFLoad:
         self.served = Counter()        # {how a stored type is served: tensor count}
         self.converted = Counter()     # quantized types converted to bf16: {type: tensor count}
 
-    def _rows(self, name: str, as_stored: bool):
-        """(stored bytes or bf16 values) of one tensor, q and k rows unpermuted;
-        its bytes enter the fingerprint as they are read."""
+    def _rows(self, name: str, as_stored: bool, heads: Optional[int] = None):
+        """(stored bytes or bf16 values) of one tensor, its rows unpermuted where `heads`
+        (the rotary heads it holds) is given; its bytes enter the fingerprint as they
+        are read."""
         t = self.tensors.tensors[name]
         raw = self.tensors.raw(name)
         how = t.type if as_stored else "bf16"
@@ -170,19 +173,21 @@ class GGUFLoad:
         if not as_stored and t.type not in PLAIN_TYPES:
             self.converted[t.type] += 1
         rows = raw if as_stored else self.tensors.values(name, raw, self.cfg.hidden_size)
-        if self.tensors.architecture in PERMUTED and (".attn_q." in name or ".attn_k." in name) and len(t.shape) == 2:
-            heads = self.cfg.num_heads if ".attn_q." in name else self.cfg.num_kv_heads
+        if heads is not None:
             rows = unpermute(rows, heads)
             rows = np.ascontiguousarray(rows) if isinstance(rows, np.ndarray) else rows.contiguous()
         return rows
 
-    def _fill(self, model, w: torch.Tensor, names: list) -> None:
+    def _fill(self, model, w: torch.Tensor, names: list, heads: Optional[list] = None) -> None:
         """w from the stored tensors `names`, stacked by rows: packed as stored where they
-        share one type served quantized, else converted to bf16."""
+        share one type served quantized, else converted to bf16. `heads`: per name, the
+        rotary heads whose rows the file permuted (None: as stored)."""
+        heads = heads or [None] * len(names)
         types = {self.tensors.tensors[n].type for n in names}
         kind = next(iter(types)) if len(types) == 1 else None
         if self.quantized and kind in SERVED_QUANTIZED:
-            raw = np.concatenate([self._rows(n, True) for n in names]) if len(names) > 1 else self._rows(names[0], True)
+            raw = (np.concatenate([self._rows(n, True, h) for n, h in zip(names, heads)]) if len(names) > 1
+                   else self._rows(names[0], True, heads[0]))
             if self.blocks_on is not None:
                 q, d, m = (None if a is None else torch.from_numpy(a).to(self.blocks_on)
                            for a in split_blocks(raw, kind, w.shape[1]))
@@ -194,36 +199,28 @@ class GGUFLoad:
             return
         with torch.no_grad():
             start = 0
-            for n in names:   # one part at a time, in slices of rows: never a whole weight in binary32
-                part = self._rows(n, False)
+            for n, h in zip(names, heads):   # one part at a time, in slices of rows: never a whole one in binary32
+                part = self._rows(n, False, h)
                 w[start:start + part.shape[0]].copy_(part.reshape(-1, *w.shape[1:]))
                 start += part.shape[0]
 
     def into(self, model) -> None:
-        cfg, have = self.cfg, self.tensors.tensors
+        cfg, have, block = self.cfg, self.tensors.tensors, self.family.block
         for name in have:
-            if not (name.startswith("blk.") or name in ("token_embd.weight", "output_norm.weight", "output.weight")):
+            if not (name.startswith(block.gguf_layers) or name in block.gguf_model_names()):
                 raise ValueError(f"{self.tensors.path.name}: tensor {name} is not part of a "
                                  f"{self.tensors.architecture} decoder gateeng serves")
-        self._fill(model, model.embed, ["token_embd.weight"])
+        self._fill(model, model.embed, list(block.embed.gguf))
         for i, layer in enumerate(model.layers):
-            pre = f"blk.{i}."
-            self._fill(model, layer.input_norm, [pre + "attn_norm.weight"])
-            self._fill(model, layer.qkv, [pre + f"attn_{n}.weight" for n in "qkv"])
-            if layer.qkv_bias is not None:
-                self._fill(model, layer.qkv_bias, [pre + f"attn_{n}.bias" for n in "qkv"])
-            if layer.q_norm is not None:
-                self._fill(model, layer.q_norm, [pre + "attn_q_norm.weight"])
-                self._fill(model, layer.k_norm, [pre + "attn_k_norm.weight"])
-            self._fill(model, layer.o, [pre + "attn_output.weight"])
-            if layer.o_bias is not None:
-                self._fill(model, layer.o_bias, [pre + "attn_output.bias"])
-            self._fill(model, layer.post_norm, [pre + "ffn_norm.weight"])
-            self._fill(model, layer.gate_up, [pre + "ffn_gate.weight", pre + "ffn_up.weight"])
-            self._fill(model, layer.down, [pre + "ffn_down.weight"])
-        self._fill(model, model.norm, ["output_norm.weight"])
+            pre = f"{block.gguf_layers}{i}."
+            for w in block.gguf_weights(cfg):
+                heads = None
+                if self.family.gguf_permuted and w.rotary:
+                    heads = [n // cfg.head_dim if r else None for n, r in zip(w.parts(cfg), w.rotary)]
+                self._fill(model, getattr(layer, w.attr), [pre + n for n in w.gguf], heads)
+        self._fill(model, model.norm, list(block.norm.gguf))
         if not cfg.tie_word_embeddings:
-            self._fill(model, model.lm_head, ["output.weight"])
+            self._fill(model, model.lm_head, list(block.lm_head.gguf))
         packing.of(model).stored_types = {t.split(" as ")[0]: n for t, n in sorted(self.served.items())
                                           if t.endswith("stored") and t.split(" as ")[0] in SERVED_QUANTIZED}
 

@@ -1,8 +1,9 @@
 """A model directory's config.json, read without transformers where that is exact.
 
 transformers' config classes fill a field that config.json leaves out with their
-class default, and the defaults differ by family (Qwen2's num_key_value_heads is 32,
-Mistral's sliding_window 4096, Qwen3's head_dim 128). A file that names every field
+class default, and the defaults differ by family (a family's `required` fields in
+gateeng.model.families: a num_key_value_heads of 32, a sliding_window of 4096, a
+head_dim of 128). A file that names every field
 the engine reads (ModelConfig.from_hf) is read as JSON; one that leaves any of them
 to a class default is read through transformers' AutoConfig, so the engine never
 guesses a default. The difference is memory: AutoConfig imports transformers' model
@@ -16,6 +17,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from gateeng.logs import log
+from gateeng.model.families import FAMILIES
 
 # Read by ModelConfig.from_hf with no default of its own. attention_bias and mlp_bias
 # may be absent: every supported family's class default is False, as from_hf reads
@@ -23,17 +25,15 @@ from gateeng.logs import log
 REQUIRED = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
             "num_attention_heads", "num_key_value_heads", "rms_norm_eps", "max_position_embeddings",
             "tie_word_embeddings", "bos_token_id", "eos_token_id")
-# Fields a family's class defaults to something other than what from_hf assumes
-# when they are absent (None: head_dim = hidden / heads, no sliding window).
-REQUIRED_BY_FAMILY = {"mistral": ("sliding_window",),
-                      "qwen2": ("sliding_window", "use_sliding_window"),
-                      "qwen3": ("head_dim", "sliding_window", "use_sliding_window")}
 
 
 def defaulted_fields(raw: dict) -> list:
     """The fields from_hf reads that `raw` (a parsed config.json) leaves to a
     transformers class default; [] when it names them all."""
-    missing = [f for f in REQUIRED + REQUIRED_BY_FAMILY.get(raw.get("model_type"), ()) if f not in raw]
+    # and the fields a family's class defaults to something other than what from_hf
+    # assumes when they are absent (None: head_dim = hidden / heads, no sliding window)
+    family = FAMILIES.get(raw.get("model_type"))
+    missing = [f for f in REQUIRED + (family.required if family else ()) if f not in raw]
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     if "rope_theta" not in raw and "rope_theta" not in rope:
         missing.append("rope_theta")

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3, SmolLM) over a paged KV cache.
+"""Llama-family decoder (the families of gateeng.model.families) over a paged KV cache.
 
 One model definition. How each reduction is computed (matmul, RMSNorm, attention)
 is chosen by the plan object passed to `forward`, so the fast and invariant plans
@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from gateeng.config import ModelConfig
-from gateeng.model import rope
+from gateeng.model import families, rope
 
 
 class KVCache:
@@ -128,36 +128,23 @@ class LlamaModel(torch.nn.Module):
         return [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
 
     def hf_state_dict(self, get=lambda t: t) -> dict:
-        """The weights under transformers' LlamaForCausalLM names (load_hf_state_dict's
-        inverse): the stacked qkv and gate_up split back into their projections.
+        """The weights under transformers' names (load_hf_state_dict's inverse, the
+        family's table): the stacked qkv and gate_up split back into their projections.
         `get` maps each parameter first (`lambda p: p.grad` names the gradients)."""
         if any(t.numel() > 0 and t.untyped_storage().nbytes() == 0 for t in self.parameters()):
             raise ValueError("a model whose weights the plans hold packed (a GGUF's quantized weights served "
                              "as stored, or plain weights freed once packed) has no transformers checkpoint "
                              "(serve its GGUF with --dequantize for one)")
-        cfg = self.cfg
-        nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        sd = {"model.embed_tokens.weight": get(self.embed), "model.norm.weight": get(self.norm)}
+        cfg, block = self.cfg, families.of(self.cfg).block
+        sd = {block.embed.hf[0]: get(self.embed), block.norm.hf[0]: get(self.norm)}
         for i, layer in enumerate(self.layers):
-            pre = f"model.layers.{i}."
-            sd[pre + "input_layernorm.weight"] = get(layer.input_norm)
-            sd[pre + "post_attention_layernorm.weight"] = get(layer.post_norm)
-            for n, w in zip("qkv", get(layer.qkv).split([nq, nkv, nkv])):
-                sd[pre + f"self_attn.{n}_proj.weight"] = w
-            if layer.qkv_bias is not None:
-                for n, b in zip("qkv", get(layer.qkv_bias).split([nq, nkv, nkv])):
-                    sd[pre + f"self_attn.{n}_proj.bias"] = b
-            sd[pre + "self_attn.o_proj.weight"] = get(layer.o)
-            if layer.o_bias is not None:
-                sd[pre + "self_attn.o_proj.bias"] = get(layer.o_bias)
-            if layer.q_norm is not None:
-                sd[pre + "self_attn.q_norm.weight"] = get(layer.q_norm)
-                sd[pre + "self_attn.k_norm.weight"] = get(layer.k_norm)
-            gate, up = get(layer.gate_up).split(cfg.intermediate_size)
-            sd[pre + "mlp.gate_proj.weight"], sd[pre + "mlp.up_proj.weight"] = gate, up
-            sd[pre + "mlp.down_proj.weight"] = get(layer.down)
+            pre = f"{block.hf_layers}{i}."
+            for w in block.weights(cfg):
+                t = get(getattr(layer, w.attr))
+                for name, part in zip(w.hf, t.split(w.parts(cfg)) if len(w.hf) > 1 else (t,)):
+                    sd[pre + name] = part
         if not cfg.tie_word_embeddings:
-            sd["lm_head.weight"] = get(self.lm_head)
+            sd[block.lm_head.hf[0]] = get(self.lm_head)
         return sd
 
     def forward(self, input_ids, positions, slots, attn_meta, kv: KVCache, plan) -> torch.Tensor:
@@ -196,29 +183,20 @@ class LlamaModel(torch.nn.Module):
         return plan.linear(x, w) if self.tp is None else self.tp.linear(plan, x, w, which)
 
     def load_hf_state_dict(self, sd: dict) -> None:
-        """Weights named as in transformers' LlamaForCausalLM."""
+        """Weights named as transformers names them (the family's table)."""
         def take(name):
             t = sd[name]
             return t.to(dtype=self.dtype, device=self.device)
 
+        cfg, block = self.cfg, families.of(self.cfg).block
         with torch.no_grad():
-            self.embed.copy_(take("model.embed_tokens.weight"))
+            self.embed.copy_(take(block.embed.hf[0]))
             for i, layer in enumerate(self.layers):
-                pre = f"model.layers.{i}."
-                layer.input_norm.copy_(take(pre + "input_layernorm.weight"))
-                layer.post_norm.copy_(take(pre + "post_attention_layernorm.weight"))
-                layer.qkv.copy_(torch.cat([take(pre + f"self_attn.{n}_proj.weight") for n in "qkv"]))
-                if layer.qkv_bias is not None:
-                    layer.qkv_bias.copy_(torch.cat([take(pre + f"self_attn.{n}_proj.bias") for n in "qkv"]))
-                layer.o.copy_(take(pre + "self_attn.o_proj.weight"))
-                if layer.o_bias is not None:
-                    layer.o_bias.copy_(take(pre + "self_attn.o_proj.bias"))
-                if layer.q_norm is not None:
-                    layer.q_norm.copy_(take(pre + "self_attn.q_norm.weight"))
-                    layer.k_norm.copy_(take(pre + "self_attn.k_norm.weight"))
-                layer.gate_up.copy_(torch.cat([take(pre + "mlp.gate_proj.weight"), take(pre + "mlp.up_proj.weight")]))
-                layer.down.copy_(take(pre + "mlp.down_proj.weight"))
-            self.norm.copy_(take("model.norm.weight"))
-            if not self.cfg.tie_word_embeddings:
-                self.lm_head.copy_(take("lm_head.weight"))
+                pre = f"{block.hf_layers}{i}."
+                for w in block.weights(cfg):   # a stacked weight (q, k, v; gate, up): its parts by rows
+                    parts = [take(pre + name) for name in w.hf]
+                    getattr(layer, w.attr).copy_(torch.cat(parts) if len(parts) > 1 else parts[0])
+            self.norm.copy_(take(block.norm.hf[0]))
+            if not cfg.tie_word_embeddings:
+                self.lm_head.copy_(take(block.lm_head.hf[0]))
         self.finalize()

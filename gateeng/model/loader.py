@@ -34,11 +34,11 @@ from gateeng.disk import is_no_space
 from gateeng.logs import log
 from gateeng.model.llama import LlamaModel
 from gateeng.model.cache import converted
+from gateeng.model.families import DECODER, config_from_hf
 from gateeng.model.fingerprint import model_fingerprint
 from gateeng.model.hf_config import read_config
 from gateeng.model.tokenizer import Tokenizer
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "smollm")
 # A converted GGUF's record of its tensor types ({type name: count}), and the types
 # that are plain floats.
 GGUF_TYPES = "gguf_types.json"
@@ -76,7 +76,7 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     sd = {k: v.contiguous() for k, v in hf.state_dict().items()}
     if hf.config.tie_word_embeddings:
-        sd.pop("lm_head.weight", None)
+        sd.pop(DECODER.lm_head.hf[0], None)
     # save_pretrained refuses models loaded from GGUF; the dequantized tensors are plain.
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
     # A plain float32 checkpoint: drop the GGUF quantization entry, or transformers
@@ -224,14 +224,9 @@ def load_gguf(src: Path, blocks_on: Optional[str] = None) -> LoadedModel:
 
 
 def read_model_config(hf_dir: Path) -> ModelConfig:
-    """The ModelConfig of an HF directory's config.json, for a family the engine runs."""
-    hf_cfg = read_config(hf_dir)
-    if hf_cfg.model_type not in SUPPORTED:
-        raise ValueError(f"model type {hf_cfg.model_type!r} is not a supported Llama-family decoder "
-                         f"({', '.join(SUPPORTED)})")
-    if getattr(hf_cfg, "mlp_bias", False):
-        raise ValueError("models with MLP biases are not supported")
-    return ModelConfig.from_hf(hf_cfg)
+    """The ModelConfig of an HF directory's config.json, for a family the engine runs
+    (gateeng.model.families)."""
+    return config_from_hf(read_config(hf_dir))
 
 
 def weight_files(hf_dir: Path) -> list:

@@ -23,6 +23,7 @@ import torch
 
 from gateeng.config import ModelConfig
 from gateeng.heap import trim_heap
+from gateeng.model import families
 from gateeng.model.llama import LlamaModel
 from gateeng.plans import collectives, packing
 from gateeng.plans.cpu_linear import Packed
@@ -110,16 +111,23 @@ def shard_tensors(model: LlamaModel, lays: list, release: bool = False) -> list:
     its part, so the model and its shards together never hold more than one weight
     twice."""
     cfg, d = model.cfg, model.cfg.head_dim
-    nq, nkv = cfg.num_heads * d, cfg.num_kv_heads * d
-    inter = cfg.intermediate_size
     ops = packing.of(model).quant_ops
     outs = [{} for _ in lays]
 
     def rows(t, r: range, offset: int = 0, unit: int = 1):
         return t[offset + r.start * unit: offset + r.stop * unit]
 
-    def qkv_rows(t, lay):
-        return torch.cat([rows(t, lay.heads, 0, d), rows(t, lay.kv_heads, nq, d), rows(t, lay.kv_heads, nq + nkv, d)])
+    def rank_rows(w: families.Weight):
+        """A pick of w's rows for a rank: each part's by what its rows are (the rank's
+        query heads, key/value heads or MLP columns; any other part whole)."""
+        def pick(t, lay):
+            out, offset = [], 0
+            for kind, n in zip(w.rows, w.parts(cfg)):
+                mine = {"q": (lay.heads, d), "kv": (lay.kv_heads, d), "inter": (lay.mlp, 1)}.get(kind)
+                out.append(t[offset:offset + n] if mine is None else rows(t, mine[0], offset, mine[1]))
+                offset += n
+            return out[0] if len(out) == 1 else torch.cat(out)
+        return pick
 
     def plain(name: str, t: torch.Tensor, pick=lambda t, lay: t) -> None:
         """A small tensor (a norm, a bias): `pick`ed for each rank."""
@@ -162,19 +170,14 @@ def shard_tensors(model: LlamaModel, lays: list, release: bool = False) -> list:
     plain("norm", model.norm)
     for i, layer in enumerate(model.layers):
         pre = f"layers.{i}."
-        plain(pre + "input_norm", layer.input_norm)
-        plain(pre + "post_norm", layer.post_norm)
-        by_rows(pre + "qkv", layer.qkv, qkv_rows)
-        if layer.qkv_bias is not None:
-            plain(pre + "qkv_bias", layer.qkv_bias, qkv_rows)
-        by_k(pre + "o", layer.o, "o")
-        if layer.o_bias is not None:   # added once, after the sum
-            plain(pre + "o_bias", layer.o_bias)
-        if layer.q_norm is not None:
-            plain(pre + "q_norm", layer.q_norm)
-            plain(pre + "k_norm", layer.k_norm)
-        by_rows(pre + "gate_up", layer.gate_up, lambda t, lay: torch.cat([rows(t, lay.mlp), rows(t, lay.mlp, inter)]))
-        by_k(pre + "down", layer.down, "down")
+        for w in families.of(cfg).block.weights(cfg):
+            t = getattr(layer, w.attr)
+            if w.cols in ("q", "inter"):   # o and down: row-parallel, split by K (a bias stays whole: added once)
+                by_k(pre + w.attr, t, w.attr)
+            elif w.cols:
+                by_rows(pre + w.attr, t, rank_rows(w))
+            else:
+                plain(pre + w.attr, t, rank_rows(w))
         if release:   # what the layer's weights held goes back to the OS, not only to malloc
             trim_heap()
     by_rows("lm_head", model.lm_head, lambda t, lay: rows(t, lay.vocab))   # last: it may be the embedding
