@@ -8,7 +8,7 @@ import torch
 from gateeng.config import EngineConfig
 from gateeng.engine.engine import Engine
 from gateeng.model.loader import load
-from gateeng.plans import packing, reference_ops
+from gateeng.plans import cpu_linear, packing, reference_ops
 from gateeng.request import DeterminismParams, Mode, SamplingParams
 from tests.tiny import save_family
 
@@ -39,8 +39,12 @@ def answers(engine, det):
     return out
 
 
-def test_an_engine_that_loads_its_model_keeps_one_packed_copy(model_dir):
+def test_an_engine_that_loads_its_model_keeps_one_packed_copy(model_dir, monkeypatch):
     path, tied = model_dir
+    # The start-up probe's choice is a timing: a busy host can see oneDNN's second copy win
+    # at some row count and keep it. Fixed here at the row-invariant kernel everywhere, the
+    # choice whose memory this test checks.
+    monkeypatch.setattr(cpu_linear, "rowwise_max_rows", lambda *args: None)
     engine = Engine(EngineConfig(model=str(path), **CONFIG))
     try:
         m = engine.core.model
