@@ -58,13 +58,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import TOPICS, command, commit, machine  # noqa: E402
+from common import TOPICS, command, commit, machine, report_path  # noqa: E402
 from servers import free_port  # noqa: E402
 
 from gateeng.request import DeterminismParams, Mode, SamplingParams  # noqa: E402
 from gateeng.serving.grpc_client import Client, to_proto  # noqa: E402
 
-OUT = Path(__file__).resolve().parent / "soak.json"
 MIX = {"grpc": 6, "grpc_cancel": 3, "grpc_deadline": 3, "grpc_bad": 1, "http": 6, "http_stream": 2,
        "http_gone": 2, "http_bad": 2, "http_big": 1, "http_idle": 1, "grpc_flood": 1, "grpc_silent": 1}
 TLS_MIX = {"grpc_plain": 1, "http_plain": 1}
@@ -340,6 +339,9 @@ def main() -> int:
     ap.add_argument("--check-every", type=float, default=60.0, help="seconds between idle checks")
     ap.add_argument("--model", default=None, help="the model to serve (default: the embedded model)")
     ap.add_argument("--no-tls", action="store_true", help="serve and call in plain text")
+    ap.add_argument("--out", type=Path, default=report_path("soak.json"),
+                    help="the JSON report, the server's log beside it (default: outside the tree; "
+                         "bench/soak.json is the one RESULTS cites)")
     args = ap.parse_args()
     grpc_port, http_port = free_port(), free_port()
     cmd = [sys.executable, "-m", "gateeng.tools.cli", "serve", "--port", str(grpc_port), "--http-port", str(http_port),
@@ -351,7 +353,7 @@ def main() -> int:
     if certs:
         cmd += ["--ssl-certfile", str(certs / "server.pem"), "--ssl-keyfile", str(certs / "server.key")]
     ca = certs / "ca.pem" if certs else None
-    log = open(OUT.with_suffix(".log"), "w")
+    log = open(args.out.with_suffix(".log"), "w")
     server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     target = f"127.0.0.1:{grpc_port}"
     try:
@@ -421,7 +423,7 @@ def main() -> int:
               "fds_min": min(s["fds"] for s in samples), "fds_max": max(s["fds"] for s in samples),
               "samples": samples,
               "commit": commit(), "command": command()}
-    OUT.write_text(json.dumps(result, indent=1))
+    args.out.write_text(json.dumps(result, indent=1))
     print(f"| minutes | requests | unexpected | ghost checks failed | RSS first -> last MB | MB / 1000 requests "
           f"| fds min-max |\n| --- | --- | --- | --- | --- | --- | --- |\n"
           f"| {args.minutes:g} | {soak.served} | {len(soak.unexpected)} | {len(ghosts)} of {len(samples)} "
