@@ -140,15 +140,16 @@ def test_a_full_queue_answers_resource_exhausted_with_a_retry_hint():
 
 
 def test_a_client_can_abort_only_its_own_requests():
-    srv = Running(tiny_config())
+    # Long requests, so that they are still running on a busy host when the other calls come.
+    srv = Running(tiny_config(max_model_len=512))
     try:
         mine, other = pb_grpc.EngineStub(channel(srv.target)), pb_grpc.EngineStub(channel(srv.target))
-        call = mine.Generate(request(120, rid="job-1"), timeout=120)
+        call = mine.Generate(request(500, rid="job-1"), timeout=120)
         events = iter(call)
         next(events)
         server_id = dict(call.initial_metadata())[REQUEST_ID_HEADER]
         assert server_id.startswith("req-") and len(server_id) >= 36 and server_id != "job-1"   # 128 random bits
-        anonymous = mine.Generate(request(120), timeout=120)
+        anonymous = mine.Generate(request(500), timeout=120)
         anon_events = iter(anonymous)
         next(anon_events)
         anon_id = dict(anonymous.initial_metadata())[REQUEST_ID_HEADER]
