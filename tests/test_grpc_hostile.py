@@ -2,8 +2,6 @@
 so no flood of gRPC connections takes health, the HTTP front or the model's files down.
 A real Server on the tiny random model (and, for the open-file limit, a real `gateeng
 serve` process), raw sockets as an attacker uses them, real gRPC and HTTP clients."""
-import json
-import os
 import resource
 import signal
 import socket
@@ -19,6 +17,7 @@ from gateeng.config import ConnectionLimits, GrpcLimits, ServerConfig
 from gateeng.request import SamplingParams
 from gateeng.serving.grpc_client import Client
 from gateeng.serving.grpc_gate import PREFACE
+from test_http_hostile import post_completion
 from test_server_async import SERVING, Running, health, tiny_config
 
 LIMITS = GrpcLimits(max_connections=8, handshake_timeout_s=1.5, idle_timeout_s=2.0)
@@ -52,13 +51,6 @@ def closed_within(sock: socket.socket, seconds: float) -> bool:
     except socket.timeout:
         return False
     return False
-
-
-def post_completion(port: int) -> dict:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", method="POST",
-                                 data=json.dumps({"prompt": [5, 6, 7], "max_tokens": 2}).encode(),
-                                 headers={"Content-Type": "application/json"})
-    return json.loads(urllib.request.urlopen(req, timeout=30).read())
 
 
 def wait_open(gate, want: int, seconds: float = 10) -> int:
