@@ -74,6 +74,8 @@ class Policy(torch.nn.Module):
             raise RuntimeError(f"the policy computes the reference, and no build of it runs here: {exc}") from None
         self._cpu = CpuReference(self.ops)
         self._triton = None
+        # The bf16 roundings' fingerprint, kept with the parameters' stamp it was taken at.
+        self._roundings: tuple = (None, "")
         # The checkpoint these weights were read from (or last saved to) names them as
         # the server does: (the bf16 roundings' fingerprint, the checkpoint's).
         self._named = (self._roundings_fingerprint(), loaded.fingerprint)
@@ -97,14 +99,22 @@ class Policy(torch.nn.Module):
         definition (gateeng.model.fingerprint): what `gateeng serve` reports for the
         checkpoint this policy was loaded from, while the weights are those; after
         they change (an optimizer step), what a server reports once `save()`'s
-        checkpoint is pushed with `gateeng update-weights` or served. Computed from
-        the weights each time it is read (about a second per GB of bf16 weights)."""
+        checkpoint is pushed with `gateeng update-weights` or served. Hashed again
+        (about a second per GB of bf16 weights) only after a parameter changed in
+        place, as an optimizer step changes it."""
         now = self._roundings_fingerprint()
         return self._named[1] if now == self._named[0] else now
 
-    def _roundings_fingerprint(self, dtype: torch.dtype = torch.bfloat16) -> str:
-        """The fingerprint of the checkpoint save(dtype=dtype) writes."""
-        return model_fingerprint(self.config, self._checkpoint(dtype))
+    def _roundings_fingerprint(self) -> str:
+        """The fingerprint of the bf16 checkpoint save() writes, hashed again only when
+        the parameters' stamp (each one's storage and in-place version) has moved."""
+        stamp = self._stamp()
+        if self._roundings[0] != stamp:
+            self._roundings = (stamp, model_fingerprint(self.config, self._checkpoint(torch.bfloat16)))
+        return self._roundings[1]
+
+    def _stamp(self) -> tuple:
+        return tuple((p.data_ptr(), p._version) for p in self.model.parameters())
 
     def _checkpoint(self, dtype: torch.dtype) -> dict:
         return {name: t.detach().to(dtype).contiguous() for name, t in self.model.hf_state_dict().items()}
@@ -259,7 +269,10 @@ class Policy(torch.nn.Module):
         tensors = self._checkpoint(dtype)
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
         # The saved checkpoint names these weights from now on (a float32 one hashes its own bytes).
-        self._named = (self._roundings_fingerprint(), model_fingerprint(self.config, tensors))
+        written = model_fingerprint(self.config, tensors)
+        if dtype == torch.bfloat16:   # the file holds the roundings themselves
+            self._roundings = (self._stamp(), written)
+        self._named = (self._roundings_fingerprint(), written)
         if self.hf_dir is not None:
             config = json.loads((self.hf_dir / "config.json").read_text())
             config["dtype"] = config["torch_dtype"] = str(dtype).removeprefix("torch.")
