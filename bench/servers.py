@@ -59,9 +59,11 @@ class Server:
                     "-t", str(os.cpu_count())], "/health", port, name)
 
     @classmethod
-    def gateeng(cls, *flags: str, name: str = "gateeng") -> "Server":
+    def gateeng(cls, *flags: str, name: str = "gateeng", prefix: tuple = ()) -> "Server":
+        """`gateeng serve` with an HTTP front; `prefix` runs it under another command
+        (one that ends by exec-ing its arguments)."""
         http = free_port()
-        return cls([sys.executable, "-m", "gateeng.tools.cli", "serve", "--port", str(free_port()),
+        return cls([*prefix, sys.executable, "-m", "gateeng.tools.cli", "serve", "--port", str(free_port()),
                     "--metrics-port", "-1", "--http-port", str(http), *flags], "/health", http, name)
 
     def _wait(self, url: str, timeout: float = 600) -> None:

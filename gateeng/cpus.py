@@ -109,3 +109,93 @@ def _v1(directory: Path) -> Optional[tuple[float, str]]:
     if quota <= 0 or period <= 0:
         return None
     return quota / period, f"cgroup v1 cpu.cfs_quota_us {quota} / cpu.cfs_period_us {period}"
+
+
+# ---- neighbours: threads chosen between steps -------------------------------------
+# The quota says what the process may use; a neighbour on the same cores decides what
+# it gets. A compute thread whose core a busy neighbour holds stalls every parallel
+# region for a time slice (a 2-thread decode beside one busy process on 2 cores took
+# 880 ms a token against 31 ms on one thread), so between steps the engine runs as
+# many threads as the cores its neighbours leave free.
+
+# A core counts as free while its neighbours use less than this share of it: a
+# neighbour at half a core already costs a 2-thread step a time slice now and then.
+FREE_SHARE = 0.75
+# How often the counters are read, and how many readings in a row must agree before
+# the count changes (one busy tick of a neighbour changes nothing).
+INTERVAL_S = 0.5
+AGREE = 2
+
+
+def _busy_ticks(stat: str, cores: set) -> tuple:
+    """(busy, total) clock ticks of `cores` from /proc/stat: busy is everything but
+    idle and iowait, steal included (a hypervisor's neighbours hold the core too)."""
+    busy = total = 0
+    for line in stat.splitlines():
+        name, *values = line.split()
+        if not name.startswith("cpu") or name == "cpu" or int(name[3:]) not in cores:
+            continue
+        ticks = [int(v) for v in values[:8]]   # user nice system idle iowait irq softirq steal
+        total += sum(ticks)
+        busy += sum(ticks) - ticks[3] - ticks[4]
+    return busy, total
+
+
+def _own_ticks(self_stat: str) -> int:
+    """This process's utime + stime (every thread's), in clock ticks, from /proc/self/stat."""
+    fields = self_stat[self_stat.rindex(")") + 2:].split()   # after "pid (comm) "
+    return int(fields[11]) + int(fields[12])                 # fields 14 and 15 of proc(5)
+
+
+class Neighbours:
+    """Chooses the compute threads between steps: at most `budget` (the quota's and the
+    mask's), fewer while neighbours hold cores of the mask. `threads()` is cheap to call
+    every step: it reads /proc at most every INTERVAL_S. Pure bookkeeping over /proc's
+    text (`proc`, `clock`: for tests)."""
+
+    def __init__(self, budget: int, cores: Optional[set] = None, proc: Path = Path("/proc"), clock=None):
+        import time
+        self.budget = self.current = budget
+        self.cores = set(cores) if cores is not None else set(os.sched_getaffinity(0))
+        self.proc = proc
+        self.clock = clock or time.monotonic
+        self._last = self._read()
+        self._at = self.clock()
+        self._pending: Optional[int] = None
+        self._agreed = 0
+
+    def _read(self) -> Optional[tuple]:
+        try:
+            busy, total = _busy_ticks((self.proc / "stat").read_text(), self.cores)
+            return busy, total, _own_ticks((self.proc / "self/stat").read_text())
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def free_cores(self, before: tuple, after: tuple) -> Optional[float]:
+        """The cores of the mask the neighbours left free between two readings."""
+        busy, total, own = (a - b for a, b in zip(after, before))
+        if total <= 0:
+            return None
+        taken = max(0.0, busy - own) / total * len(self.cores)   # ticks of all cores: a share of them
+        return len(self.cores) - taken
+
+    def threads(self) -> int:
+        """The thread count for the next step."""
+        now = self.clock()
+        if now - self._at < INTERVAL_S or self.budget <= 1:
+            return self.current
+        reading = self._read()
+        free = None if reading is None or self._last is None else self.free_cores(self._last, reading)
+        self._last, self._at = reading, now
+        if free is None:
+            return self.current
+        want = max(1, min(self.budget, math.floor(free + (1 - FREE_SHARE))))
+        if want == self.current:
+            self._pending, self._agreed = None, 0
+        elif want == self._pending:
+            self._agreed += 1
+            if self._agreed >= AGREE:
+                self.current, self._pending, self._agreed = want, None, 0
+        else:
+            self._pending, self._agreed = want, 1
+        return self.current

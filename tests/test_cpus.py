@@ -107,3 +107,66 @@ def test_an_engine_in_a_one_cpu_cgroup_runs_one_thread():
         assert outs[2][0] == 2 and "2 compute threads (--threads)" in outs[2][1]
     finally:
         group.rmdir()
+
+
+class FakeHost:
+    """A /proc whose stat and self/stat a test advances: per core, the ticks its
+    neighbours and this process used over the last interval."""
+
+    def __init__(self, tmp_path, cores: int):
+        self.proc = tmp_path / "host"
+        (self.proc / "self").mkdir(parents=True)
+        self.now, self.cores = 0.0, cores
+        self.busy, self.idle, self.own = [0] * cores, [0] * cores, 0
+        self.write()
+
+    def write(self):
+        lines = ["cpu  0 0 0 0 0 0 0 0 0 0"]
+        lines += [f"cpu{c} {self.busy[c]} 0 0 {self.idle[c]} 0 0 0 0 0 0" for c in range(self.cores)]
+        (self.proc / "stat").write_text("\n".join(lines) + "\nintr 0\n")
+        fields = ["S"] + ["0"] * 10 + [str(self.own), "0"] + ["0"] * 30   # utime is field 14
+        (self.proc / "self/stat").write_text(f"123 (gate eng) {' '.join(fields)}\n")
+
+    def run(self, seconds: float, neighbours: float, own: float):
+        """`seconds` pass; neighbours use `neighbours` cores, this process `own` cores."""
+        ticks = int(100 * seconds)
+        total = neighbours + own
+        for c in range(self.cores):                    # the cores fill in order
+            used = int(ticks * min(1.0, max(0.0, total - c)))
+            self.busy[c] += used
+            self.idle[c] += ticks - used
+        self.own += int(ticks * own)
+        self.now += seconds
+        self.write()
+
+
+def test_threads_follow_the_cores_neighbours_leave_free(tmp_path):
+    host = FakeHost(tmp_path, 2)
+    n = cpus.Neighbours(2, cores={0, 1}, proc=host.proc, clock=lambda: host.now)
+    counts = []
+    for neighbours, own in [(0, 2)] * 3 + [(1, 1)] * 4 + [(0.4, 1)] * 3 + [(0, 2)] * 4 + [(1, 1), (0, 2)] * 3:
+        host.run(cpus.INTERVAL_S, neighbours, own)
+        counts.append(n.threads())
+    assert counts[:3] == [2, 2, 2]                     # quiet: the whole budget
+    assert counts[3:7] == [2, 1, 1, 1]                 # a busy neighbour: one thread, after two readings agree
+    assert counts[7:10] == [1, 1, 1]                   # a neighbour at 0.4 of a core still holds one
+    assert counts[10:14] == [1, 2, 2, 2]               # free again: back to two
+    assert counts[14:] == [2] * 6                      # a neighbour on every other reading changes nothing
+
+
+def test_threads_are_read_at_most_every_interval_and_never_above_the_budget(tmp_path):
+    host = FakeHost(tmp_path, 4)
+    n = cpus.Neighbours(2, cores={0, 1, 2, 3}, proc=host.proc, clock=lambda: host.now)
+    host.run(cpus.INTERVAL_S / 4, 3, 1)
+    assert n.threads() == 2                            # too soon to judge
+    for _ in range(3):
+        host.run(cpus.INTERVAL_S, 3, 1)                # three of four cores taken
+        n.threads()
+    assert n.threads() == 1
+    for _ in range(3):
+        host.run(cpus.INTERVAL_S, 0, 1)                # four cores free, a budget of two
+        n.threads()
+    assert n.threads() == 2
+    unreadable = cpus.Neighbours(2, cores={0}, proc=tmp_path / "nowhere", clock=lambda: host.now)
+    host.run(cpus.INTERVAL_S, 0, 1)
+    assert unreadable.threads() == 2                   # nothing to read: the budget

@@ -83,14 +83,18 @@ class EngineCore:
         self.config = cfg = config or EngineConfig()
         cfg.validate()
         # Compute threads: --threads, else what the affinity mask and the CPU quota allow
-        # (gateeng.cpus); at tensor-parallel sizes above 1 each rank's share (tp_processes).
+        # (gateeng.cpus), fewer between steps while neighbours hold cores (`_neighbours`);
+        # at tensor-parallel sizes above 1 each rank's share (tp_processes).
+        self._neighbours: Optional[cpus.Neighbours] = None
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
             log(f"{cfg.num_threads} compute threads (--threads)")
         elif cfg.device == "cpu" and cfg.tensor_parallel_size == 1:
             cpu = cpus.budget()
             torch.set_num_threads(cpu.threads)
-            log(f"compute threads: {cpu.describe()}")
+            log(f"compute threads: {cpu.describe()}"
+                + ("; fewer while neighbours hold cores" if cpu.threads > 1 else ""))
+            self._neighbours = cpus.Neighbours(cpu.threads)
         self.loaded = loaded or load(cfg.model, cfg.dtype, cfg.device, dequantize=cfg.dequantize)
         if packing.quantized(self.loaded.model) and cfg.device != "cpu":
             raise ValueError("quantized weights are served on CPU: load the model with dequantize=True "
@@ -261,6 +265,7 @@ class EngineCore:
 
     def step(self) -> None:
         """One engine step: the data flow of the README's "How it works", in order."""
+        self._fit_threads()
         plan = self.scheduler.schedule()                  # fast rows + invariant rows (prefill, replays, direct)
         outputs = self.runner.run(plan)                   # run both plans, sample, margins
         outcomes = self.verification.apply(plan, outputs)     # gate, verify compare, commit / rollback
@@ -269,6 +274,17 @@ class EngineCore:
         self._measure(plan, counted)                      # the route policy's cost model
         self.observer.on_step(self._record(plan, outputs, mismatches, counted))   # a record for metrics
         self._emit(plan)                                  # stream what the policy allows
+
+    def _fit_threads(self) -> None:
+        """The compute threads for this step (gateeng.cpus.Neighbours). torch's thread
+        count is per calling thread under OpenMP, so the driving thread sets its own."""
+        if self._neighbours is None:
+            return
+        n = self._neighbours.threads()
+        if n != torch.get_num_threads():
+            torch.set_num_threads(n)
+            log(f"compute threads: {n} of {self._neighbours.budget} "
+                f"({'neighbours hold cores' if n < self._neighbours.budget else 'the cores are free again'})")
 
     def fail_all(self, exc: BaseException) -> None:
         """Every request in flight ends with `exc` (the step loop died)."""

@@ -85,7 +85,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads, per rank with --tensor-parallel-size (default: the CPUs this "
                         "process may use, the smaller of its affinity mask and its cgroup CPU quota, rounded "
-                        "down, shared out over the ranks; the start-up log says how many and why)")
+                        "down, shared out over the ranks; the start-up log says how many and why; at size 1, "
+                        "fewer between steps while other processes hold cores)")
     _tensor_parallel_args(p)
     p.add_argument("--tensor-parallel-timeout", type=float, default=DEFAULTS.tensor_parallel_timeout,
                    metavar="SECONDS",
