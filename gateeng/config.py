@@ -52,6 +52,29 @@ def cache_root() -> Path:
     return Path(os.environ.get("GATEENG_CACHE", "~/.cache/gateeng")).expanduser()
 
 
+# The routing rules of a mixture-of-experts layer (kernels/SPEC.md, "Mixture of experts"):
+# softmax over every expert's router logit, then the top k of those probabilities
+# (Qwen3-MoE, OLMoE); or the top k logits, then a softmax over those k (Mixtral).
+SOFTMAX_TOPK, TOPK_SOFTMAX = "softmax_topk", "topk_softmax"
+ROUTINGS = (SOFTMAX_TOPK, TOPK_SOFTMAX)
+# Where a q/k RMSNorm reduces: over each head (Qwen3), or over the whole q (and k)
+# projection (OLMoE).
+QK_NORM_HEAD, QK_NORM_PROJECTION = "head", "projection"
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """A mixture of experts: which layers route each token to `top_k` of `num_experts`
+    MLPs of width `intermediate_size` (the others are plain MLPs of the model's
+    intermediate_size), and how (`routing`, `norm_topk_prob`)."""
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    routing: str                       # one of ROUTINGS
+    norm_topk_prob: bool               # SOFTMAX_TOPK: the k probabilities divided by their sum
+    sparse_layers: tuple               # the indices of the layers that route (ascending)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int
@@ -73,11 +96,16 @@ class ModelConfig:
     o_bias: bool = False               # o's bias
     qk_norm: bool = False              # RMSNorm of each head's q and k before RoPE
     sliding_window: Optional[int] = None   # attention window; None = full attention
+    # Fields added after the first model fingerprint: at these defaults a model's
+    # fingerprint is what it was before they existed (model.fingerprint, LATER_FIELDS).
+    qk_norm_scope: str = QK_NORM_HEAD  # what a q/k norm reduces over (QK_NORM_HEAD, QK_NORM_PROJECTION)
+    moe: Optional[MoeConfig] = None    # a mixture of experts; None: every layer a plain MLP
 
     @classmethod
-    def from_hf(cls, hf, *, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> "ModelConfig":
+    def from_hf(cls, hf, *, qkv_bias: bool, o_bias: bool, qk_norm: bool, **terms) -> "ModelConfig":
         """From a transformers config, with the attention terms its family sets
-        (gateeng/model/families.py reads a config with them)."""
+        (gateeng/model/families.py reads a config with them) and its other `terms`
+        (qk_norm_scope, moe)."""
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         rope = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
         rope = dict(rope)
@@ -105,6 +133,7 @@ class ModelConfig:
             o_bias=o_bias,
             qk_norm=qk_norm,
             sliding_window=_sliding_window(hf),
+            **terms,
         )
 
 

@@ -321,6 +321,46 @@ def sample_scores(z, temperature: float, top_k: int, top_p: float):
     return s
 
 
+def moe_route(z, k: int, softmax_first: bool, renorm: bool):
+    """A mixture of experts' routing of one row of binary32 router logits z [E]
+    (SPEC.md, "Mixture of experts"): (the k chosen ids ascending, their weights, the
+    router margin)."""
+    z = flush(np.asarray(z, F32))
+    e = z.shape[0]
+    if softmax_first:
+        ex = exp(flush(z - z.max()))
+        score = flush(ex / fsum(ex))
+    else:
+        score = z
+    ranked = sorted(range(e), key=lambda j: (-float(score[j]), j))   # higher first, lower id among ties
+    margin = flush(score[ranked[k - 1]] - score[ranked[k]]) if k < e else INF
+    ids = sorted(ranked[:k])
+    if softmax_first:
+        w = [score[j] for j in ids]
+        if renorm:
+            t = ZERO
+            for v in w:
+                t = flush(t + v)
+            w = [flush(v / t) for v in w]
+    else:
+        mx = max(z[j] for j in ids)
+        w = [exp(flush(z[j] - mx)) for j in ids]
+        t = ZERO
+        for v in w:
+            t = flush(t + v)
+        w = [flush(v / t) for v in w]
+    return ids, np.array(w, F32), F32(margin)
+
+
+def moe_combine(y, w):
+    """bf16 bits of one row's experts' outputs y [k, H] (bf16 bits) weighted by w [k]
+    and summed in order: acc = +0, acc = acc + w*y, then bf16."""
+    acc = np.zeros(np.asarray(y).shape[1], F32)
+    for s in range(len(w)):
+        acc = flush(acc + flush(F32(w[s]) * bf(y[s])))
+    return to_bf(acc)
+
+
 def argmax_margin(s):
     s = flush(s)
     best = int(np.argmax(s))   # the first (lowest) id of the largest value

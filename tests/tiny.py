@@ -52,6 +52,9 @@ def tiny_loaded(dtype="float32", hf=None) -> LoadedModel:
 
 # Tiny random models of each supported family, built from their transformers configs.
 FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3")
+# The mixtures of experts: 4 experts, 2 per token. The Qwen3-MoE model's layer 1 is a
+# plain MLP (mlp_only_layers); OLMoE's q/k norms span the whole projection.
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "olmoe")
 
 
 def hf_family(family: str, seed: int = 0, tie: bool = False):
@@ -75,12 +78,22 @@ def hf_family(family: str, seed: int = 0, tie: bool = False):
         cfg, cls = tf.Qwen2Config(**common, use_sliding_window=False), tf.Qwen2ForCausalLM
     elif family == "qwen3":       # per-head q/k RMSNorm, head_dim != hidden / heads
         cfg, cls = tf.Qwen3Config(**dict(common, head_dim=32), use_sliding_window=False), tf.Qwen3ForCausalLM
+    elif family == "qwen3_moe":
+        cfg, cls = tf.Qwen3MoeConfig(**common, use_sliding_window=False, num_experts=4, num_experts_per_tok=2,
+                                     moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1,
+                                     mlp_only_layers=[1]), tf.Qwen3MoeForCausalLM
+    elif family == "mixtral":
+        cfg, cls = tf.MixtralConfig(**dict(common, intermediate_size=32), num_local_experts=4,
+                                    num_experts_per_tok=2), tf.MixtralForCausalLM
+    elif family == "olmoe":
+        cfg, cls = tf.OlmoeConfig(**dict(common, intermediate_size=32), num_experts=4, num_experts_per_tok=2,
+                                  norm_topk_prob=False), tf.OlmoeForCausalLM
     else:
         raise ValueError(family)
     m = cls(cfg).eval()
     with torch.no_grad():
         for name, p in m.named_parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:            # matrices, and transformers' fused [experts, rows, cols]
                 p.normal_(0, 0.1)
             elif name.endswith("bias"):
                 p.normal_(0, 0.5)
@@ -108,18 +121,27 @@ def save_family(family: str, path, tie: bool = False) -> None:
     fast.save_pretrained(path)
 
 
-def spec_tiny(seed=0, head_dim=32, max_positions=256, device="cpu") -> LoadedModel:
+def spec_tiny(seed=0, head_dim=32, max_positions=256, device="cpu", moe=False) -> LoadedModel:
     """A tiny bf16 Llama whose weights come from integers (numpy's PCG64), so they have
     the same bits on every machine: the golden file's tiny model. head_dim 32 takes the
     vector attention scores of the reference builds; 16 their portable ones. `device`:
-    where the weights live (bench/gpu_check.py decodes the golden answers on CUDA)."""
+    where the weights live (bench/gpu_check.py decodes the golden answers on CUDA).
+    `moe`: a Qwen3-MoE instead (q/k norms; layer 0 routes to 2 of 8 experts with
+    renormalized weights, layer 1 is a plain MLP)."""
     import numpy as np
+
+    from gateeng.config import SOFTMAX_TOPK, MoeConfig
     rng = np.random.default_rng(seed)
     heads, kv_heads = 4, 2
+    terms = dict(architecture="llama")
+    if moe:
+        terms = dict(architecture="qwen3_moe", qk_norm=True,
+                     moe=MoeConfig(num_experts=8, top_k=2, intermediate_size=64, routing=SOFTMAX_TOPK,
+                                   norm_topk_prob=True, sparse_layers=(0,)))
     cfg = ModelConfig(vocab_size=256, hidden_size=heads * head_dim, intermediate_size=192, num_layers=2,
                       num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, rms_norm_eps=1e-5,
                       rope_theta=10000.0, max_position=max_positions, tie_word_embeddings=True,
-                      eos_token_ids=(255,), architecture="llama")
+                      eos_token_ids=(255,), **terms)
     model = LlamaModel(cfg, torch.bfloat16, device)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -128,4 +150,5 @@ def spec_tiny(seed=0, head_dim=32, max_positions=256, device="cpu") -> LoadedMod
                 values = 1.0 + values / 4
             p.copy_(torch.from_numpy(values.astype(np.float32)).to(torch.bfloat16))
     model.finalize()
-    return LoadedModel(model, ByteTokenizer(), cfg, "tiny-spec", "tiny-spec")
+    name = "tiny-spec-moe" if moe else "tiny-spec"
+    return LoadedModel(model, ByteTokenizer(), cfg, name, name)

@@ -64,9 +64,8 @@ def expected_shapes(cfg: ModelConfig) -> dict:
     embedding serves)."""
     block = families.of(cfg).block
     shapes = {w.hf[0]: w.shapes(cfg)[0] for w in (block.embed, block.norm)}
-    for i in range(cfg.num_layers):
-        for w in block.weights(cfg):
-            shapes.update((f"{block.hf_layers}{i}.{name}", shape) for name, shape in zip(w.hf, w.shapes(cfg)))
+    for _, _, w, names in block.tensors(cfg):
+        shapes.update(zip(names, w.shapes(cfg)))
     if not cfg.tie_word_embeddings:
         shapes[block.lm_head.hf[0]] = block.lm_head.shapes(cfg)[0]
     return shapes

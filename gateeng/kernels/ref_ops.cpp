@@ -1541,6 +1541,98 @@ torch::Tensor log_softmax(torch::Tensor s) {
   return out;
 }
 
+// A mixture of experts' routing of each row (SPEC.md, "Mixture of experts"): from
+// the binary32 router logits z [rows, E], the k chosen experts in ascending id
+// order, their binary32 weights, and the router margin (the k-th ranking score
+// minus the (k+1)-th; +inf when k = E). softmax_first: p = softmax(z) ranks and
+// weighs (renormalized over the k when renorm); else z ranks and the k weights are
+// the softmax over the k chosen logits. Ties rank the lower id first.
+std::vector<torch::Tensor> moe_route(torch::Tensor logits, int64_t k, bool softmax_first, bool renorm) {
+  check_f32(logits, "logits");
+  TORCH_CHECK(logits.dim() == 2 && k >= 1 && k <= logits.size(1), "logits must be [rows, E], 1 <= k <= E");
+  logits = logits.contiguous();
+  const int64_t rows = logits.size(0), e = logits.size(1);
+  auto ids = torch::empty({rows, k}, torch::kLong);
+  auto weights = torch::empty({rows, k}, torch::kFloat);
+  auto margins = torch::empty({rows}, torch::kFloat);
+  const float* zp = logits.data_ptr<float>();
+  int64_t* ip = ids.data_ptr<int64_t>();
+  float* wp = weights.data_ptr<float>();
+  float* mp = margins.data_ptr<float>();
+  Flush flush;
+  std::vector<float> score(e), ex(e);
+  std::vector<int64_t> order(e);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* z = zp + r * e;
+    for (int64_t j = 0; j < e; ++j) TORCH_CHECK(z[j] == z[j], "router logit is NaN (row ", r, ", expert ", j, ")");
+    if (softmax_first) {
+      float mx = -kInf;
+      for (int64_t j = 0; j < e; ++j) mx = std::max(mx, z[j]);
+      for (int64_t j = 0; j < e; ++j) ex[j] = spec_exp(z[j] - mx);
+      const float total = sum(ex.data(), e);
+      for (int64_t j = 0; j < e; ++j) score[j] = ex[j] / total;
+    } else {
+      for (int64_t j = 0; j < e; ++j) score[j] = z[j];
+    }
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return score[a] > score[b]; });
+    mp[r] = k < e ? score[order[k - 1]] - score[order[k]] : kInf;
+    std::sort(order.begin(), order.begin() + k);   // the chosen, by ascending id
+    int64_t* id = ip + r * k;
+    float* w = wp + r * k;
+    for (int64_t s = 0; s < k; ++s) id[s] = order[s];
+    if (softmax_first) {
+      for (int64_t s = 0; s < k; ++s) w[s] = score[id[s]];
+      if (renorm) {
+        float t = 0.f;
+        for (int64_t s = 0; s < k; ++s) t = t + w[s];
+        for (int64_t s = 0; s < k; ++s) w[s] = w[s] / t;
+      }
+    } else {
+      float mx = -kInf;
+      for (int64_t s = 0; s < k; ++s) mx = std::max(mx, z[id[s]]);
+      float t = 0.f;
+      for (int64_t s = 0; s < k; ++s) {
+        w[s] = spec_exp(z[id[s]] - mx);
+        t = t + w[s];
+      }
+      for (int64_t s = 0; s < k; ++s) w[s] = w[s] / t;
+    }
+  }
+  return {ids, weights, margins};
+}
+
+// Each row's experts' outputs y [rows, k, H] (bf16, in ascending expert id order)
+// weighted and summed (SPEC.md, "Mixture of experts"): acc = +0, then per expert in
+// order acc = acc + w * y (a multiply, then an add), then bf16(acc).
+torch::Tensor moe_combine(torch::Tensor y, torch::Tensor weights) {
+  check_bf16(y, "y");
+  check_f32(weights, "weights");
+  TORCH_CHECK(y.dim() == 3 && weights.dim() == 2 && weights.size(0) == y.size(0) && weights.size(1) == y.size(1),
+              "y must be [rows, k, H], weights [rows, k]");
+  y = y.contiguous();
+  weights = weights.contiguous();
+  const int64_t rows = y.size(0), k = y.size(1), h = y.size(2);
+  auto out = torch::empty({rows, h}, y.options());
+  const u16* yp = cbits(y);
+  const float* wp = weights.data_ptr<float>();
+  u16* op = bits(out);
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    Flush flush;
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t i = 0; i < h; ++i) {
+        float acc = 0.f;
+        for (int64_t s = 0; s < k; ++s) {
+          const float term = wp[r * k + s] * bf(yp[(r * k + s) * h + i]);
+          acc = acc + term;
+        }
+        op[r * h + i] = to_bf(acc);
+      }
+    }
+  });
+  return out;
+}
+
 // The spec's functions one at a time, for the tests against the oracle.
 torch::Tensor map_f32(torch::Tensor x, int64_t which) {
   check_f32(x, "x");
@@ -1606,6 +1698,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gumbel", &gumbel, "Gumbel noise of one row from its 32-bit key");
   m.def("add_f32", &add_f32, "a + b in float32");
   m.def("log_softmax", &log_softmax, "log_softmax of one row");
+  m.def("moe_route", &moe_route, "(ids, weights, margins) of each row's k experts from its router logits",
+        py::arg("logits"), py::arg("k"), py::arg("softmax_first"), py::arg("renorm"));
+  m.def("moe_combine", &moe_combine, "each row's experts' outputs weighted and summed in order, bf16");
   m.def("map_f32", &map_f32, "the spec's exp (0) or log (1), elementwise");
   m.def("dot_rows", &dot_rows, "the spec's dot of a[r] and b[r] per row");
   m.def("sum_f32", &sum_f32, "the spec's sum of all elements");

@@ -9,20 +9,36 @@ The loader, the GGUF reader, the sharder, the trainer's save (LlamaModel.hf_stat
 and weight updates all read this table, so a new family is one entry of FAMILIES (and,
 where its block differs, one Block). The table is data: it imports no torch and no
 model code (import-linter).
+
+A mixture of experts (Family.moe) is described here too: its config fields (Moe), and
+in its Block the weights of a routing layer (Weight.kind "moe": the router, and each
+expert's gate_up and down, Weight.experts) beside those of a plain-MLP layer (kind
+"mlp"). Which layers route is the ModelConfig's (MoeConfig.sparse_layers).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
 
-from gateeng.config import ModelConfig
+from gateeng.config import QK_NORM_HEAD, QK_NORM_PROJECTION, SOFTMAX_TOPK, TOPK_SOFTMAX, ModelConfig, MoeConfig
+
+# What a layer's MLP is (Weight.kind): a plain MLP, or a routed mixture of experts.
+MLP, MOE = "mlp", "moe"
 
 
 def dims(cfg: ModelConfig) -> dict:
     """The sizes a weight's rows and columns are named by (Weight.rows, .cols)."""
-    return {"vocab": cfg.vocab_size, "hidden": cfg.hidden_size, "head": cfg.head_dim,
+    size = {"vocab": cfg.vocab_size, "hidden": cfg.hidden_size, "head": cfg.head_dim,
             "q": cfg.num_heads * cfg.head_dim, "kv": cfg.num_kv_heads * cfg.head_dim,
             "inter": cfg.intermediate_size}
+    if cfg.moe is not None:
+        size.update(experts=cfg.moe.num_experts, expert_inter=cfg.moe.intermediate_size)
+    return size
+
+
+def layer_kind(cfg: ModelConfig, layer: int) -> str:
+    """MOE for a layer that routes its tokens to experts, else MLP."""
+    return MOE if cfg.moe is not None and layer in cfg.moe.sparse_layers else MLP
 
 
 @dataclass(frozen=True)
@@ -36,9 +52,24 @@ class Weight:
     cols: str = ""        # the columns' size name; "" for a vector
     when: str = ""        # the ModelConfig flag it exists under; "" always
     rotary: tuple = ()    # per part: its rows are RoPE heads (llama.cpp permutes them in some families)
+    kind: str = ""        # the layers it exists in: MLP (plain-MLP layers), MOE (routing layers); "" all
+    # One per expert (a layer's `experts[j].<attr>`): each part's name holds "{j}", the
+    # expert's index.
+    experts: bool = False
+    # transformers 5's name for the whole weight as its model holds it (its
+    # conversion mapping's target): an expert weight's parts stacked by rows, for
+    # every expert, [experts, rows, cols]. A checkpoint may hold either form
+    # (model.experts reads both).
+    fused: str = ""
 
-    def present(self, cfg: ModelConfig) -> bool:
-        return not self.when or bool(getattr(cfg, self.when))
+    def present(self, cfg: ModelConfig, kind: str = MLP) -> bool:
+        """Whether a layer of this kind (MLP or MOE) of `cfg` has this weight."""
+        return (not self.when or bool(getattr(cfg, self.when))) and self.kind in ("", kind)
+
+    def names(self, expert: Optional[int] = None) -> tuple:
+        """Each part's transformers name (below the layer's prefix), for one expert of an
+        expert weight."""
+        return tuple(n.format(j=expert) for n in self.hf) if self.experts else self.hf
 
     def parts(self, cfg: ModelConfig) -> list:
         """Each part's row count: where the stacked weight splits."""
@@ -70,12 +101,26 @@ class Block:
     hf_layers: str = "model.layers."
     gguf_layers: str = "blk."
 
-    def weights(self, cfg: ModelConfig) -> list:
-        """The layer weights `cfg` has, in transformers' order."""
-        return [w for w in self.layer if w.present(cfg)]
+    def weights(self, cfg: ModelConfig, layer: Optional[int] = None) -> list:
+        """The weights layer `layer` of `cfg` has, in transformers' order. Without a
+        layer: a dense model's (every layer alike); a mixture of experts' layers
+        differ, so it must name one."""
+        if layer is None and cfg.moe is not None:
+            raise ValueError("a mixture of experts' layers differ: name the layer")
+        kind = MLP if layer is None else layer_kind(cfg, layer)
+        return [w for w in self.layer if w.present(cfg, kind)]
+
+    def tensors(self, cfg: ModelConfig):
+        """Every layer weight of `cfg` as (layer, expert or None, its Weight, each part's
+        full transformers name), layer by layer in transformers' order, an expert
+        weight once per expert."""
+        for i in range(cfg.num_layers):
+            for w in self.weights(cfg, i):
+                for j in range(cfg.moe.num_experts) if w.experts else (None,):
+                    yield i, j, w, tuple(f"{self.hf_layers}{i}.{n}" for n in w.names(j))
 
     def gguf_weights(self, cfg: ModelConfig) -> list:
-        """The layer weights `cfg` has, in the order a GGUF is read."""
+        """The layer weights a dense `cfg` has, in the order a GGUF is read."""
         by_attr = {w.attr: w for w in self.weights(cfg)}
         return [by_attr[a] for a in self.gguf_order if a in by_attr]
 
@@ -97,14 +142,87 @@ DECODER = Block(
         Weight("q_norm", ("self_attn.q_norm.weight",), ("attn_q_norm.weight",), ("head",), when="qk_norm"),
         Weight("k_norm", ("self_attn.k_norm.weight",), ("attn_k_norm.weight",), ("head",), when="qk_norm"),
         Weight("gate_up", ("mlp.gate_proj.weight", "mlp.up_proj.weight"), ("ffn_gate.weight", "ffn_up.weight"),
-               ("inter", "inter"), "hidden"),
-        Weight("down", ("mlp.down_proj.weight",), ("ffn_down.weight",), ("hidden",), "inter"),
+               ("inter", "inter"), "hidden", kind=MLP),
+        Weight("down", ("mlp.down_proj.weight",), ("ffn_down.weight",), ("hidden",), "inter", kind=MLP),
     ),
     gguf_order=("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias", "post_norm", "gate_up", "down"),
     embed=Weight("embed", ("model.embed_tokens.weight",), ("token_embd.weight",), ("vocab",), "hidden"),
     norm=Weight("norm", ("model.norm.weight",), ("output_norm.weight",), ("hidden",)),
     lm_head=Weight("lm_head", ("lm_head.weight",), ("output.weight",), ("vocab",), "hidden"),
 )
+
+
+def _moe_block(base: Block, router: str, gate_up: tuple, down: str, fused_router: str = "",
+               replace: tuple = ()) -> Block:
+    """`base` with a routing layer's weights: the router [experts, hidden] and each
+    expert's gate_up [2 expert_inter, hidden] and down [hidden, expert_inter], as
+    LlamaModel holds them (a layer's `router`, `experts[j].gate_up`, `experts[j].down`).
+    `replace`: weights of `base` this family holds otherwise."""
+    swapped = {w.attr: w for w in replace}
+    layer = tuple(swapped.get(w.attr, w) for w in base.layer) + (
+        Weight("router", (router,), ("ffn_gate_inp.weight",), ("experts",), "hidden", kind=MOE,
+               fused=fused_router),
+        Weight("gate_up", gate_up, ("ffn_gate_exps.weight", "ffn_up_exps.weight"), ("expert_inter", "expert_inter"),
+               "hidden", kind=MOE, experts=True, fused="mlp.experts.gate_up_proj"),
+        Weight("down", (down,), ("ffn_down_exps.weight",), ("hidden",), "expert_inter", kind=MOE, experts=True,
+               fused="mlp.experts.down_proj"),
+    )
+    return Block(layer, base.gguf_order + ("router",), base.embed, base.norm, base.lm_head)
+
+
+QWEN_MOE = _moe_block(DECODER, "mlp.gate.weight", ("mlp.experts.{j}.gate_proj.weight", "mlp.experts.{j}.up_proj.weight"),
+                      "mlp.experts.{j}.down_proj.weight")
+# OLMoE's q and k norms reduce over the whole projection (ModelConfig.qk_norm_scope).
+OLMOE = _moe_block(DECODER, "mlp.gate.weight", ("mlp.experts.{j}.gate_proj.weight", "mlp.experts.{j}.up_proj.weight"),
+                   "mlp.experts.{j}.down_proj.weight",
+                   replace=(Weight("q_norm", ("self_attn.q_norm.weight",), ("attn_q_norm.weight",), ("q",),
+                                   when="qk_norm"),
+                            Weight("k_norm", ("self_attn.k_norm.weight",), ("attn_k_norm.weight",), ("kv",),
+                                   when="qk_norm")))
+# Mixtral's checkpoints name the block block_sparse_moe (w1: gate, w3: up, w2: down);
+# transformers 5 holds it as mlp.
+MIXTRAL = _moe_block(DECODER, "block_sparse_moe.gate.weight",
+                     ("block_sparse_moe.experts.{j}.w1.weight", "block_sparse_moe.experts.{j}.w3.weight"),
+                     "block_sparse_moe.experts.{j}.w2.weight", fused_router="mlp.gate.weight")
+
+
+@dataclass(frozen=True)
+class Moe:
+    """How a mixture-of-experts family's config.json names its experts (MoeConfig)."""
+    experts: tuple             # the expert count's field, and its other spellings (transformers' attribute_map)
+    inter: str                 # each expert's MLP width
+    routing: str               # config.SOFTMAX_TOPK or TOPK_SOFTMAX
+    norm: str = ""             # the field that turns on the k probabilities' renormalization; "" none
+    sparse_step: bool = False  # decoder_sparse_step and mlp_only_layers choose the routing layers
+    # (field, the one value served): a config with any other value is refused (training
+    # terms such as a router's jitter, or terms the engine does not compute).
+    served_only: tuple = ()
+
+    def fields(self) -> tuple:
+        """The config fields this reads, each a tuple of its spellings."""
+        return ((self.experts, ("num_experts_per_tok",), (self.inter,))
+                + (((self.norm,),) if self.norm else ())
+                + ((("decoder_sparse_step",), ("mlp_only_layers",)) if self.sparse_step else ())
+                + tuple((name,) for name, _ in self.served_only))
+
+    def config(self, hf, num_layers: int) -> MoeConfig:
+        """The MoeConfig of a transformers config; ValueError naming a field it does not serve."""
+        for name, served in self.served_only:
+            if getattr(hf, name, served) != served:
+                raise ValueError(f"{hf.model_type}: {name}={getattr(hf, name)!r} is not supported "
+                                 f"(only {served!r} is served)")
+        experts = next(getattr(hf, f) for f in self.experts if getattr(hf, f, None) is not None)
+        top_k = int(hf.num_experts_per_tok)
+        if not 0 < top_k <= experts:
+            raise ValueError(f"{hf.model_type}: num_experts_per_tok={top_k} is not between 1 and the "
+                             f"{experts} experts")
+        layers = range(num_layers)
+        if self.sparse_step:
+            dense, step = set(getattr(hf, "mlp_only_layers", None) or ()), int(hf.decoder_sparse_step)
+            layers = [i for i in layers if i not in dense and step > 0 and (i + 1) % step == 0]
+        return MoeConfig(num_experts=int(experts), top_k=top_k, intermediate_size=int(getattr(hf, self.inter)),
+                         routing=self.routing, norm_topk_prob=bool(self.norm and getattr(hf, self.norm)),
+                         sparse_layers=tuple(layers))
 
 
 @dataclass(frozen=True)
@@ -121,12 +239,26 @@ class Family:
     gguf: str = ""                     # the GGUF general.architecture read natively as this family
     gguf_permuted: bool = False        # llama.cpp's converter interleaves its q and k rotary rows
     block: Block = DECODER
+    qk_norm_scope: str = QK_NORM_HEAD  # what its q/k norms reduce over
+    moe: Optional[Moe] = None          # a mixture of experts: how its config names them
 
     def config(self, hf) -> ModelConfig:
         """The ModelConfig of a transformers config (or config.json's fields as attributes)."""
         bias = bool(getattr(hf, "attention_bias", False))
+        terms = {}
+        if self.qk_norm_scope != QK_NORM_HEAD:
+            terms["qk_norm_scope"] = self.qk_norm_scope
+        if self.moe is not None:
+            terms["moe"] = self.moe.config(hf, hf.num_hidden_layers)
         return ModelConfig.from_hf(hf, qkv_bias=bias if self.qkv_bias is None else self.qkv_bias,
-                                   o_bias=bias if self.o_bias is None else self.o_bias, qk_norm=self.qk_norm)
+                                   o_bias=bias if self.o_bias is None else self.o_bias, qk_norm=self.qk_norm,
+                                   **terms)
+
+    def required_fields(self) -> tuple:
+        """The config fields its transformers class defaults differently from what the
+        engine would assume, each a tuple of its spellings (hf_config reads a file that
+        lacks one through transformers)."""
+        return tuple((f,) for f in self.required) + (self.moe.fields() if self.moe is not None else ())
 
 
 _FAMILIES = (
@@ -136,14 +268,34 @@ _FAMILIES = (
            gguf="qwen2"),                                      # Qwen2 and 2.5
     Family("qwen3", qk_norm=True, required=("head_dim", "sliding_window", "use_sliding_window"), gguf="qwen3"),
     Family("smollm"),
+    # Mixtures of experts.
+    Family("qwen3_moe", qk_norm=True, required=("head_dim", "sliding_window", "use_sliding_window"),
+           block=QWEN_MOE, moe=Moe(("num_experts", "num_local_experts"), "moe_intermediate_size", SOFTMAX_TOPK,
+                                   norm="norm_topk_prob", sparse_step=True)),
+    Family("mixtral", required=("sliding_window",), block=MIXTRAL,
+           moe=Moe(("num_local_experts", "num_experts"), "intermediate_size", TOPK_SOFTMAX,
+                   served_only=(("router_jitter_noise", 0.0),))),
+    Family("olmoe", qk_norm=True, qk_norm_scope=QK_NORM_PROJECTION, block=OLMOE,
+           moe=Moe(("num_experts", "num_local_experts"), "intermediate_size", SOFTMAX_TOPK, norm="norm_topk_prob",
+                   served_only=(("clip_qkv", None),))),
 )
 FAMILIES = {f.model_type: f for f in _FAMILIES}
 SUPPORTED = tuple(FAMILIES)                                    # the model types the engine runs
 GGUF_ARCHITECTURES = {f.gguf: f for f in _FAMILIES if f.gguf}  # GGUF architectures read natively
+# Model types refused by name, with what in them the engine does not compute.
+REFUSED = {
+    "qwen2_moe": "its shared expert (an always-on MLP with a sigmoid gate beside the routed experts)",
+    "deepseek_v2": "its shared experts, grouped routing and multi-head latent attention",
+    "deepseek_v3": "its shared experts, sigmoid routing with a bias and multi-head latent attention",
+    "gpt_oss": "its attention sinks and MXFP4 experts",
+}
 
 
 def family(model_type: str) -> Family:
     """The family of a model type; ValueError naming the supported ones."""
+    if model_type in REFUSED:
+        raise ValueError(f"model type {model_type!r} is not supported: the engine does not compute "
+                         f"{REFUSED[model_type]} (supported: {', '.join(SUPPORTED)})")
     if model_type not in FAMILIES:
         raise ValueError(f"model type {model_type!r} is not a supported Llama-family decoder "
                          f"({', '.join(SUPPORTED)})")

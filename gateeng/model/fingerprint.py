@@ -25,12 +25,23 @@ import torch
 from gateeng.config import ModelConfig
 
 
+# ModelConfig fields added after the fingerprint's first version, at their defaults: such
+# a field enters the hash only where it differs, so a dense model keeps its fingerprint.
+LATER_FIELDS = {f.name: f.default for f in dataclasses.fields(ModelConfig) if f.name in ("qk_norm_scope", "moe")}
+
+
+def _config_json(config: ModelConfig) -> str:
+    fields = {k: v for k, v in dataclasses.asdict(config).items()
+              if not (k in LATER_FIELDS and v == LATER_FIELDS[k])}
+    return json.dumps(fields, sort_keys=True)
+
+
 class Fingerprint:
     """The sha256 a fingerprint is: the ModelConfig as canonical JSON, then per tensor
     its name, kind, shape and bytes, in the order added."""
 
     def __init__(self, config: ModelConfig):
-        self._h = hashlib.sha256(json.dumps(dataclasses.asdict(config), sort_keys=True).encode())
+        self._h = hashlib.sha256(_config_json(config).encode())
 
     def add(self, name: str, kind: str, shape, data) -> None:
         """`data`: a contiguous numpy array or CPU tensor (its bytes)."""

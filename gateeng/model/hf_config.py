@@ -33,7 +33,8 @@ def defaulted_fields(raw: dict) -> list:
     # and the fields a family's class defaults to something other than what from_hf
     # assumes when they are absent (None: head_dim = hidden / heads, no sliding window)
     family = FAMILIES.get(raw.get("model_type"))
-    missing = [f for f in REQUIRED + (family.required if family else ()) if f not in raw]
+    spellings = tuple((f,) for f in REQUIRED) + (family.required_fields() if family else ())
+    missing = [names[0] for names in spellings if not any(n in raw for n in names)]
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     if "rope_theta" not in raw and "rope_theta" not in rope:
         missing.append("rope_theta")

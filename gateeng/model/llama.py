@@ -3,6 +3,13 @@
 One model definition. How each reduction is computed (matmul, RMSNorm, attention)
 is chosen by the plan object passed to `forward`, so the fast and invariant plans
 share every weight and every elementwise step.
+
+A mixture of experts' routing layer (families.layer_kind MOE) holds, instead of
+gate_up and down, `router` [experts, hidden] and `experts`, a ModuleList whose j-th
+module holds expert j's `gate_up` [2 expert_inter, hidden] (gate, up stacked) and
+`down` [hidden, expert_inter]: each expert a plain MLP, so each is a projection the
+plans pack and multiply like any other. `_moe` says what the layer computes; the
+plan says how (router_logits, route, combine; kernels/SPEC.md, "Mixture of experts").
 """
 from __future__ import annotations
 
@@ -12,8 +19,9 @@ from typing import Optional
 
 import torch
 
-from gateeng.config import ModelConfig
+from gateeng.config import QK_NORM_HEAD, ModelConfig
 from gateeng.model import families, rope
+from gateeng.model.experts import per_expert
 
 
 class KVCache:
@@ -65,8 +73,10 @@ class LayerWeights:
     o: torch.Tensor
     o_bias: Optional[torch.Tensor]
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: Optional[torch.Tensor]   # a plain-MLP layer's (None in a routing layer)
+    down: Optional[torch.Tensor]
+    router: Optional[torch.Tensor]    # a routing layer's (None in a plain-MLP layer)
+    experts: Optional[tuple]          # a routing layer's ((gate_up, down) of expert 0, 1, ...)
     next_norm: torch.Tensor   # the norm after this layer's MLP
 
 
@@ -82,19 +92,32 @@ class LlamaModel(torch.nn.Module):
             return torch.nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
         self.embed = p(cfg.vocab_size, h)
+
+        def mlp(module, inter):
+            module.gate_up = p(2 * inter, h)   # gate, up stacked
+            module.down = p(h, inter)
+            return module
+
+        whole = cfg.qk_norm_scope != QK_NORM_HEAD   # q/k norms over the whole projection (OLMoE)
         self.layers = torch.nn.ModuleList()
-        for _ in range(cfg.num_layers):
+        for i in range(cfg.num_layers):
             layer = torch.nn.Module()
             layer.input_norm = p(h)
             layer.qkv = p(qkv, h)                         # q, k, v stacked
             layer.qkv_bias = p(qkv) if cfg.qkv_bias else None
             layer.o = p(h, cfg.num_heads * d)
             layer.o_bias = p(h) if cfg.o_bias else None
-            layer.q_norm = p(d) if cfg.qk_norm else None
-            layer.k_norm = p(d) if cfg.qk_norm else None
+            layer.q_norm = p(cfg.num_heads * d if whole else d) if cfg.qk_norm else None
+            layer.k_norm = p(cfg.num_kv_heads * d if whole else d) if cfg.qk_norm else None
             layer.post_norm = p(h)
-            layer.gate_up = p(2 * cfg.intermediate_size, h)  # gate, up stacked
-            layer.down = p(h, cfg.intermediate_size)
+            if families.layer_kind(cfg, i) == families.MOE:
+                layer.gate_up = layer.down = None
+                layer.router = p(cfg.moe.num_experts, h)
+                layer.experts = torch.nn.ModuleList(mlp(torch.nn.Module(), cfg.moe.intermediate_size)
+                                                    for _ in range(cfg.moe.num_experts))
+            else:
+                mlp(layer, cfg.intermediate_size)
+                layer.router = layer.experts = None
             self.layers.append(layer)
         self.norm = p(h)
         self.lm_head = self.embed if cfg.tie_word_embeddings else p(cfg.vocab_size, h)
@@ -116,16 +139,27 @@ class LlamaModel(torch.nn.Module):
         # layer's input norm, or the final one): a one-row decode step spent a tenth of a
         # millisecond on nn.Module attribute lookups and on slicing self.layers.
         norms = [layer.input_norm for layer in self.layers[1:]] + [self.norm]
-        self.step_layers = [LayerWeights(*(getattr(layer, f.name) for f in fields(LayerWeights)[:-1]), norm)
+        self.step_layers = [LayerWeights(*(getattr(layer, f.name) for f in fields(LayerWeights)[:-2]),
+                                         _experts(layer), norm)
                             for layer, norm in zip(self.layers, norms)]
         # How the plans hold these weights (packed, quantized as stored, freed once packed:
         # plans.packing), made by them on first use; weights loaded anew start without it.
         self.stored = None
 
     def projections(self) -> list:
-        """Every layer's projection weights (qkv, o, gate_up, down), layer by layer:
-        with the lm_head, what the plans multiply."""
-        return [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        """Every layer's projection weights (qkv, o, then gate_up, down, or each expert's
+        gate_up, down), layer by layer: with the lm_head, what the plans multiply into
+        bf16. The routers are not among them (routers())."""
+        return [w for layer in self.layers for w in (layer.qkv, layer.o) + _mlp_matrices(layer)]
+
+    def routers(self) -> list:
+        """Every routing layer's router [experts, hidden], whose logits are binary32."""
+        return [layer.router for layer in self.layers if layer.router is not None]
+
+    def first_mlp(self) -> tuple:
+        """(gate_up, down) of layer 0's MLP, or of its expert 0: every MLP's matrices have
+        these shapes or an expert's (the plans' self-checks and probes take them)."""
+        return _mlp_matrices(self.layers[0])[:2]
 
     def hf_state_dict(self, get=lambda t: t) -> dict:
         """The weights under transformers' names (load_hf_state_dict's inverse, the
@@ -137,12 +171,9 @@ class LlamaModel(torch.nn.Module):
                              "(serve its GGUF with --dequantize for one)")
         cfg, block = self.cfg, families.of(self.cfg).block
         sd = {block.embed.hf[0]: get(self.embed), block.norm.hf[0]: get(self.norm)}
-        for i, layer in enumerate(self.layers):
-            pre = f"{block.hf_layers}{i}."
-            for w in block.weights(cfg):
-                t = get(getattr(layer, w.attr))
-                for name, part in zip(w.hf, t.split(w.parts(cfg)) if len(w.hf) > 1 else (t,)):
-                    sd[pre + name] = part
+        for names, t, w in self._table_weights():
+            for name, part in zip(names, get(t).split(w.parts(cfg)) if len(names) > 1 else (get(t),)):
+                sd[name] = part
         if not cfg.tie_word_embeddings:
             sd[block.lm_head.hf[0]] = get(self.lm_head)
         return sd
@@ -164,39 +195,92 @@ class LlamaModel(torch.nn.Module):
             qkv = plan.linear(x, layer.qkv)
             if layer.qkv_bias is not None:     # elementwise: the same bits in any batch
                 qkv = plan.add(qkv, layer.qkv_bias)
-            if layer.q_norm is not None:       # one reduction per (row, head)
+            if layer.q_norm is not None:       # one reduction per (row, head), or per row (OLMoE)
                 q, k, v = qkv.split([nq, cfg.num_kv_heads * d, cfg.num_kv_heads * d], dim=-1)
-                qkv = torch.cat([plan.rms_norm(q.reshape(-1, d), layer.q_norm, cfg.rms_norm_eps).view(q.shape),
-                                 plan.rms_norm(k.reshape(-1, d), layer.k_norm, cfg.rms_norm_eps).view(k.shape),
+                qn, kn = layer.q_norm.shape[0], layer.k_norm.shape[0]
+                qkv = torch.cat([plan.rms_norm(q.reshape(-1, qn), layer.q_norm, cfg.rms_norm_eps).view(q.shape),
+                                 plan.rms_norm(k.reshape(-1, kn), layer.k_norm, cfg.rms_norm_eps).view(k.shape),
                                  v], -1)
             q = plan.rope_store(qkv, cos, sin, kv, i, slots, cfg.num_heads)
             attn = plan.attention(q, kv.k[i], kv.v[i], attn_meta, 1.0 / math.sqrt(d))
             o = self._row_parallel(plan, attn.reshape(-1, nq), layer.o, "o")
             h, x = plan.add_rms_norm(h, plan.add(o, layer.o_bias) if layer.o_bias is not None else o, layer.post_norm,
                                      cfg.rms_norm_eps)
-            mlp = self._row_parallel(plan, plan.silu_mul(plan.linear(x, layer.gate_up)), layer.down, "down")
+            if layer.experts is not None:
+                mlp = self._moe(plan, x, layer)
+            else:
+                mlp = self._row_parallel(plan, plan.silu_mul(plan.linear(x, layer.gate_up)), layer.down, "down")
             h, x = plan.add_rms_norm(h, mlp, layer.next_norm, cfg.rms_norm_eps)
         return x
+
+    def _table_weights(self):
+        """(each part's full transformers name, the parameter, its table entry) for every
+        layer weight, in the table's order (an expert weight once per expert)."""
+        for i, j, w, names in families.of(self.cfg).block.tensors(self.cfg):
+            layer = self.layers[i]
+            yield names, getattr(layer if j is None else layer.experts[j], w.attr), w
+
+    def _moe(self, plan, x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
+        """A routing layer's MLP output for rows x [M, hidden]: each row's k experts
+        (plan.route, ascending expert ids, binary32 weights from the binary32 router
+        logits), each active expert's plain MLP once over the rows routed to it (each
+        row's bits its own: the plan's matmul is row-invariant where it must be), then
+        each row's weighted sum in ascending expert order (plan.combine)."""
+        moe = self.cfg.moe
+        chosen, weights = plan.route(plan.router_logits(x, layer.router), moe)   # [M, k] each
+        flat = chosen.reshape(-1)
+        order = torch.argsort(flat, stable=True)   # (row, slot) pairs grouped by expert
+        counts = torch.bincount(flat, minlength=moe.num_experts).tolist()
+        out = x.new_empty(flat.shape[0], x.shape[1])
+        start = 0
+        for (gate_up, down), n in zip(layer.experts, counts):
+            if n:
+                pairs = order[start:start + n]
+                rows = x.index_select(0, pairs // moe.top_k)
+                out.index_copy_(0, pairs, plan.linear(plan.silu_mul(plan.linear(rows, gate_up)), down))
+                start += n
+        return plan.combine(out.view(x.shape[0], moe.top_k, x.shape[1]), weights)
 
     def _row_parallel(self, plan, x: torch.Tensor, w: torch.Tensor, which: str) -> torch.Tensor:
         """x @ w.T for o and down: on a tensor-parallel shard, the sum over the ranks."""
         return plan.linear(x, w) if self.tp is None else self.tp.linear(plan, x, w, which)
 
     def load_hf_state_dict(self, sd: dict) -> None:
-        """Weights named as transformers names them (the family's table)."""
-        def take(name):
+        """Weights named as transformers names them (the family's table; a mixture of
+        experts' per expert or fused, model.experts). A missing or misshaped tensor is
+        refused by name (ValueError); the model is then not to be used."""
+        cfg, block = self.cfg, families.of(self.cfg).block
+        sd = per_expert(sd, cfg)
+
+        def take(name, shape):
+            if name not in sd:
+                raise ValueError(f"the checkpoint has no tensor {name}")
             t = sd[name]
+            if tuple(t.shape) != tuple(shape):
+                raise ValueError(f"tensor {name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
             return t.to(dtype=self.dtype, device=self.device)
 
-        cfg, block = self.cfg, families.of(self.cfg).block
+        def one(w):
+            return take(w.hf[0], w.shapes(cfg)[0])
+
         with torch.no_grad():
-            self.embed.copy_(take(block.embed.hf[0]))
-            for i, layer in enumerate(self.layers):
-                pre = f"{block.hf_layers}{i}."
-                for w in block.weights(cfg):   # a stacked weight (q, k, v; gate, up): its parts by rows
-                    parts = [take(pre + name) for name in w.hf]
-                    getattr(layer, w.attr).copy_(torch.cat(parts) if len(parts) > 1 else parts[0])
-            self.norm.copy_(take(block.norm.hf[0]))
+            self.embed.copy_(one(block.embed))
+            for names, t, w in self._table_weights():   # a stacked weight (q, k, v; gate, up): its parts by rows
+                parts = [take(name, shape) for name, shape in zip(names, w.shapes(cfg))]
+                t.copy_(torch.cat(parts) if len(parts) > 1 else parts[0])
+            self.norm.copy_(one(block.norm))
             if not cfg.tie_word_embeddings:
-                self.lm_head.copy_(take(block.lm_head.hf[0]))
+                self.lm_head.copy_(one(block.lm_head))
         self.finalize()
+
+
+def _experts(layer) -> Optional[tuple]:
+    """A routing layer's experts as ((gate_up, down), ...), else None."""
+    return None if layer.experts is None else tuple((e.gate_up, e.down) for e in layer.experts)
+
+
+def _mlp_matrices(layer) -> tuple:
+    """A layer's MLP matrices: (gate_up, down), or every expert's in expert order."""
+    if layer.experts is None:
+        return (layer.gate_up, layer.down)
+    return tuple(w for e in layer.experts for w in (e.gate_up, e.down))

@@ -34,6 +34,7 @@ from gateeng.disk import is_no_space
 from gateeng.logs import log
 from gateeng.model.llama import LlamaModel
 from gateeng.model.cache import converted
+from gateeng.model.experts import per_expert
 from gateeng.model.families import DECODER, config_from_hf
 from gateeng.model.fingerprint import model_fingerprint
 from gateeng.model.hf_config import read_config
@@ -190,7 +191,9 @@ def load(path: Optional[str], dtype: str = BFLOAT16, device: str = "cpu", dequan
     if src.is_file():
         log(served_as(src, hf_dir, dtype))
     cfg = read_model_config(hf_dir)
-    checkpoint = Checkpoint(weight_files(hf_dir))
+    # Expert weights under their per-expert names whichever form the files hold, so the
+    # fingerprint is the same for both (model.experts).
+    checkpoint = per_expert(Checkpoint(weight_files(hf_dir)), cfg)
     model = LlamaModel(cfg, DTYPES[dtype], device)
     model.load_hf_state_dict(checkpoint)
     tok = Tokenizer.from_dir(hf_dir)

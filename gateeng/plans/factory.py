@@ -44,10 +44,15 @@ def build(cfg: EngineConfig, model, model_config, dtype, owned: bool = False) ->
     (plans.packing: pack_shared for the reference, pack_fast where cfg.pack_fast_weights
     says so). `owned`: the caller loaded the model for this engine alone, so plain
     weights that no plan multiplies are freed (packing.release_plain_weights)."""
+    if model.cfg.moe is not None and (cfg.device != "cpu" or model.dtype != torch.bfloat16):
+        raise ValueError(f"a mixture of experts is served in bfloat16 on CPU only (asked: {cfg.dtype} on "
+                         f"{cfg.device}): its invariant plan is the CPU reference")
     if cfg.device != "cpu":
         return _cuda_plans(cfg, model, model_config, dtype)
     kernels = cpu_ops.load() if cfg.cpu_kernels else None
     ops, unavailable = _reference_ops(model)
+    if model.cfg.moe is not None and ops is None:
+        raise ValueError(f"a mixture of experts is served only where the reference kernels can: {unavailable}")
     # A model loaded for this engine alone gives up each plain weight once packed: the
     # weights are never in memory twice, even for a moment (packing.pack_shared).
     fast_kernels = kernels if cfg.pack_fast_weights else None

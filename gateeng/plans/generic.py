@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from gateeng.config import BFLOAT16, BLOCK_SIZE, FAST, FLOAT32, INVARIANT, KERNEL_PREFILL_WORK
+from gateeng.config import BFLOAT16, BLOCK_SIZE, FAST, FLOAT32, INVARIANT, KERNEL_PREFILL_WORK, SOFTMAX_TOPK
 from gateeng.plans.kernel_names import ONEDNN_PACKED, ROWWISE_MATMULS, TORCH_MM
 from gateeng.kernels import fixed_order as ref
 from gateeng.plans import packing
@@ -119,6 +119,31 @@ class FastPlan(CpuKernelOps):
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         fn = self.packed.get(id(w))
         return fn(x) if fn is not None else F.linear(x, w)
+
+    # A mixture of experts' routing in torch's arithmetic (the reference's is
+    # plans.reference): the same rule, any rounding, any tie-break.
+    @staticmethod
+    def router_logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x @ router.T in float32."""
+        return F.linear(x.float(), w.float())
+
+    @staticmethod
+    def route(logits: torch.Tensor, moe) -> tuple:
+        """(each row's k expert ids ascending [M, k], their float32 weights [M, k])."""
+        if moe.routing == SOFTMAX_TOPK:
+            weights, chosen = torch.softmax(logits, -1).topk(moe.top_k, -1)
+            if moe.norm_topk_prob:
+                weights = weights / weights.sum(-1, keepdim=True)
+        else:
+            top, chosen = logits.topk(moe.top_k, -1)
+            weights = torch.softmax(top, -1)
+        chosen, order = chosen.sort(-1)
+        return chosen, weights.gather(-1, order)
+
+    @staticmethod
+    def combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Each row's experts' outputs y [M, k, H] weighted and summed, in y's dtype."""
+        return (y.float() * weights[..., None]).sum(1).to(y.dtype)
 
     @property
     def sparse_greedy(self) -> bool:
@@ -358,7 +383,7 @@ class InvariantPlan(CpuKernelOps):
         """The matrices this plan multiplies by, for its self-check: one layer's (every
         layer has the same shapes) and the lm_head it takes logits from."""
         layer = model.layers[0]
-        return [layer.qkv, layer.o, layer.gate_up, layer.down, packing.lm_head_f32(model)]
+        return [layer.qkv, layer.o, *model.first_mlp(), packing.lm_head_f32(model)]
 
     def _check_rows(self, n: int) -> None:
         if n % self.rows:

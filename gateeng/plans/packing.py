@@ -226,7 +226,7 @@ def pack_fast(model, kernels=None, ref=None) -> None:
         log(f"fast plan: no second copy of the weights is tried ({copy_bytes / 2**20:.0f} MiB would not fit "
             "in the memory available)")
     elif rowwise:
-        probe = model.layers[0].gate_up
+        probe = model.first_mlp()[0]
         s.fast_rowwise_max_rows = cpu_linear.rowwise_max_rows(rowwise[id(probe)], other(probe), probe.shape[1])
     need_other = not rowwise or s.fast_rowwise_max_rows is not None   # it serves some row counts
     s.plain_needed = not rowwise or (need_other and not onednn)
@@ -285,8 +285,8 @@ def _pack_quantized(model, s: PackedWeights, kernels, ref) -> None:
 
 def _plain_layers(model) -> bool:
     """Whether the one-call decode layers can run the model: no biases, no q/k norms,
-    and not a tensor-parallel shard (whose o and down sum over the ranks)."""
-    return model.tp is None and all(w is None for layer in model.step_layers
+    no experts, and not a tensor-parallel shard (whose o and down sum over the ranks)."""
+    return model.tp is None and model.cfg.moe is None and all(w is None for layer in model.step_layers
                                     for w in (layer.qkv_bias, layer.o_bias, layer.q_norm, layer.k_norm))
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from gateeng.config import BFLOAT16, BLOCK_SIZE
+from gateeng.config import BFLOAT16, BLOCK_SIZE, SOFTMAX_TOPK
 from gateeng.plans import cpu_linear, packing
 from gateeng.plans.generic import InvariantAttnMeta, InvariantPlan
 from gateeng.plans.kernel_names import REFERENCE
@@ -51,7 +51,7 @@ class ReferenceBase(InvariantPlan):
     @staticmethod
     def selfcheck_weights(model) -> list:
         layer = model.layers[0]
-        return [layer.qkv, layer.o, layer.gate_up, layer.down, model.lm_head]
+        return [layer.qkv, layer.o, *model.first_mlp(), model.lm_head]
 
     def describe(self, dtype: str = BFLOAT16) -> str:
         """The reference's version: what its bits depend on besides the model and dtype."""
@@ -76,6 +76,16 @@ class ReferenceBase(InvariantPlan):
     def attention(self, q, k_cache, v_cache, meta: InvariantAttnMeta, scale: float):
         return self.ops.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.key_counts, scale)
 
+    def route(self, logits: torch.Tensor, moe) -> tuple:
+        """Each row's k experts (ascending ids [M, k]) and binary32 weights [M, k] by the
+        spec's routing rule (kernels/SPEC.md, "Mixture of experts")."""
+        ids, weights, _ = self.ops.moe_route(logits, moe.top_k, moe.routing == SOFTMAX_TOPK, moe.norm_topk_prob)
+        return ids, weights
+
+    def combine(self, y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """bf16 of each row's binary32 weighted sum of its experts' outputs, in order."""
+        return self.ops.moe_combine(y, weights)
+
     @torch.inference_mode()
     def choice_logits(self, model, hidden: torch.Tensor, greedy: list) -> torch.Tensor:
         return self.full_logits(model, hidden)
@@ -89,7 +99,7 @@ class ReferencePlan(ReferenceBase):
     def __init__(self, model, ops, block_size: int = BLOCK_SIZE):
         super().__init__(ops, block_size)
         self._packed = {id(w): packing.of(model).shared.get(id(w)) or cpu_linear.shared_pack(w, ops)
-                        for w in model.projections() + [model.lm_head]}
+                        for w in model.projections() + [model.lm_head] + model.routers()}
         self._lm_head = id(model.lm_head)
         self._version = self.reference_version(model)
 
@@ -99,6 +109,11 @@ class ReferencePlan(ReferenceBase):
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         p = self._packed[id(w)]
         return self.ops.linear(x, p.data, p.n, False, p.per)
+
+    def router_logits(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """A router's logits: the binary32 dots x @ w.T, not rounded to bf16."""
+        p = self._packed[id(w)]
+        return self.ops.linear(x.contiguous(), p.data, p.n, True, p.per)
 
     def linear_partial(self, x: torch.Tensor, w: torch.Tensor, per: int, blocks: int) -> torch.Tensor:
         """A tensor-parallel rank's binary32 subtree sums of x @ w.T, where w is the

@@ -54,6 +54,8 @@ def refusal(cfg: ModelConfig, size: int) -> Optional[str]:
                 f"dot splits K into {DOT_BLOCKS} blocks, and each rank must hold a whole subtree of them")
     if size == 1:
         return None
+    if cfg.moe is not None:
+        return "tensor parallelism of a mixture of experts is not built: serve it at tensor-parallel size 1"
     # Heads that do not split evenly are not refused: attention is then whole on every
     # rank (model.shard), and o still splits on its K blocks.
     if cfg.intermediate_size % size:

@@ -30,7 +30,7 @@ CASES = {
              dict(prompts=[[5, 17, 200, 3], list(range(40, 80))], chat=False, params=SEEDED, seeds=[1, 2])],
 }
 CASES["smollm2-q4_1"] = CASES["smollm2"]
-CASES["tiny-q8_0"] = CASES["tiny-q4_0"] = CASES["tiny"]
+CASES["tiny-q8_0"] = CASES["tiny-q4_0"] = CASES["tiny-moe"] = CASES["tiny"]
 
 
 def _smollm():
@@ -49,6 +49,12 @@ def _tiny():
     return spec_tiny()
 
 
+def _tiny_moe():
+    """A tiny Qwen3-MoE (8 experts, 2 per token, renormalized; a plain-MLP layer too)."""
+    from tests.tiny import spec_tiny
+    return spec_tiny(moe=True)
+
+
 def _tiny_quantized(kind: str):
     """A tiny random Llama GGUF, every matrix in `kind` (tests/tiny_gguf.py), as stored."""
     def load():
@@ -63,7 +69,7 @@ def _tiny_quantized(kind: str):
 
 
 MODELS = {"smollm2": _smollm, "tiny": _tiny, "smollm2-q4_1": _smollm_as_stored,
-          "tiny-q8_0": _tiny_quantized("Q8_0"), "tiny-q4_0": _tiny_quantized("Q4_0")}
+          "tiny-q8_0": _tiny_quantized("Q8_0"), "tiny-q4_0": _tiny_quantized("Q4_0"), "tiny-moe": _tiny_moe}
 
 
 def record(completion) -> dict:

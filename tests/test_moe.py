@@ -1,0 +1,268 @@
+"""Mixtures of experts (Qwen3-MoE, Mixtral, OLMoE) on tiny random models: the config
+each family's transformers class writes, logits against transformers, VERIFIED
+answers equal to the reference alone and in a batch on every CPU build of the
+reference, the routing rule (ties included) against the spec's oracle, and the
+refusals: unsupported families and config fields, broken checkpoints by name."""
+import numpy as np
+import pytest
+import torch
+
+import oracle
+from gateeng.config import SOFTMAX_TOPK, TOPK_SOFTMAX, EngineConfig
+from gateeng.engine.engine import Engine
+from gateeng.model.families import config_from_hf
+from gateeng.plans import reference_ops
+from gateeng.plans.generic import FastPlan
+from gateeng.plans.kernel_names import ISA_ENV, REFERENCE_ISAS
+from gateeng.request import DeterminismParams, Mode, SamplingParams
+from test_model import prefill_logits
+from test_model_families import SEQS, TINY
+from tiny import MOE_FAMILIES, hf_family, save_family, tiny_loaded
+
+BUILDS = [pytest.param(isa, marks=pytest.mark.skipif(isa not in reference_ops.runnable(),
+                                                      reason=f"this CPU cannot run the {isa} build"))
+          for isa in REFERENCE_ISAS]
+VERIFIED = DeterminismParams(Mode.VERIFIED)
+
+
+def bf16_rounded(family: str):
+    """The family's tiny transformers model in float32 on bf16-rounded weights: the
+    numbers a bf16 engine serves."""
+    hf = hf_family(family).float()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    return hf
+
+
+@pytest.fixture(scope="module", params=MOE_FAMILIES)
+def family(request):
+    return request.param, bf16_rounded(request.param)
+
+
+def test_config_reads_each_familys_routing(family):
+    name, hf = family
+    cfg = config_from_hf(hf.config)
+    moe = cfg.moe
+    assert (moe.num_experts, moe.top_k) == (4, 2)
+    assert moe.routing == (TOPK_SOFTMAX if name == "mixtral" else SOFTMAX_TOPK)
+    assert moe.norm_topk_prob == (name == "qwen3_moe")
+    assert moe.sparse_layers == ((0,) if name == "qwen3_moe" else (0, 1))   # Qwen3-MoE's layer 1: mlp_only_layers
+    assert moe.intermediate_size == 32
+    assert cfg.qk_norm == (name != "mixtral")
+    assert cfg.qk_norm_scope == ("projection" if name == "olmoe" else "head")
+
+
+def test_float32_logits_match_transformers_on_the_same_bf16_weights(family):
+    """The bound of the dense families (test_model_families): 1e-3 at every position."""
+    _, hf = family
+    ours = prefill_logits(tiny_loaded("float32", hf), FastPlan(), SEQS, chunk=7)
+    for s, lg in zip(SEQS, ours):
+        with torch.no_grad():
+            want = hf(torch.tensor([s])).logits[0].float()
+        assert (lg - want).abs().max().item() < 1e-3
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+def test_verified_alone_and_in_a_batch_equals_the_reference(family, isa, monkeypatch):
+    monkeypatch.setenv(ISA_ENV, isa)
+    _, hf = family
+    loaded = tiny_loaded("bfloat16", hf)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    ref = Engine(EngineConfig(dtype="bfloat16", plan="invariant", **TINY), loaded=loaded)
+    try:
+        want = ref.generate(SEQS[0], params).token_ids
+    finally:
+        ref.shutdown()
+    # A noisy fast path provokes rollbacks; the batch around the VERIFIED request routes
+    # other tokens to the same experts at every step.
+    engine = Engine(EngineConfig(dtype="bfloat16", fast_logit_noise=0.5, **TINY), loaded=loaded)
+    try:
+        alone = engine.generate(SEQS[0], params, VERIFIED)
+        batch = engine.generate([SEQS[1], SEQS[0], SEQS[2], [9] * 30], params, [None, VERIFIED, None, None])
+    finally:
+        engine.shutdown()
+    assert alone.token_ids == want and batch[1].token_ids == want
+    assert batch[1].stats.triggers + batch[1].stats.direct_steps > 0
+
+
+def test_the_reference_is_the_same_on_every_build(family):
+    _, hf = family
+    runnable = [isa for isa in REFERENCE_ISAS if isa in reference_ops.runnable()]
+    if len(runnable) < 2:
+        pytest.skip("one reference build runs here")
+    loaded = tiny_loaded("bfloat16", hf)
+    answers = []
+    for isa in runnable:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv(ISA_ENV, isa)
+            ref = Engine(EngineConfig(dtype="bfloat16", plan="invariant", **TINY), loaded=loaded)
+            try:
+                res = ref.generate(SEQS[2], SamplingParams(max_tokens=12, ignore_eos=True, logprobs=1))
+            finally:
+                ref.shutdown()
+        answers.append((res.token_ids, [lp.logprob for lp in res.logprobs]))
+    assert all(a == answers[0] for a in answers)
+
+
+def route_cases():
+    """Router logits [rows, 6]: random, and rows with exact ties at the k-th place, at
+    the top, everywhere, and at a flushed exp."""
+    gen = torch.Generator().manual_seed(5)
+    z = torch.randn(40, 6, generator=gen) * 3
+    z[0] = torch.tensor([1.0, 2.0, 2.0, 0.5, 2.0, -1.0])    # three-way tie across the k-th place
+    z[1] = torch.tensor([3.0, 3.0, 3.0, 3.0, 3.0, 3.0])     # all equal
+    z[2] = torch.tensor([0.0, 5.0, 1.0, 1.0, -100.0, 1.0])  # tie for 2nd and 3rd; an exp below -86
+    z[3] = torch.tensor([7.0, 7.0, -2.0, 0.0, 0.0, 1.0])
+    return z
+
+
+@pytest.mark.parametrize("isa", BUILDS)
+@pytest.mark.parametrize("rule", [(True, True), (True, False), (False, False)],
+                         ids=["softmax-topk-renorm", "softmax-topk", "topk-softmax"])
+@pytest.mark.parametrize("k", [1, 2, 3, 6])
+def test_routing_and_combine_are_the_specs(isa, rule, k):
+    ops = reference_ops.load(isa)
+    z = route_cases()
+    ids, weights, margins = ops.moe_route(z, k, *rule)
+    for r in range(z.shape[0]):
+        want_ids, want_w, want_margin = oracle.moe_route(z[r].numpy(), k, *rule)
+        assert ids[r].tolist() == want_ids, r
+        assert weights[r].numpy().view(np.uint32).tolist() == want_w.view(np.uint32).tolist(), r
+        assert np.float32(margins[r].item()).view(np.uint32) == want_margin.view(np.uint32), r
+    y = (torch.randn(z.shape[0], k, 24, generator=torch.Generator().manual_seed(2)) * 4).to(torch.bfloat16)
+    got = ops.moe_combine(y, weights)
+    for r in range(z.shape[0]):
+        want = oracle.moe_combine(y[r].view(torch.int16).numpy().view(np.uint16), weights[r].numpy())
+        assert got[r].view(torch.int16).numpy().view(np.uint16).tolist() == want.tolist(), r
+
+
+def test_ties_rank_the_lower_expert_first():
+    """Exactly equal scores: the lower id is chosen at the k-th place (and the margin is 0)."""
+    ops = reference_ops.load()
+    z = torch.tensor([[2.0, 1.0, 1.0, 0.5], [0.0, 4.0, 0.0, 0.0], [1.0, 3.0, 3.0, 0.0]])
+    for softmax_first in (True, False):
+        ids, _, margins = ops.moe_route(z, 2, softmax_first, False)
+        assert ids.tolist() == [[0, 1], [0, 1], [1, 2]]
+        assert margins.tolist()[:2] == [0.0, 0.0] and margins.tolist()[2] > 0
+        ids, _, margins = ops.moe_route(z, 1, softmax_first, False)
+        assert ids.tolist() == [[0], [1], [1]]
+        assert margins.tolist()[2] == 0.0
+
+
+def test_a_model_whose_router_ties_two_experts_routes_by_the_written_rule():
+    """Router rows 1 and 2 equal: their logits are equal for every token, so expert 2 is
+    chosen only beside expert 1; and some token chooses 1 without 2 (the tie sat at the
+    k-th place)."""
+    hf = bf16_rounded("olmoe")
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.mlp.gate.weight[2] = layer.mlp.gate.weight[1]
+    loaded = tiny_loaded("bfloat16", hf)
+    engine = Engine(EngineConfig(dtype="bfloat16", plan="invariant", **TINY), loaded=loaded)
+    plan = engine.core.invariant_plan
+    seen = []
+    route = type(plan).route
+
+    def recording(self, logits, moe):
+        ids, weights = route(self, logits, moe)
+        assert torch.equal(logits[:, 1], logits[:, 2])
+        seen.append(ids)
+        return ids, weights
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(type(plan), "route", recording)
+            engine.generate(SEQS[0], SamplingParams(max_tokens=4, ignore_eos=True))
+    finally:
+        engine.shutdown()
+    chosen = [set(row) for ids in seen for row in ids.tolist()]
+    assert all(1 in c for c in chosen if 2 in c)
+    assert any(1 in c and 2 not in c for c in chosen)
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "deepseek_v2", "deepseek_v3", "gpt_oss"])
+def test_families_with_parts_the_engine_does_not_compute_are_refused_by_name(model_type):
+    from types import SimpleNamespace
+    with pytest.raises(ValueError, match=model_type):
+        config_from_hf(SimpleNamespace(model_type=model_type))
+
+
+@pytest.mark.parametrize("family, field, value", [("mixtral", "router_jitter_noise", 0.1),
+                                                  ("olmoe", "clip_qkv", 8.0)])
+def test_a_config_field_the_engine_does_not_honour_is_refused(family, field, value):
+    hf = hf_family(family)
+    setattr(hf.config, field, value)
+    with pytest.raises(ValueError, match=field):
+        config_from_hf(hf.config)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A Qwen3-MoE directory as save_pretrained writes it (one tensor per expert)."""
+    path = tmp_path_factory.mktemp("qwen3_moe")
+    save_family("qwen3_moe", path)
+    return path
+
+
+def rewrite(src, dst, change):
+    """A copy of directory `src` whose weights are change(tensors)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    save_file(change(dict(tensors)), str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def test_fused_expert_tensors_load_as_the_same_model(saved, tmp_path):
+    """transformers 5's fused [experts, rows, cols] tensors: the same weights and the same
+    fingerprint as the per-expert files."""
+    from gateeng.model.loader import load
+    hf = hf_family("qwen3_moe")
+    fused = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in fused
+    directory = rewrite(saved, tmp_path / "fused", lambda _: fused)
+    a, b = load(str(saved), "bfloat16"), load(str(directory), "bfloat16")
+    assert a.fingerprint == b.fingerprint
+    for (name, p), q in zip(a.model.named_parameters(), b.model.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_per_expert_names_round_trip_and_are_what_weight_updates_expect(saved):
+    """hf_state_dict writes the per-expert names the hub stores (save_pretrained's), and
+    load_hf_state_dict takes them back bit for bit."""
+    from safetensors.torch import load_file
+
+    from gateeng.engine.weights import expected_shapes
+    from gateeng.model.llama import LlamaModel
+    from gateeng.model.loader import read_model_config
+    stored = load_file(str(saved / "model.safetensors"))
+    cfg = read_model_config(saved)
+    model = LlamaModel(cfg, torch.float32)
+    model.load_hf_state_dict(stored)
+    got = model.hf_state_dict()
+    assert set(got) == set(stored) and all(torch.equal(got[n], stored[n].float()) for n in stored)
+    assert expected_shapes(cfg) == {name: tuple(t.shape) for name, t in stored.items()}
+
+
+@pytest.mark.parametrize("broken, expected", [
+    (lambda t: {k: v for k, v in t.items() if k != "model.layers.0.mlp.experts.1.up_proj.weight"},
+     "no tensor model.layers.0.mlp.experts.1.up_proj.weight"),
+    (lambda t: dict(t, **{"model.layers.0.mlp.experts.3.down_proj.weight": torch.zeros(64, 31)}),
+     r"model.layers.0.mlp.experts.3.down_proj.weight has shape \(64, 31\), expected \(64, 32\)"),
+    (lambda t: {k: v for k, v in t.items() if k != "model.layers.0.mlp.gate.weight"},
+     "no tensor model.layers.0.mlp.gate.weight"),
+], ids=["missing-expert", "misshaped-expert", "missing-router"])
+def test_a_broken_checkpoint_is_refused_naming_the_tensor(saved, tmp_path, broken, expected):
+    from gateeng.model.loader import load
+    with pytest.raises(ValueError, match=expected):
+        load(str(rewrite(saved, tmp_path / "broken", broken)), "bfloat16")
+
+
+def test_a_mixture_of_experts_is_refused_where_its_reference_is_not_built():
+    loaded = tiny_loaded("float32", hf_family("mixtral"))
+    with pytest.raises(ValueError, match="bfloat16 on CPU"):
+        Engine(EngineConfig(dtype="float32", **TINY), loaded=loaded)
+    from gateeng.plans.tp_shapes import refusal
+    assert "mixture of experts" in refusal(loaded.config, 2)
