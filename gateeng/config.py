@@ -209,6 +209,10 @@ class EngineConfig:
     # tau 0.3: `gateeng calibrate` on the embedded SmolLM2 (bf16, CPU) caught every flip at
     # its own step at a 14% trigger rate (bench/RESULTS.md); recalibrate for other models.
     margin_threshold: float = 0.3
+    # A mixture of experts' router-margin gate: a fast-path token is verified when, in any
+    # routing layer, its k-th router score is within this of the (k+1)-th (the fast path
+    # may have chosen other experts than the reference). 0: exact ties only.
+    router_margin_threshold: float = 0.0
     max_window: int = 32
     # VERIFIED decode route: adaptive (per step, from measured plan costs) | speculative | direct.
     verified_route: str = ADAPTIVE
@@ -257,6 +261,7 @@ class EngineConfig:
         if not (math.isfinite(self.weight_update_wait) and self.weight_update_wait >= 0):
             raise ValueError(f"weight_update_wait must be a number of seconds >= 0, got {self.weight_update_wait}")
         validate_threshold(self.margin_threshold)
+        validate_threshold(self.router_margin_threshold, "router_margin_threshold")
         validate_window(self.max_window)
         if self.max_window + 1 > self.max_num_batched_tokens:
             raise ValueError(f"max_window {self.max_window} must be below the step token budget "
@@ -280,9 +285,9 @@ def kv_blocks(cfg: "EngineConfig") -> int:
     return -(-positions // cfg.block_size)
 
 
-def validate_threshold(tau: float) -> float:
+def validate_threshold(tau: float, what: str = "margin_threshold") -> float:
     if tau is None or not math.isfinite(tau) or tau < 0:
-        raise ValueError(f"margin_threshold must be a finite number >= 0, got {tau!r}")
+        raise ValueError(f"{what} must be a finite number >= 0, got {tau!r}")
     return float(tau)
 
 

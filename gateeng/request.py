@@ -32,12 +32,13 @@ class Reason(str, enum.Enum):
     the invariant plan. A mismatch is counted under the reason that replayed it. The
     values are the `reason` labels of the metrics."""
     MARGIN = "margin"
+    ROUTER = "router"   # a mixture of experts' k-th and (k+1)-th router scores within the bound
     WINDOW = "window"
     FINISH = "finish"
     DIRECT = DIRECT
 
 
-TRIGGERS = (Reason.MARGIN, Reason.WINDOW, Reason.FINISH)   # the gate's reasons, in the order it checks them
+TRIGGERS = (Reason.MARGIN, Reason.ROUTER, Reason.WINDOW, Reason.FINISH)   # the gate's reasons, in the order it checks them
 
 
 class FinishReason(str, enum.Enum):
@@ -157,12 +158,14 @@ class DeterminismStats:
     decode_steps: int = 0        # speculative route: fast-plan decodes the gate looked at
     direct_steps: int = 0        # direct route: decodes run on the invariant plan
     triggers_margin: int = 0
+    triggers_router: int = 0
     triggers_window: int = 0
     triggers_finish: int = 0
     verify_passes: int = 0
     replayed_tokens: int = 0
     mismatches: int = 0
     mismatches_margin: int = 0   # mismatches by the trigger that caught them
+    mismatches_router: int = 0
     mismatches_window: int = 0
     mismatches_finish: int = 0
     mismatches_direct: int = 0   # found by a direct decode before any trigger
@@ -171,7 +174,7 @@ class DeterminismStats:
 
     @property
     def triggers(self) -> int:
-        return self.triggers_margin + self.triggers_window + self.triggers_finish
+        return self.triggers_margin + self.triggers_router + self.triggers_window + self.triggers_finish
 
     @staticmethod
     def trigger_field(reason: Reason) -> str:
@@ -190,9 +193,10 @@ class DeterminismStats:
         return dataclasses.replace(self)
 
 
-TRIGGER_FIELDS = {Reason.MARGIN: "triggers_margin", Reason.WINDOW: "triggers_window",
-                  Reason.FINISH: "triggers_finish"}
-MISMATCH_FIELDS = {Reason.MARGIN: "mismatches_margin", Reason.WINDOW: "mismatches_window",
+TRIGGER_FIELDS = {Reason.MARGIN: "triggers_margin", Reason.ROUTER: "triggers_router",
+                  Reason.WINDOW: "triggers_window", Reason.FINISH: "triggers_finish"}
+MISMATCH_FIELDS = {Reason.MARGIN: "mismatches_margin", Reason.ROUTER: "mismatches_router",
+                   Reason.WINDOW: "mismatches_window",
                    Reason.FINISH: "mismatches_finish", Reason.DIRECT: "mismatches_direct"}
 
 

@@ -72,3 +72,6 @@ class SeqOutput:
     margins: tuple
     logprobs: tuple = ()
     prompt_logprobs: tuple = ()   # for prompt tokens this chunk predicts, in order
+    # A mixture of experts: per token, the smallest router margin (k-th minus (k+1)-th
+    # ranking score) over the routing layers, in the plan's arithmetic; () for a dense model.
+    router_margins: tuple = ()

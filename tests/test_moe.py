@@ -35,6 +35,15 @@ def bf16_rounded(family: str):
     return hf
 
 
+def reference_answer(loaded, prompt, params):
+    """The reference's tokens for one prompt (an engine with plan=invariant)."""
+    ref = Engine(EngineConfig(dtype="bfloat16", plan="invariant", **TINY), loaded=loaded)
+    try:
+        return ref.generate(prompt, params).token_ids
+    finally:
+        ref.shutdown()
+
+
 @pytest.fixture(scope="module", params=MOE_FAMILIES)
 def family(request):
     return request.param, bf16_rounded(request.param)
@@ -69,11 +78,7 @@ def test_verified_alone_and_in_a_batch_equals_the_reference(family, isa, monkeyp
     _, hf = family
     loaded = tiny_loaded("bfloat16", hf)
     params = SamplingParams(max_tokens=16, ignore_eos=True)
-    ref = Engine(EngineConfig(dtype="bfloat16", plan="invariant", **TINY), loaded=loaded)
-    try:
-        want = ref.generate(SEQS[0], params).token_ids
-    finally:
-        ref.shutdown()
+    want = reference_answer(loaded, SEQS[0], params)
     # A noisy fast path provokes rollbacks; the batch around the VERIFIED request routes
     # other tokens to the same experts at every step.
     engine = Engine(EngineConfig(dtype="bfloat16", fast_logit_noise=0.5, **TINY), loaded=loaded)
@@ -266,3 +271,29 @@ def test_a_mixture_of_experts_is_refused_where_its_reference_is_not_built():
         Engine(EngineConfig(dtype="float32", **TINY), loaded=loaded)
     from gateeng.plans.tp_shapes import refusal
     assert "mixture of experts" in refusal(loaded.config, 2)
+
+
+def test_the_gate_triggers_on_a_router_margin_within_its_bound():
+    from gateeng.engine.gate import decide
+    from gateeng.request import Reason
+    assert decide(1.0, 0, False, 0.3, 32, router_margin=0.05, router_tau=0.1) is Reason.ROUTER
+    assert decide(1.0, 0, False, 0.3, 32, router_margin=0.0, router_tau=0.0) is Reason.ROUTER   # a tie
+    assert decide(1.0, 0, False, 0.3, 32, router_margin=0.2, router_tau=0.1) is None
+    assert decide(1.0, 0, False, 0.3, 32) is None                                              # a dense model
+    assert decide(0.1, 0, False, 0.3, 32, router_margin=0.0) is Reason.MARGIN                   # margin first
+
+
+def test_router_triggers_are_verified_and_counted():
+    """Every token's router margin within the bound: each triggers a replay under the
+    reason `router`, and the answer is the reference's."""
+    loaded = tiny_loaded("bfloat16", bf16_rounded("olmoe"))
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    want = reference_answer(loaded, SEQS[1], params)
+    engine = Engine(EngineConfig(dtype="bfloat16", margin_threshold=0.0, router_margin_threshold=1e9,
+                                 verified_route="speculative", **TINY), loaded=loaded)
+    try:
+        got = engine.generate([SEQS[1], SEQS[2]], params, [VERIFIED, None])[0]
+    finally:
+        engine.shutdown()
+    assert got.token_ids == want
+    assert got.stats.triggers_router > 0 and got.stats.triggers_margin == 0

@@ -111,7 +111,7 @@ class EngineCore:
         self.blocks, self.route = served.blocks, served.route
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.route,
                                    cfg.max_verify_delay, cfg.prefill_chunk)
-        self.verification = VerificationStage(self.stop)
+        self.verification = VerificationStage(self.stop, cfg.router_margin_threshold)
         self.margin_threshold = cfg.margin_threshold
         self.max_window = cfg.max_window
         self.version = __version__

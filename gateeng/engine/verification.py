@@ -18,6 +18,7 @@ counts without a copy of every request's counters.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -49,8 +50,9 @@ def discard_speculation(req: Request) -> None:
 
 
 class VerificationStage:
-    def __init__(self, stop: StopChecker):
+    def __init__(self, stop: StopChecker, router_tau: float = 0.0):
         self.stop = stop
+        self.router_tau = router_tau   # the router-margin bound (EngineConfig.router_margin_threshold)
         # (reason, fast-path margin of the first wrong token) per mismatch; drained per step.
         self.mismatches: list[tuple[str, float]] = []
         self.counted = DeterminismStats()   # this step's increments, over every request
@@ -80,7 +82,8 @@ class VerificationStage:
             elif not seq.sample_rows:
                 outcomes.append(Outcome(req, seq.end, False, None))   # a prefill chunk
             elif req.mode is Mode.VERIFIED and seq.route == SPECULATIVE:
-                self._speculate(req, out.tokens[-1], out.margins[-1])
+                self._speculate(req, out.tokens[-1], out.margins[-1],
+                                out.router_margins[-1] if out.router_margins else math.inf)
                 req.logprobs.extend(out.logprobs[-1:])    # provisional: a replay replaces it
                 outcomes.append(Outcome(req, seq.end, False, None))
             else:
@@ -89,7 +92,7 @@ class VerificationStage:
                 outcomes.append(Outcome(req, seq.end, False, self._commit_upto(req, len(req.tokens))))
         return outcomes
 
-    def _speculate(self, req: Request, token: int, margin: float) -> None:
+    def _speculate(self, req: Request, token: int, margin: float, router_margin: float) -> None:
         req.tokens.append(token)
         req.spec_margins.append(margin)
         self._count(req, "decode_steps")
@@ -97,7 +100,8 @@ class VerificationStage:
         if req.pending_verify is not None:
             req.pending_age += 1       # a margin-triggered replay waiting for company
         else:
-            reason = gate.decide(margin, req.num_unverified, would_finish, req.tau, req.window)
+            reason = gate.decide(margin, req.num_unverified, would_finish, req.tau, req.window, router_margin,
+                                 self.router_tau)
             if reason is not None:
                 req.pending_verify = reason
                 self._count(req, DeterminismStats.trigger_field(reason))

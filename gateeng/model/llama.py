@@ -207,7 +207,7 @@ class LlamaModel(torch.nn.Module):
             h, x = plan.add_rms_norm(h, plan.add(o, layer.o_bias) if layer.o_bias is not None else o, layer.post_norm,
                                      cfg.rms_norm_eps)
             if layer.experts is not None:
-                mlp = self._moe(plan, x, layer)
+                mlp = self._moe(plan, x, layer, attn_meta)
             else:
                 mlp = self._row_parallel(plan, plan.silu_mul(plan.linear(x, layer.gate_up)), layer.down, "down")
             h, x = plan.add_rms_norm(h, mlp, layer.next_norm, cfg.rms_norm_eps)
@@ -220,14 +220,17 @@ class LlamaModel(torch.nn.Module):
             layer = self.layers[i]
             yield names, getattr(layer if j is None else layer.experts[j], w.attr), w
 
-    def _moe(self, plan, x: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
+    def _moe(self, plan, x: torch.Tensor, layer: LayerWeights, meta) -> torch.Tensor:
         """A routing layer's MLP output for rows x [M, hidden]: each row's k experts
         (plan.route, ascending expert ids, binary32 weights from the binary32 router
         logits), each active expert's plain MLP once over the rows routed to it (each
         row's bits its own: the plan's matmul is row-invariant where it must be), then
-        each row's weighted sum in ascending expert order (plan.combine)."""
+        each row's weighted sum in ascending expert order (plan.combine). The rows'
+        smallest router margin so far goes to meta.router_margin (the gate reads it)."""
         moe = self.cfg.moe
-        chosen, weights = plan.route(plan.router_logits(x, layer.router), moe)   # [M, k] each
+        chosen, weights, margins = plan.route(plan.router_logits(x, layer.router), moe)   # [M, k], [M, k], [M]
+        old = getattr(meta, "router_margin", None)
+        meta.router_margin = margins if old is None else torch.minimum(old, margins)
         flat = chosen.reshape(-1)
         order = torch.argsort(flat, stable=True)   # (row, slot) pairs grouped by expert
         counts = torch.bincount(flat, minlength=moe.num_experts).tolist()

@@ -102,6 +102,9 @@ class FastAttnMeta:
     decode_lens: torch.Tensor    # [B] keys each of those rows attends
     decode_slots: Optional[torch.Tensor] = None  # [B, Lmax] key slots (torch attention only)
     decode_mask: Optional[torch.Tensor] = None   # [B, Lmax] (torch attention only)
+    # A mixture of experts: per row, the smallest router margin over the routing layers
+    # (the model's forward writes it).
+    router_margin: Optional[torch.Tensor] = None
 
 
 class FastPlan(CpuKernelOps):
@@ -129,16 +132,21 @@ class FastPlan(CpuKernelOps):
 
     @staticmethod
     def route(logits: torch.Tensor, moe) -> tuple:
-        """(each row's k expert ids ascending [M, k], their float32 weights [M, k])."""
-        if moe.routing == SOFTMAX_TOPK:
-            weights, chosen = torch.softmax(logits, -1).topk(moe.top_k, -1)
-            if moe.norm_topk_prob:
-                weights = weights / weights.sum(-1, keepdim=True)
-        else:
-            top, chosen = logits.topk(moe.top_k, -1)
+        """(each row's k expert ids ascending [M, k], their float32 weights [M, k], its
+        router margin [M]: the k-th ranking score minus the (k+1)-th, inf when k = E)."""
+        k = moe.top_k
+        scores = torch.softmax(logits, -1) if moe.routing == SOFTMAX_TOPK else logits
+        top, chosen = scores.topk(min(k + 1, scores.shape[-1]), -1)
+        margins = top[:, k - 1] - top[:, k] if k < scores.shape[-1] else torch.full_like(top[:, 0], math.inf)
+        top, chosen = top[:, :k], chosen[:, :k]
+        if moe.routing != SOFTMAX_TOPK:
             weights = torch.softmax(top, -1)
+        elif moe.norm_topk_prob:
+            weights = top / top.sum(-1, keepdim=True)
+        else:
+            weights = top
         chosen, order = chosen.sort(-1)
-        return chosen, weights.gather(-1, order)
+        return chosen, weights.gather(-1, order), margins
 
     @staticmethod
     def combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -255,11 +263,17 @@ class FastPlan(CpuKernelOps):
     @torch.inference_mode()
     def hidden(self, model, kv, rows: Rows) -> torch.Tensor:
         """Run the rows; the final hidden states of the sample rows, then the extra rows."""
+        return self.hidden_and_router(model, kv, rows)[0]
+
+    @torch.inference_mode()
+    def hidden_and_router(self, model, kv, rows: Rows) -> tuple:
+        """hidden's result, and a mixture of experts' router margins of the sample rows
+        (None for a dense model)."""
         dev = model.device
         meta = self._meta(rows, kv.block_size, dev)
         hidden = model(torch.tensor(rows.input_ids, device=dev), torch.tensor(rows.positions, device=dev),
                        torch.tensor(rows.slots, device=dev), meta, kv, self)
-        return hidden[rows.sample_rows + rows.extra_rows]
+        return hidden[rows.sample_rows + rows.extra_rows], _sample_rows(meta.router_margin, rows)
 
     @torch.inference_mode()
     def choice_logits(self, model, hidden: torch.Tensor, greedy: list) -> torch.Tensor:
@@ -284,6 +298,7 @@ class InvariantAttnMeta:
     positions: torch.Tensor      # [R]
     split: int
     real: Optional[int] = None   # rows 0..real-1 are real, the rest padding (None: all)
+    router_margin: Optional[torch.Tensor] = None   # as FastAttnMeta's
 
     @cached_property
     def key_counts(self) -> torch.Tensor:
@@ -442,9 +457,15 @@ class InvariantPlan(CpuKernelOps):
         reads it, and attention masks by position, so a sequence's chunk sees its own
         earlier rows as a prefill does. Returns the final hidden states of the sample
         rows, then the extra rows."""
+        return self.hidden_and_router(model, kv, rows)[0]
+
+    @torch.inference_mode()
+    def hidden_and_router(self, model, kv, rows: Rows) -> tuple:
+        """hidden's result, and a mixture of experts' router margins of the sample rows
+        (None for a dense model)."""
         n, dev = len(rows), model.device
         if not n:
-            return torch.zeros(0, model.cfg.hidden_size, dtype=model.dtype, device=dev)
+            return torch.zeros(0, model.cfg.hidden_size, dtype=model.dtype, device=dev), None
         pad = self._pad(n) - n if self.grouped else 0
         pos = rows.positions + [0] * pad
         tables = seq_block_tables(rows.seqs, n + pad, max(pos) // kv.block_size + 1)
@@ -452,7 +473,7 @@ class InvariantPlan(CpuKernelOps):
         meta = InvariantAttnMeta(tables.to(dev), pos_t, self.split, n)
         hidden = model(torch.tensor(rows.input_ids + [0] * pad, device=dev), pos_t,
                        torch.tensor(rows.slots + [-1] * pad, device=dev), meta, kv, self)
-        return hidden[rows.sample_rows + rows.extra_rows]
+        return hidden[rows.sample_rows + rows.extra_rows], _sample_rows(meta.router_margin, rows)
 
     @torch.inference_mode()
     def choice_logits(self, model, hidden: torch.Tensor, greedy: list) -> torch.Tensor:
@@ -471,3 +492,8 @@ class InvariantPlan(CpuKernelOps):
 
     def logits(self, model, kv, rows: Rows) -> torch.Tensor:
         return self.choice_logits(model, self.hidden(model, kv, rows), rows.greedy)
+
+
+def _sample_rows(router_margin: Optional[torch.Tensor], rows: Rows) -> Optional[torch.Tensor]:
+    """The sample rows' router margins, or None (a dense model)."""
+    return None if router_margin is None else router_margin[rows.sample_rows]

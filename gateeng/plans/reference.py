@@ -77,10 +77,9 @@ class ReferenceBase(InvariantPlan):
         return self.ops.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.key_counts, scale)
 
     def route(self, logits: torch.Tensor, moe) -> tuple:
-        """Each row's k experts (ascending ids [M, k]) and binary32 weights [M, k] by the
-        spec's routing rule (kernels/SPEC.md, "Mixture of experts")."""
-        ids, weights, _ = self.ops.moe_route(logits, moe.top_k, moe.routing == SOFTMAX_TOPK, moe.norm_topk_prob)
-        return ids, weights
+        """Each row's k experts (ascending ids [M, k]), binary32 weights [M, k] and router
+        margin [M] by the spec's routing rule (kernels/SPEC.md, "Mixture of experts")."""
+        return tuple(self.ops.moe_route(logits, moe.top_k, moe.routing == SOFTMAX_TOPK, moe.norm_topk_prob))
 
     def combine(self, y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """bf16 of each row's binary32 weighted sum of its experts' outputs, in order."""

@@ -36,18 +36,26 @@ class ModelRunner:
                 continue
             t0 = time.perf_counter()
             rows, specs, owners, prompt = self._rows(seqs)
-            hidden = plan.hidden(self.model, self.kv, rows)
+            router = None
+            if self.model.cfg.moe is None:
+                hidden = plan.hidden(self.model, self.kv, rows)
+            else:   # (a mixture of experts runs on the CPU plans only: plans.factory)
+                hidden, router = plan.hidden_and_router(self.model, self.kv, rows)
             n = len(rows.sample_rows)
             tokens, margins = choose(plan, self.model, hidden[:n], specs, self.sample)
             entries, prompt_entries = self._logprobs(plan, hidden, specs, tokens, prompt)
-            per_request = {seq.request.request_id: ([], [], []) for seq in seqs}
-            for i, (owner, tok, mar) in enumerate(zip(owners, tokens, margins)):
+            routers = router.tolist() if router is not None else [None] * n
+            per_request = {seq.request.request_id: ([], [], [], []) for seq in seqs}
+            for i, (owner, tok, mar, rm) in enumerate(zip(owners, tokens, margins, routers)):
                 per_request[owner][0].append(tok)
                 per_request[owner][1].append(mar)
                 if entries[i] is not None:
                     per_request[owner][2].append(entries[i])
-            for rid, (toks, mars, lps) in per_request.items():
-                outputs[rid] = SeqOutput(tuple(toks), tuple(mars), tuple(lps), prompt_entries.get(rid, ()))
+                if rm is not None:
+                    per_request[owner][3].append(rm)
+            for rid, (toks, mars, lps, rms) in per_request.items():
+                outputs[rid] = SeqOutput(tuple(toks), tuple(mars), tuple(lps), prompt_entries.get(rid, ()),
+                                         tuple(rms))
             self.last_seconds[kind] = time.perf_counter() - t0
         return outputs
 

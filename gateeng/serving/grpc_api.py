@@ -107,7 +107,8 @@ def complete_proto(c: Completion, request_id: str) -> pb.CompleteResponse:
             rolled_back_tokens=s.rolled_back_tokens, retractions=s.retractions,
             margin_threshold=c.margin_threshold, mismatches_margin=s.mismatches_margin,
             mismatches_window=s.mismatches_window, mismatches_finish=s.mismatches_finish,
-            direct_steps=s.direct_steps, mismatches_direct=s.mismatches_direct),
+            direct_steps=s.direct_steps, mismatches_direct=s.mismatches_direct,
+            triggers_router=s.triggers_router, mismatches_router=s.mismatches_router),
         reproducibility=reproducibility_proto(c.reproducibility, c.seed), logprobs=logprobs_proto(c.logprobs),
         prompt_logprobs=logprobs_proto(c.prompt_logprobs), prompt_token_ids=pb.TokenIds(ids=c.prompt_ids),
         sampling=sampling_proto(c.sampling), finish_detail=c.finish_detail)

@@ -39,6 +39,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--margin-threshold", type=float, default=DEFAULTS.margin_threshold,
                    help="verify a VERIFIED request's token when top1-top2 logit margin is below this (tau); "
                         "`gateeng calibrate` measures it for a model")
+    p.add_argument("--router-margin-threshold", type=float, default=DEFAULTS.router_margin_threshold,
+                   help="a mixture of experts: also verify a VERIFIED token when, in any routing layer, the "
+                        "k-th router score is within this of the (k+1)-th (0: exact ties only)")
     p.add_argument("--max-window", type=int, default=DEFAULTS.max_window,
                    help="verify after this many unverified tokens at the latest (W)")
     p.add_argument("--verified-route", choices=ROUTE_POLICIES, default=DEFAULTS.verified_route,
@@ -173,6 +176,7 @@ def _engine_config(args):
     return EngineConfig(model=args.model, dtype=args.dtype, dequantize=args.dequantize, device=args.device,
                         plan=args.plan,
                         margin_threshold=args.margin_threshold, max_window=args.max_window,
+                        router_margin_threshold=args.router_margin_threshold,
                         verified_route=args.verified_route, max_verify_delay=args.max_verify_delay,
                         num_kv_blocks=args.kv_blocks, invariant_rows=args.invariant_rows,
                         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
@@ -274,7 +278,8 @@ def cmd_generate(args) -> int:
             print(_json_line(res) if args.json else res.text)
             d = res.determinism
             print(f"[{res.usage.completion_tokens} tokens, mode={d.mode}, triggers="
-                  f"{d.triggers_margin + d.triggers_window + d.triggers_finish}, mismatches={d.mismatches}]",
+                  f"{d.triggers_margin + d.triggers_router + d.triggers_window + d.triggers_finish}, "
+                  f"mismatches={d.mismatches}]",
                   file=sys.stderr)
             return 0
     from gateeng.engine.engine import Engine

@@ -155,7 +155,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class DeterminismReport(_message.Message):
-    __slots__ = ("mode", "decode_steps", "triggers_margin", "triggers_window", "triggers_finish", "verify_passes", "replayed_tokens", "mismatches", "rolled_back_tokens", "retractions", "margin_threshold", "mismatches_margin", "mismatches_window", "mismatches_finish", "direct_steps", "mismatches_direct")
+    __slots__ = ("mode", "decode_steps", "triggers_margin", "triggers_window", "triggers_finish", "verify_passes", "replayed_tokens", "mismatches", "rolled_back_tokens", "retractions", "margin_threshold", "mismatches_margin", "mismatches_window", "mismatches_finish", "direct_steps", "mismatches_direct", "triggers_router", "mismatches_router")
     MODE_FIELD_NUMBER: _ClassVar[int]
     DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
     TRIGGERS_MARGIN_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +172,8 @@ class DeterminismReport(_message.Message):
     MISMATCHES_FINISH_FIELD_NUMBER: _ClassVar[int]
     DIRECT_STEPS_FIELD_NUMBER: _ClassVar[int]
     MISMATCHES_DIRECT_FIELD_NUMBER: _ClassVar[int]
+    TRIGGERS_ROUTER_FIELD_NUMBER: _ClassVar[int]
+    MISMATCHES_ROUTER_FIELD_NUMBER: _ClassVar[int]
     mode: str
     decode_steps: int
     triggers_margin: int
@@ -188,7 +190,9 @@ class DeterminismReport(_message.Message):
     mismatches_finish: int
     direct_steps: int
     mismatches_direct: int
-    def __init__(self, mode: _Optional[str] = ..., decode_steps: _Optional[int] = ..., triggers_margin: _Optional[int] = ..., triggers_window: _Optional[int] = ..., triggers_finish: _Optional[int] = ..., verify_passes: _Optional[int] = ..., replayed_tokens: _Optional[int] = ..., mismatches: _Optional[int] = ..., rolled_back_tokens: _Optional[int] = ..., retractions: _Optional[int] = ..., margin_threshold: _Optional[float] = ..., mismatches_margin: _Optional[int] = ..., mismatches_window: _Optional[int] = ..., mismatches_finish: _Optional[int] = ..., direct_steps: _Optional[int] = ..., mismatches_direct: _Optional[int] = ...) -> None: ...
+    triggers_router: int
+    mismatches_router: int
+    def __init__(self, mode: _Optional[str] = ..., decode_steps: _Optional[int] = ..., triggers_margin: _Optional[int] = ..., triggers_window: _Optional[int] = ..., triggers_finish: _Optional[int] = ..., verify_passes: _Optional[int] = ..., replayed_tokens: _Optional[int] = ..., mismatches: _Optional[int] = ..., rolled_back_tokens: _Optional[int] = ..., retractions: _Optional[int] = ..., margin_threshold: _Optional[float] = ..., mismatches_margin: _Optional[int] = ..., mismatches_window: _Optional[int] = ..., mismatches_finish: _Optional[int] = ..., direct_steps: _Optional[int] = ..., mismatches_direct: _Optional[int] = ..., triggers_router: _Optional[int] = ..., mismatches_router: _Optional[int] = ...) -> None: ...
 
 class Reproducibility(_message.Message):
     __slots__ = ("engine_version", "model_fingerprint", "dtype", "device_kind", "kernel_plan", "self_check_passed", "self_check", "seed", "seeded", "device_name", "isa", "torch_version", "triton_version", "cuda_version", "num_threads", "fingerprint", "reference", "tensor_parallel_size")
