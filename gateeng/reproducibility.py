@@ -51,11 +51,15 @@ class Reproducibility:
     # Information only: tensor parallelism runs only on the reference, whose bits are
     # the same at every size; so the fingerprint leaves it out.
     tensor_parallel_size: int = 1
+    # Information only: which weights (0 at start, +1 per applied update; the
+    # model_fingerprint decides the bits) and, in a fleet, which replica answered.
+    weight_version: int = 0
+    replica: str = ""
 
     def fingerprint(self) -> str:
         """A short stable id of what decides the bits: equal for replicas and restarts
-        that give equal bits. The self-check's wording (which carries its duration)
-        and the tensor-parallel size are information and stay out of it; whether the
+        that give equal bits. The self-check's wording (which carries its duration),
+        the tensor-parallel size, the weight version and the replica are information and stay out of it; whether the
         self-check passed stays in, since it decides whether VERIFIED is served."""
         fields = {k: v for k, v in asdict(self).items() if k not in UNFINGERPRINTED}
         blob = json.dumps(fields, sort_keys=True).encode()
@@ -113,8 +117,8 @@ def build(*, engine_version: str, model_fingerprint: str, dtype: str, device: st
 
 
 # Fields that describe a record rather than decide its bits.
-INFORMATION = ("self_check", "self_check_passed", "tensor_parallel_size")
-UNFINGERPRINTED = ("self_check", "tensor_parallel_size")
+INFORMATION = ("self_check", "self_check_passed", "tensor_parallel_size", "weight_version", "replica")
+UNFINGERPRINTED = ("self_check", "tensor_parallel_size", "weight_version", "replica")
 # Where the reference is a written spec, only these decide the bits.
 SPEC_FIELDS = ("reference", "model_fingerprint", "dtype")
 

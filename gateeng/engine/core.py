@@ -118,6 +118,7 @@ class EngineCore:
         self.weight_version = 0   # +1 per applied weight update (apply_weight_update)
         self._weight_update: Optional[weights.Prepared] = None   # built aside, waiting for its step boundary
         self._weight_deadline = 0.0
+        self._weight_next = 0
         self.observer = observer or Observer()
         self.outputs = OutputProcessor(self.observer, served.reproducibility)
         self._serve(served)
@@ -302,10 +303,13 @@ class EngineCore:
             self.tp_group.close()
 
     # ---- weights in place (the driving thread; weights.prepare built them aside) -----
-    def begin_weight_update(self, prepared: weights.Prepared) -> None:
+    def begin_weight_update(self, prepared: weights.Prepared, weight_version: Optional[int] = None) -> None:
         """Hold admission: the running requests finish on the weights they started
-        on, for up to config.weight_update_wait seconds (weight_update_due)."""
+        on, for up to config.weight_update_wait seconds (weight_update_due). The
+        swap serves `weight_version` (a fleet's number, so every replica names the
+        same weights alike), by default the next one."""
         self._weight_update = prepared
+        self._weight_next = self.weight_version + 1 if weight_version is None else weight_version
         self._weight_deadline = time.monotonic() + self.config.weight_update_wait
         self.scheduler.admitting = False
 
@@ -337,7 +341,9 @@ class EngineCore:
                                                                       fingerprint=prepared.fingerprint),
                                       self.max_model_len, model=prepared.model, plans=prepared.plans,
                                       before=self.served))
-        self.weight_version += 1
+        self.weight_version = self._weight_next
+        self.reproducibility = self.outputs.reproducibility = dataclasses.replace(
+            self.reproducibility, weight_version=self.weight_version)
         sch.admitting = True
         self.publish_counts()
         return len(ended)

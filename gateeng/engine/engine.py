@@ -122,7 +122,7 @@ class Engine:
     def set_observer(self, observer: Observer) -> None:
         self.core.set_observer(observer)
 
-    def update_weights(self, path) -> weights.WeightUpdate:
+    def update_weights(self, path, weight_version: Optional[int] = None) -> weights.WeightUpdate:
         """Serve the checkpoint in directory `path` from the next step boundary on.
 
         On this (the calling) thread: read it as `--model` does (the tokenizer stays
@@ -134,39 +134,59 @@ class Engine:
         still running and any preempted one that produced output (finish_reason
         abort, finish_detail "ended by a weight update"), swaps the weights in,
         drops the prefix cache and admits again. Returns once the swap is done.
+        The new weights are `weight_version` (by default the next number).
         WeightUpdateUnavailable: tensor parallelism or CUDA (nothing changes)."""
         with self._weights_lock:
             t0 = time.perf_counter()
-            try:
-                if self.failure is not None:
-                    raise EngineDead(f"the engine loop stopped on an error: {self.failure!r}")
-                if not self.accepting:
-                    raise WeightUpdateUnavailable("the engine is shutting down")
-                weights.refuse_unless_supported(self.config, self.core.tp_group is not None,
-                                                  packing.quantized(self.core.model))
-                prepared = weights.prepare(self.config, self.model_config, path)
-            except Exception as exc:   # refused (WeightsRefused, WeightUpdateUnavailable) or failed: nothing changed
-                log(f"weight update from {path} refused: {exc}")
-                self.core.observer.on_weight_update(False, time.perf_counter() - t0, self.weight_version)
-                raise
-            built = time.perf_counter()
-            done, ended = threading.Event(), []
-            self._weights_applied = (done, ended)
-            self._inbox.put(("weights", prepared))
-            self._ensure_thread()
-            while not done.wait(0.05):
-                if self.failure is not None or self._stopping:
-                    raise EngineDead("the engine stopped before the new weights were swapped in")
-            seconds = time.perf_counter() - t0
-            result = weights.WeightUpdate(self.loaded.fingerprint, self.weight_version, seconds, ended[0])
-            log(f"weights from {path} in place: version {result.weight_version}, fingerprint "
-                f"{result.model_fingerprint[:16]}, {seconds:.2f} s (read and checked {prepared.read_seconds:.2f} s, "
-                f"built, packed and fingerprinted {prepared.build_seconds:.2f} s, to the step boundary "
-                f"{seconds - (built - t0):.2f} s); {result.requests_ended} requests ended")
-            del prepared
-            trim_heap()   # the old weights' memory goes back to the OS
-            self.core.observer.on_weight_update(True, seconds, result.weight_version)
-            return result
+            return self._swap(self._prepare(path, t0), path, t0, weight_version)
+
+    def prepare_weights(self, path) -> weights.Prepared:
+        """update_weights' first half: read, check and build the checkpoint aside;
+        nothing served changes. A fleet prepares on every replica before any swaps,
+        so a checkpoint one replica refuses reaches none."""
+        with self._weights_lock:
+            return self._prepare(path, time.perf_counter())
+
+    def swap_weights(self, prepared: weights.Prepared, weight_version: Optional[int] = None,
+                     source: str = "a prepared checkpoint") -> weights.WeightUpdate:
+        """update_weights' second half, for what prepare_weights built."""
+        with self._weights_lock:
+            return self._swap(prepared, source, time.perf_counter(), weight_version)
+
+    def _prepare(self, path, t0: float) -> weights.Prepared:
+        try:
+            if self.failure is not None:
+                raise EngineDead(f"the engine loop stopped on an error: {self.failure!r}")
+            if not self.accepting:
+                raise WeightUpdateUnavailable("the engine is shutting down")
+            weights.refuse_unless_supported(self.config, self.core.tp_group is not None,
+                                              packing.quantized(self.core.model))
+            prepared = weights.prepare(self.config, self.model_config, path)
+        except Exception as exc:   # refused (WeightsRefused, WeightUpdateUnavailable) or failed: nothing changed
+            log(f"weight update from {path} refused: {exc}")
+            self.core.observer.on_weight_update(False, time.perf_counter() - t0, self.weight_version)
+            raise
+        return prepared
+
+    def _swap(self, prepared: weights.Prepared, path, t0: float, weight_version: Optional[int]):
+        built = time.perf_counter()
+        done, ended = threading.Event(), []
+        self._weights_applied = (done, ended)
+        self._inbox.put(("weights", (prepared, weight_version)))
+        self._ensure_thread()
+        while not done.wait(0.05):
+            if self.failure is not None or self._stopping:
+                raise EngineDead("the engine stopped before the new weights were swapped in")
+        seconds = time.perf_counter() - t0
+        result = weights.WeightUpdate(self.loaded.fingerprint, self.weight_version, seconds, ended[0])
+        log(f"weights from {path} in place: version {result.weight_version}, fingerprint "
+            f"{result.model_fingerprint[:16]}, {seconds:.2f} s (read and checked {prepared.read_seconds:.2f} s, "
+            f"built, packed and fingerprinted {prepared.build_seconds:.2f} s, to the step boundary "
+            f"{seconds - (built - t0):.2f} s); {result.requests_ended} requests ended")
+        del prepared
+        trim_heap()   # the old weights' memory goes back to the OS
+        self.core.observer.on_weight_update(True, seconds, result.weight_version)
+        return result
 
     @property
     def num_in_flight(self) -> int:
@@ -243,7 +263,7 @@ class Engine:
             elif op == "abort":
                 self.core.abort(arg)
             elif op == "weights":
-                self.core.begin_weight_update(arg)
+                self.core.begin_weight_update(*arg)
             elif op == "fail":
                 raise arg
             drained = True

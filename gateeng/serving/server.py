@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import signal
-from typing import Optional
+from typing import Callable, Optional
 
 from prometheus_client import make_asgi_app
 
@@ -61,15 +61,20 @@ class Server:
     `run()` returns the process exit code: 0 after a drain, 1 if the engine died."""
 
     def __init__(self, config: EngineConfig, settings: Optional[ServerConfig] = None,
-                 admin_token: Optional[str] = None, loaded=None, api_key: Optional[str] = None):
+                 admin_token: Optional[str] = None, loaded=None, api_key: Optional[str] = None,
+                 engine_factory: Optional[Callable[[], Engine]] = None, metrics: Optional[Metrics] = None):
+        """`engine_factory` builds what the fronts serve (by default an Engine on
+        `config`; gateeng.fleet passes one that builds a Fleet of replicas), and
+        `metrics` is the endpoint's (by default its own registry)."""
         self.config, self.loaded, self.admin_token, self.api_key = config, loaded, admin_token, api_key
+        self.engine_factory = engine_factory or (lambda: Engine(self.config, loaded=self.loaded))
         settings = settings or ServerConfig()
         settings.validate()
         settings.bounds.check(config.margin_threshold, config.max_window, what="the server default")
         self.tls = tls.load(settings.tls)
         self.settings = settings = _fit_descriptors(settings)
         self.host, self.port, self.drain_seconds = settings.host, settings.port, settings.drain_seconds
-        self.metrics = Metrics()
+        self.metrics = metrics or Metrics()
         self.gateway = Gateway(settings, self.metrics)
         self.metrics_port = None
         self.metrics_http: Optional[HttpServer] = None
@@ -114,7 +119,7 @@ class Server:
             self.http.start()
             log.info("OpenAI-compatible HTTP on port %d", self.http.port)
         try:
-            engine = await loop.run_in_executor(None, lambda: Engine(self.config, loaded=self.loaded))
+            engine = await loop.run_in_executor(None, self.engine_factory)
         except Exception:
             if self.http is not None:
                 await self.http.stop()
@@ -122,6 +127,12 @@ class Server:
             await self._stop_metrics()
             raise
         engine.on_death.append(lambda exc: loop.call_soon_threadsafe(self._on_engine_death, exc))
+        # An engine whose health comes and goes (a fleet: SERVING while a replica serves)
+        # says so through on_health; one Engine serves until it dies (on_death).
+        for_health = getattr(engine, "on_health", None)
+        if for_health is not None:
+            for_health.append(lambda serving: asyncio.run_coroutine_threadsafe(
+                front.set_serving(serving and not self._stop.is_set()), loop))
         if self.settings.freeze_heap:
             # The model, the tokenizer and the libraries live as long as the process, and
             # a full collection walks all of them: about 300k objects, 160 ms with every

@@ -413,6 +413,20 @@ def server_config(args) -> ServerConfig:
                         metrics_host=args.metrics_host)
 
 
+def cmd_fleet(args) -> int:
+    from gateeng.fleet import serve
+    logs.set_level(args.log_level)
+    try:
+        cfg = _engine_config(args)
+        cfg.validate()
+        server = serve.fleet_server(cfg, server_config(args), args.replicas, args.ray_address, args.max_restarts,
+                                    admin_token=_admin_token(args), api_key=_api_key(args))
+        return serve.run(server)
+    except (ValueError, OSError, TimeoutError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
 def _limits(args, max_connections: int) -> ConnectionLimits:
     return ConnectionLimits(max_connections=max_connections, header_timeout_s=args.http_header_timeout,
                             body_timeout_s=args.http_body_timeout, keep_alive_timeout_s=args.http_keep_alive_timeout)
@@ -566,6 +580,95 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
 
+def _serve_args(p: argparse.ArgumentParser) -> None:
+    """The flags of `gateeng serve`, which `gateeng fleet` takes too."""
+    _add_model_args(p)
+    p.add_argument("--host", default=SERVER.host, help="address to bind gRPC and HTTP (and metrics, unless "
+                                                        "--metrics-host)")
+    p.add_argument("--port", type=int, default=SERVER.port, help="gRPC port")
+    p.add_argument("--metrics-port", type=int, default=SERVER.metrics_port, help="Prometheus /metrics port (-1: off)")
+    p.add_argument("--metrics-host", default=SERVER.metrics_host,
+                   help="address to bind --metrics-port, such as a private interface while --host is public "
+                        "(default: --host)")
+    p.add_argument("--http-port", type=int, default=SERVER.http_port,
+                   help="port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+                        "/v1/models, /tokenize, /detokenize, /version, /health, /metrics), served beside gRPC "
+                        f"(default {SERVER.http_port}; -1: off)")
+    p.add_argument("--http-default-mode", choices=REQUEST_MODES, default=SERVER.http_default_mode,
+                   help="determinism of HTTP requests that set none: `verified` makes every lm-eval or openai "
+                        "client request VERIFIED without an extension field")
+    p.add_argument("--http-max-connections", type=int, default=SERVER.http_limits.max_connections,
+                   help="HTTP connections open at once; one more is answered 503 and closed")
+    p.add_argument("--metrics-max-connections", type=int, default=SERVER.metrics_limits.max_connections,
+                   help="/metrics connections open at once; one more is answered 503 and closed")
+    p.add_argument("--http-header-timeout", type=float, default=SERVER.http_limits.header_timeout_s,
+                   help="seconds a connection (HTTP and metrics) has to send a request's headers, from opening "
+                        "(with TLS, the handshake included) or from a kept-alive connection's next request; then "
+                        "it is closed")
+    p.add_argument("--http-body-timeout", type=float, default=SERVER.http_limits.body_timeout_s,
+                   help="seconds an HTTP request has to send its whole body after its headers; then it gets 408")
+    p.add_argument("--http-keep-alive-timeout", type=float, default=SERVER.http_limits.keep_alive_timeout_s,
+                   help="seconds an idle kept-alive connection stays open")
+    p.add_argument("--grpc-max-connections", type=int, default=SERVER.grpc_limits.max_connections,
+                   help="gRPC connections open at once; one more closes the oldest that has sent nothing yet, "
+                        "else it is closed at once. Each holds 3 open files; where the open-file limit cannot "
+                        "hold every listener's limit, all are lowered alike (the start-up log says so)")
+    p.add_argument("--grpc-handshake-timeout", type=float, default=SERVER.grpc_limits.handshake_timeout_s,
+                   help="seconds a gRPC connection has to send the HTTP/2 preface (with TLS: to finish the "
+                        "handshake) and its settings; then it is closed")
+    p.add_argument("--grpc-idle-timeout", type=float, default=SERVER.grpc_limits.idle_timeout_s,
+                   help="seconds a gRPC connection with no call in flight stays open (clients reconnect on "
+                        "their next call)")
+    p.add_argument("--ssl-certfile", default=None, metavar="FILE",
+                   help="serve TLS on both fronts (HTTPS, and gRPC over TLS) with this certificate chain (PEM); "
+                        "needs --ssl-keyfile. /metrics on --metrics-port stays plain HTTP")
+    p.add_argument("--ssl-keyfile", default=None, metavar="FILE", help="the private key of --ssl-certfile (PEM)")
+    p.add_argument("--ssl-ca-certs", default=None, metavar="FILE",
+                   help="require a client certificate signed by one of these CAs (PEM) on both fronts; needs "
+                        "--ssl-certfile")
+    p.add_argument("--served-model-name", default=SERVER.served_model_name,
+                   help="the model's name on both fronts: the id the HTTP API reports and accepts, and "
+                        "GetModelInfo's name (default: the model file's or directory's name)")
+    p.add_argument("--expose-model-path", action="store_true", default=SERVER.expose_model_path,
+                   help="report the model's path on this machine to every client (GetModelInfo.source); by "
+                        "default that field is empty and clients see only the model's name and fingerprint")
+    p.add_argument("--max-queue", type=int, default=DEFAULTS.max_queue,
+                   help="requests allowed to wait; beyond it calls fail with RESOURCE_EXHAUSTED and a retry hint")
+    p.add_argument("--max-prompt-bytes", type=int, default=SERVER.max_prompt_bytes,
+                   help="largest prompt text accepted on either front, checked before tokenizing; an HTTP "
+                        f"body longer than this plus {HTTP_BODY_SLACK_BYTES // 1024} KiB is a 413 (0: 32 bytes "
+                        "per context position)")
+    p.add_argument("--request-tau-max", type=float, default=SERVER.bounds.max_margin_threshold,
+                   help="the largest margin_threshold a request may ask for")
+    p.add_argument("--request-window-min", type=int, default=SERVER.bounds.min_window,
+                   help="the smallest max_window a request may ask for")
+    p.add_argument("--request-window-max", type=int, default=SERVER.bounds.max_window,
+                   help="the largest max_window a request may ask for (a verify replay is up to W+1 "
+                        "positions in one step)")
+    _admin_token_arg(p, "enables admin RPCs (UpdateGateConfig, UpdateWeights)")
+    _api_key_args(p, "require this API key on every gRPC Engine call (metadata `authorization: Bearer KEY`) and "
+                     "every HTTP path but /health and /metrics (header `Authorization: Bearer KEY`); gRPC health "
+                     "and reflection, and --metrics-port, stay open. Not encryption: the key travels in clear "
+                     "unless the server has --ssl-certfile (or a TLS proxy fronts it)")
+    p.add_argument("--recalibrate-route", action="store_true", default=DEFAULTS.recalibrate_route,
+                   help="time both plans' decode passes again at start-up and keep the new costs. The adaptive "
+                        "route prices each step from these costs, timed once per machine, kernel build, model and "
+                        "settings and kept in $GATEENG_CACHE (the log says where they came from); costs timed on a "
+                        "busy machine, or refused, are timed again by the first start that finds it quiet")
+    p.add_argument("--weight-update-wait", type=float, default=DEFAULTS.weight_update_wait, metavar="SECONDS",
+                   help="a weight update (`gateeng update-weights`) admits no new request and lets the running "
+                        "ones finish on the old weights for up to this long; those still running then end with "
+                        "finish_reason abort, so no answer mixes two weight versions")
+    p.add_argument("--drain-seconds", type=float, default=SERVER.drain_seconds,
+                   help="on SIGTERM, how long in-flight requests may finish before they end with UNAVAILABLE")
+    p.add_argument("--no-heap-freeze", action="store_true",
+                   help="leave the objects alive at start-up (model, tokenizer, libraries) to the garbage "
+                        "collector; by default they are frozen once the engine is up, since a full collection "
+                        "over them stalls every stream for about 160 ms")
+    p.add_argument("--log-level", default=logs.DEFAULT_LEVEL, choices=logs.LEVELS)
+    p.add_argument("--version", action="version", version=f"gateeng {__version__}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gateeng", description=__doc__)
     parser.add_argument("--version", action="version", version=f"gateeng {__version__}")
@@ -576,92 +679,23 @@ def build_parser() -> argparse.ArgumentParser:
     _tls_client_args(g)
     g.set_defaults(func=cmd_generate)
     s = sub.add_parser("serve", help="serve the model over gRPC, with Prometheus metrics")
-    _add_model_args(s)
-    s.add_argument("--host", default=SERVER.host, help="address to bind gRPC and HTTP (and metrics, unless "
-                                                        "--metrics-host)")
-    s.add_argument("--port", type=int, default=SERVER.port, help="gRPC port")
-    s.add_argument("--metrics-port", type=int, default=SERVER.metrics_port, help="Prometheus /metrics port (-1: off)")
-    s.add_argument("--metrics-host", default=SERVER.metrics_host,
-                   help="address to bind --metrics-port, such as a private interface while --host is public "
-                        "(default: --host)")
-    s.add_argument("--http-port", type=int, default=SERVER.http_port,
-                   help="port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
-                        "/v1/models, /tokenize, /detokenize, /version, /health, /metrics), served beside gRPC "
-                        f"(default {SERVER.http_port}; -1: off)")
-    s.add_argument("--http-default-mode", choices=REQUEST_MODES, default=SERVER.http_default_mode,
-                   help="determinism of HTTP requests that set none: `verified` makes every lm-eval or openai "
-                        "client request VERIFIED without an extension field")
-    s.add_argument("--http-max-connections", type=int, default=SERVER.http_limits.max_connections,
-                   help="HTTP connections open at once; one more is answered 503 and closed")
-    s.add_argument("--metrics-max-connections", type=int, default=SERVER.metrics_limits.max_connections,
-                   help="/metrics connections open at once; one more is answered 503 and closed")
-    s.add_argument("--http-header-timeout", type=float, default=SERVER.http_limits.header_timeout_s,
-                   help="seconds a connection (HTTP and metrics) has to send a request's headers, from opening "
-                        "(with TLS, the handshake included) or from a kept-alive connection's next request; then "
-                        "it is closed")
-    s.add_argument("--http-body-timeout", type=float, default=SERVER.http_limits.body_timeout_s,
-                   help="seconds an HTTP request has to send its whole body after its headers; then it gets 408")
-    s.add_argument("--http-keep-alive-timeout", type=float, default=SERVER.http_limits.keep_alive_timeout_s,
-                   help="seconds an idle kept-alive connection stays open")
-    s.add_argument("--grpc-max-connections", type=int, default=SERVER.grpc_limits.max_connections,
-                   help="gRPC connections open at once; one more closes the oldest that has sent nothing yet, "
-                        "else it is closed at once. Each holds 3 open files; where the open-file limit cannot "
-                        "hold every listener's limit, all are lowered alike (the start-up log says so)")
-    s.add_argument("--grpc-handshake-timeout", type=float, default=SERVER.grpc_limits.handshake_timeout_s,
-                   help="seconds a gRPC connection has to send the HTTP/2 preface (with TLS: to finish the "
-                        "handshake) and its settings; then it is closed")
-    s.add_argument("--grpc-idle-timeout", type=float, default=SERVER.grpc_limits.idle_timeout_s,
-                   help="seconds a gRPC connection with no call in flight stays open (clients reconnect on "
-                        "their next call)")
-    s.add_argument("--ssl-certfile", default=None, metavar="FILE",
-                   help="serve TLS on both fronts (HTTPS, and gRPC over TLS) with this certificate chain (PEM); "
-                        "needs --ssl-keyfile. /metrics on --metrics-port stays plain HTTP")
-    s.add_argument("--ssl-keyfile", default=None, metavar="FILE", help="the private key of --ssl-certfile (PEM)")
-    s.add_argument("--ssl-ca-certs", default=None, metavar="FILE",
-                   help="require a client certificate signed by one of these CAs (PEM) on both fronts; needs "
-                        "--ssl-certfile")
-    s.add_argument("--served-model-name", default=SERVER.served_model_name,
-                   help="the model's name on both fronts: the id the HTTP API reports and accepts, and "
-                        "GetModelInfo's name (default: the model file's or directory's name)")
-    s.add_argument("--expose-model-path", action="store_true", default=SERVER.expose_model_path,
-                   help="report the model's path on this machine to every client (GetModelInfo.source); by "
-                        "default that field is empty and clients see only the model's name and fingerprint")
-    s.add_argument("--max-queue", type=int, default=DEFAULTS.max_queue,
-                   help="requests allowed to wait; beyond it calls fail with RESOURCE_EXHAUSTED and a retry hint")
-    s.add_argument("--max-prompt-bytes", type=int, default=SERVER.max_prompt_bytes,
-                   help="largest prompt text accepted on either front, checked before tokenizing; an HTTP "
-                        f"body longer than this plus {HTTP_BODY_SLACK_BYTES // 1024} KiB is a 413 (0: 32 bytes "
-                        "per context position)")
-    s.add_argument("--request-tau-max", type=float, default=SERVER.bounds.max_margin_threshold,
-                   help="the largest margin_threshold a request may ask for")
-    s.add_argument("--request-window-min", type=int, default=SERVER.bounds.min_window,
-                   help="the smallest max_window a request may ask for")
-    s.add_argument("--request-window-max", type=int, default=SERVER.bounds.max_window,
-                   help="the largest max_window a request may ask for (a verify replay is up to W+1 "
-                        "positions in one step)")
-    _admin_token_arg(s, "enables admin RPCs (UpdateGateConfig, UpdateWeights)")
-    _api_key_args(s, "require this API key on every gRPC Engine call (metadata `authorization: Bearer KEY`) and "
-                     "every HTTP path but /health and /metrics (header `Authorization: Bearer KEY`); gRPC health "
-                     "and reflection, and --metrics-port, stay open. Not encryption: the key travels in clear "
-                     "unless the server has --ssl-certfile (or a TLS proxy fronts it)")
-    s.add_argument("--recalibrate-route", action="store_true", default=DEFAULTS.recalibrate_route,
-                   help="time both plans' decode passes again at start-up and keep the new costs. The adaptive "
-                        "route prices each step from these costs, timed once per machine, kernel build, model and "
-                        "settings and kept in $GATEENG_CACHE (the log says where they came from); costs timed on a "
-                        "busy machine, or refused, are timed again by the first start that finds it quiet")
-    s.add_argument("--weight-update-wait", type=float, default=DEFAULTS.weight_update_wait, metavar="SECONDS",
-                   help="a weight update (`gateeng update-weights`) admits no new request and lets the running "
-                        "ones finish on the old weights for up to this long; those still running then end with "
-                        "finish_reason abort, so no answer mixes two weight versions")
-    s.add_argument("--drain-seconds", type=float, default=SERVER.drain_seconds,
-                   help="on SIGTERM, how long in-flight requests may finish before they end with UNAVAILABLE")
-    s.add_argument("--no-heap-freeze", action="store_true",
-                   help="leave the objects alive at start-up (model, tokenizer, libraries) to the garbage "
-                        "collector; by default they are frozen once the engine is up, since a full collection "
-                        "over them stalls every stream for about 160 ms")
-    s.add_argument("--log-level", default=logs.DEFAULT_LEVEL, choices=logs.LEVELS)
-    s.add_argument("--version", action="version", version=f"gateeng {__version__}")
+    _serve_args(s)
     s.set_defaults(func=cmd_serve)
+    f = sub.add_parser("fleet", help="serve the model from several replicas on a Ray cluster, behind one front",
+                       description="Start --replicas engine replicas as Ray actors (one placement-group bundle of "
+                                   "--threads CPUs each, spread across the cluster's nodes) behind one gRPC and "
+                                   "OpenAI-compatible HTTP front with one /metrics. Requests are routed to the "
+                                   "least-loaded replica that holds their prompt prefix; update-weights reaches "
+                                   "every replica at once; a replica that dies is restarted by Ray and its "
+                                   "VERIFIED requests finish on another replica with the same bits.")
+    _serve_args(f)
+    f.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="the Ray cluster to run on (`ray start --head` prints it; `auto` finds a local one); "
+                        "by default a Ray instance is started on this machine")
+    f.add_argument("--replicas", type=int, required=True, metavar="N", help="engine replicas to place")
+    f.add_argument("--max-restarts", type=int, default=4, metavar="N",
+                   help="how many times Ray restarts a replica that dies (-1: always)")
+    f.set_defaults(func=cmd_fleet)
     c = sub.add_parser("calibrate", help="measure where the fast path flips and recommend a margin threshold",
                        description="Decode prompts on the reference and, teacher-forced, on the fast path under "
                                    "several batch sizes; report trigger rate, catch rate and a miss-rate bound "

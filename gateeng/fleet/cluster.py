@@ -1,0 +1,52 @@
+"""Ray: the cluster the fleet runs on, and where its replicas go.
+
+`connect` joins a running cluster (`ray start --head` on one machine, `ray start
+--address` on the others, or KubeRay's) or, with no address, starts a local one.
+`place` reserves one placement group of `replicas` bundles of `cpus` CPUs each,
+strategy SPREAD (Ray puts the bundles on different nodes where it can), and starts
+one EngineReplica on each bundle. Ray restarts a replica that dies, up to
+`max_restarts` times; the front re-runs its requests elsewhere (fleet.py).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from gateeng.config import EngineConfig
+from gateeng.fleet.replica import EngineReplica
+
+
+def connect(address: Optional[str]) -> bool:
+    """Join the Ray cluster at `address`, or start a local one; True if started here."""
+    import ray
+    if ray.is_initialized():
+        return False
+    if address:
+        ray.init(address=address, include_dashboard=False, log_to_driver=True)
+        return False
+    ray.init(include_dashboard=False)
+    return True
+
+
+def place(config: EngineConfig, replicas: int, cpus: int, served_model_name: Optional[str], max_restarts: int,
+          timeout_s: float = 600.0) -> tuple:
+    """Start `replicas` EngineReplica actors, one per bundle of a SPREAD placement group;
+    returns (the group, {name: handle}). Raises TimeoutError when the cluster cannot
+    hold the bundles within `timeout_s` (it names what was asked)."""
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    group = placement_group([{"CPU": cpus}] * replicas, strategy="SPREAD", name="")
+    if not group.wait(timeout_seconds=timeout_s):
+        ray.util.remove_placement_group(group)
+        raise TimeoutError(f"the Ray cluster cannot place {replicas} replicas of {cpus} CPUs each within "
+                           f"{timeout_s:.0f} s (ray.cluster_resources(): {ray.cluster_resources()}); add nodes or "
+                           f"lower --replicas or --threads")
+    actor = ray.remote(EngineReplica).options
+    handles = {}
+    for i in range(replicas):
+        name = f"replica-{i}"
+        handles[name] = actor(
+            num_cpus=cpus, max_restarts=max_restarts, max_task_retries=0, max_concurrency=1000,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i),
+        ).remote(config, name, served_model_name)
+    return group, handles

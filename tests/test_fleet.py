@@ -1,0 +1,277 @@
+"""`gateeng fleet` on a two-node Ray cluster on loopback (ray.cluster_utils.Cluster,
+every node on 127.0.0.1), on a tiny bf16 model saved as a Hugging Face directory:
+VERIFIED answers from both replicas equal one server's; an update reaches both
+replicas and a broken one neither; a replica killed with SIGKILL mid-stream loses no
+VERIFIED stream, each finishing with one server's bits; nothing started listens
+beyond loopback."""
+import os
+
+# Ray's test cluster keeps every node on 127.0.0.1 only with this set before Ray loads.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+
+import ipaddress  # noqa: E402
+import json
+import signal
+import struct
+import threading
+import time
+import urllib.request
+
+import psutil
+import pytest
+import torch
+
+from gateeng.config import EngineConfig, ServerConfig
+from gateeng.model import loader
+from gateeng.plans import reference_ops
+from gateeng.request import DeterminismParams, Mode, SamplingParams
+from gateeng.serving.grpc_client import Client
+from gateeng.tools import cli
+from test_server_async import SERVING, Running, wait_for
+from test_weight_update import broken
+from tiny import hf_family, save_family
+
+ray = pytest.importorskip("ray")
+TOKEN = "fleet-t0ken"
+VERIFIED = DeterminismParams(Mode.VERIFIED)
+PROMPTS = [[5, 17, 200, 3, 9], list(range(40, 61)), [7] * 33]
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2)
+SEEDED = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2, temperature=0.8, seed=7)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def reference_runs():
+    if not reference_ops.runnable():
+        pytest.skip("no build of the reference runs here")
+
+
+def config(model_dir) -> EngineConfig:
+    return EngineConfig(model=str(model_dir), dtype="bfloat16", num_kv_blocks=512, max_model_len=512, block_size=4,
+                        max_num_batched_tokens=64, max_num_seqs=16, num_threads=1, verified_route="speculative")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    save_family("llama", path, tie=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def new_dir(tmp_path_factory, model_dir):
+    """Other weights for the same model (config.json and safetensors)."""
+    path = tmp_path_factory.mktemp("new")
+    hf = hf_family("llama", tie=True)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    hf.save_pretrained(path, safe_serialization=True)
+    for f in model_dir.glob("*token*"):   # so one server can start on it too
+        (path / f.name).write_bytes(f.read_bytes())
+    return path
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """Two Ray nodes of one CPU each, both on 127.0.0.1."""
+    from ray.cluster_utils import Cluster
+    small = dict(num_cpus=1, node_ip_address="127.0.0.1", object_store_memory=96 * 2 ** 20)
+    c = Cluster(initialize_head=True, head_node_args=dict(small, include_dashboard=False))
+    c.add_node(**small)
+    c.wait_for_nodes()
+    ray.init(address=c.address, _node_ip_address="127.0.0.1")
+    yield c
+    ray.shutdown()
+    c.shutdown()
+
+
+class FleetRunning(Running):
+    """`gateeng fleet` on its own thread and loop, over the test cluster."""
+
+    def __init__(self, cfg, address):
+        from gateeng.fleet import serve
+        self.server = serve.fleet_server(cfg, ServerConfig(port=0, metrics_port=0, http_port=0), 2, address,
+                                         admin_token=TOKEN)
+        self.exit_code, self.loop, self.credentials = None, None, None
+        self.thread = threading.Thread(target=self._main, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 300
+        while self.server.gateway.engine is None:
+            assert time.time() < deadline and self.thread.is_alive(), "fleet did not start"
+            time.sleep(0.1)
+        self.target = f"127.0.0.1:{self.server.port}"
+        wait_for(self.target, SERVING)
+        self.fleet = self.server.gateway.engine
+
+
+@pytest.fixture(scope="module")
+def fleet(cluster, model_dir):
+    running = FleetRunning(config(model_dir), cluster.address)
+    yield running
+    assert running.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def single(model_dir):
+    """One `gateeng serve` on the same model: the answers the fleet must give."""
+    srv = Running(config(model_dir), loaded=loader.load(str(model_dir), "bfloat16"),
+                  settings=ServerConfig(port=0, metrics_port=None, http_port=None))
+    yield srv
+    srv.stop()
+
+
+def bits(x: float) -> str:
+    return struct.pack("<d", x).hex()
+
+
+def answer(r) -> tuple:
+    return (list(r.token_ids), [(bits(lp.logprob), [(t.token_id, bits(t.logprob)) for t in lp.top])
+                                for lp in r.logprobs], r.reproducibility.model_fingerprint)
+
+
+def answers(target, concurrent=True) -> tuple:
+    """VERIFIED answers, greedy and seeded, each prompt twice at once (so both replicas
+    take some): ({(params, prompt): answer}, the replicas and weight versions seen)."""
+    jobs = [(i, j) for i in range(2) for j in range(len(PROMPTS))] * 2
+    out, seen, lock = {}, set(), threading.Lock()
+
+    def run(job):
+        with Client(target) as c:
+            r = c.complete(PROMPTS[job[1]], (GREEDY, SEEDED)[job[0]], VERIFIED)
+        with lock:
+            assert out.setdefault(job, answer(r)) == answer(r)
+            seen.add((r.reproducibility.replica, r.reproducibility.weight_version))
+    threads = [threading.Thread(target=run, args=(job,)) for job in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert len(out) == 2 * len(PROMPTS)
+    return out, seen
+
+
+def test_both_replicas_answer_as_one_server(fleet, single):
+    want, _ = answers(single.target)
+    got, seen = answers(fleet.target)
+    assert got == want
+    assert seen == {("replica-0", 0), ("replica-1", 0)}
+    ray_nodes = {ray.get(a.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()))
+                 for a in fleet.fleet.actors.values()}
+    assert len(ray_nodes) == 2   # SPREAD: one replica on each node
+
+
+def test_health_metrics_and_http_front(fleet):
+    with Client(fleet.target) as c:
+        assert c.server_info().self_check_passed and c.model_info().weight_version == fleet.fleet.weight_version
+    http = f"http://127.0.0.1:{fleet.server.http.port}"
+    body = json.dumps({"model": fleet.server.gateway.model_name(), "prompt": [5, 17, 200], "max_tokens": 4,
+                       "determinism": {"mode": "verified"}}).encode()
+    req = urllib.request.Request(http + "/v1/completions", body, {"Content-Type": "application/json"})
+    out = json.loads(urllib.request.urlopen(req, timeout=60).read())
+    assert out["reproducibility"]["replica"] in ("replica-0", "replica-1")
+    text = urllib.request.urlopen(f"http://127.0.0.1:{fleet.server.metrics_port}/metrics", timeout=30).read().decode()
+    for replica in ("replica-0", "replica-1"):
+        assert f'replica="{replica}"' in text
+    lines = [line for line in text.splitlines() if line.startswith("gateeng_request_success_total{")]
+    assert any('replica="' in line for line in lines)
+    assert text.count("# HELP gateeng_request_success_total ") <= 1 and "# TYPE gateeng_weight_version gauge" in text
+
+
+def loopback(ip: str) -> bool:
+    address = ipaddress.ip_address(ip.split("%")[0])
+    return (getattr(address, "ipv4_mapped", None) or address).is_loopback
+
+
+def test_nothing_listens_beyond_loopback(fleet):
+    me = psutil.Process()
+    procs = [me] + me.children(recursive=True)
+    listening = []
+    for p in procs:
+        try:
+            conns = p.net_connections(kind="inet")
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        listening += [(p.pid, p.name(), c.laddr) for c in conns if c.status == psutil.CONN_LISTEN]
+    assert listening, "found no listening socket: the check looked at the wrong processes"
+    assert [entry for entry in listening if not loopback(entry[2].ip)] == []
+    ports = {entry[2].port for entry in listening}
+    assert fleet.server.port in ports and fleet.server.http.port in ports
+
+
+def replica_states(fleet) -> list:
+    return [ray.get(a.state.remote()) for _, a in sorted(fleet.fleet.actors.items())]
+
+
+def test_update_reaches_both_replicas_and_a_broken_one_neither(fleet, single, new_dir, tmp_path, capsys):
+    token = tmp_path / "token"
+    token.write_text(TOKEN + "\n")
+    before = replica_states(fleet)
+    bad, expect = broken(tmp_path, new_dir, "nan")
+    assert cli.main(["update-weights", "--server", fleet.target, str(bad), "--admin-token-file", str(token)]) == 2
+    assert "INVALID_ARGUMENT" in capsys.readouterr().err
+    assert [(s.weight_version, s.fingerprint) for s in replica_states(fleet)] == \
+        [(s.weight_version, s.fingerprint) for s in before]
+    assert cli.main(["update-weights", "--server", fleet.target, str(new_dir), "--admin-token-file",
+                     str(token)]) == 0
+    assert "weight_version 1" in capsys.readouterr().out
+    after = replica_states(fleet)
+    assert [s.weight_version for s in after] == [1, 1]
+    assert after[0].fingerprint == after[1].fingerprint != before[0].fingerprint
+    got, seen = answers(fleet.target)
+    assert seen == {("replica-0", 1), ("replica-1", 1)}
+    fresh = Running(config(new_dir), loaded=loader.load(str(new_dir), "bfloat16"),
+                    settings=ServerConfig(port=0, metrics_port=None, http_port=None))
+    try:
+        want, _ = answers(fresh.target)
+    finally:
+        fresh.stop()
+    assert got == want and {a[2] for a in got.values()} == {after[0].fingerprint}
+
+
+def test_a_replica_killed_mid_stream_loses_no_verified_stream(fleet):
+    """SIGKILL one replica while VERIFIED streams run on both: every stream ends with
+    the tokens a single server gives (the fleet's weights are the updated ones by now,
+    so the reference is the fleet itself before the kill: VERIFIED bits repeat)."""
+    params = SamplingParams(max_tokens=300, ignore_eos=True, temperature=0.7, seed=3)
+    prompts = [[11 + i, 3, 90, 4 + i] for i in range(6)]
+    with Client(fleet.target) as c:
+        want = [list(c.complete(p, params, VERIFIED).token_ids) for p in prompts]
+    received = [[] for _ in prompts]
+    finals, errors = [None] * len(prompts), []
+
+    def stream(i):
+        try:
+            with Client(fleet.target) as c:
+                for ev in c.generate(prompts[i], params, VERIFIED):
+                    if ev.HasField("chunk"):
+                        received[i].extend(ev.chunk.token_ids)
+                    elif ev.HasField("complete"):
+                        finals[i] = ev.complete
+        except Exception as exc:   # recorded: the assertions below name it
+            errors.append(exc)
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    deadline = time.time() + 60
+    while not all(received) and time.time() < deadline:
+        time.sleep(0.005)
+    victim = "replica-0"
+    actor = fleet.fleet.actors[victim]
+    pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))
+    with fleet.fleet._lock:
+        on_victim = [r.request_id for r in fleet.fleet._requests.values() if r.replica == victim and r.sent]
+    os.kill(pid, signal.SIGKILL)
+    for t in threads:
+        t.join(180)
+    assert errors == []
+    assert on_victim, "no stream was half sent on the killed replica: the kill came too late"
+    assert [list(f.token_ids) for f in finals] == want
+    assert received == want   # the streamed tokens too: nothing sent twice, nothing missing
+    assert {f.reproducibility.replica for f in finals} <= {"replica-0", "replica-1"}
+    # Ray restarts the replica, and it serves again, on the fleet's weights.
+    deadline = time.time() + 180
+    while victim not in fleet.fleet.serving:
+        assert time.time() < deadline, "the killed replica did not come back"
+        time.sleep(0.2)
+    assert ray.get(actor.state.remote()).weight_version == fleet.fleet.weight_version
