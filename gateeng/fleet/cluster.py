@@ -23,7 +23,8 @@ def connect(address: Optional[str]) -> bool:
     if address:
         ray.init(address=address, include_dashboard=False, log_to_driver=True)
         return False
-    ray.init(include_dashboard=False)
+    # One machine: Ray's own servers on loopback only, like the fronts' defaults.
+    ray.init(include_dashboard=False, _node_ip_address="127.0.0.1")
     return True
 
 
