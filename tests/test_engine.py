@@ -284,8 +284,9 @@ def test_teacher_forced_runs_a_plan_along_given_tokens_on_borrowed_kv_blocks():
     refs = [h.result().token_ids for h in handles]
     free = core.blocks.num_free
     steps = core.teacher_forced(prompts, [r[:-1] for r in refs], PlanKind.INVARIANT)
-    assert len(steps) == 8 and all(len(tokens) == len(margins) == 3 for tokens, margins in steps)
-    assert [[tokens[i] for tokens, _ in steps] for i in range(3)] == [r[1:] for r in refs]
+    assert len(steps) == 8 and all(len(tokens) == len(margins) == 3 for tokens, margins, _ in steps)
+    assert all(routers == [math.inf] * 3 for _, _, routers in steps)   # a dense model: no router
+    assert [[tokens[i] for tokens, _, _ in steps] for i in range(3)] == [r[1:] for r in refs]
     assert core.blocks.num_free == free
     core.blocks.check_integrity()
     with pytest.raises(ValueError, match="one forced token list per prompt"):

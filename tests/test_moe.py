@@ -170,10 +170,10 @@ def test_a_model_whose_router_ties_two_experts_routes_by_the_written_rule():
     route = type(plan).route
 
     def recording(self, logits, moe):
-        ids, weights = route(self, logits, moe)
+        ids, weights, margins = route(self, logits, moe)
         assert torch.equal(logits[:, 1], logits[:, 2])
         seen.append(ids)
-        return ids, weights
+        return ids, weights, margins
     try:
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(type(plan), "route", recording)
@@ -297,3 +297,23 @@ def test_router_triggers_are_verified_and_counted():
         engine.shutdown()
     assert got.token_ids == want
     assert got.stats.triggers_router > 0 and got.stats.triggers_margin == 0
+
+
+def test_calibrate_measures_the_router_margins_of_a_mixture_of_experts(tmp_path):
+    """`gateeng calibrate` on a MoE: every fast step's router margin is measured, and the
+    router table (beside the chosen tau) catches more flips as its bound grows."""
+    import json
+
+    from gateeng.tools import calibrate as cal
+    prompts = [[i + 1, i + 7, i + 3, 200 - i] for i in range(4)]
+    report = cal.calibrate(tiny_loaded("bfloat16", bf16_rounded("olmoe")), prompts, n_tokens=8, batch_sizes=(1, 2),
+                           block_size=4, target_miss=0.5, show_progress=False, fast=FastPlan(logit_noise=3.0))
+    assert report.steps == 2 * 4 * 7 and len(report.router_margins) == report.steps
+    assert all(0 <= m < 1 for m in report.router_margins)   # OLMoE's: differences of probabilities
+    rows = report.router_rows
+    assert [r.tau for r in rows] == list(cal.ROUTER_BOUNDS)
+    assert all(a.trigger_rate <= b.trigger_rate and a.misses >= b.misses for a, b in zip(rows, rows[1:]))
+    assert rows[-1].trigger_rate > rows[0].trigger_rate   # a bound above some routers' margins triggers them
+    js, _ = cal.write(report, tmp_path, {"model": "tiny-olmoe"})
+    assert len(json.loads(js.read_text())["router_table"]) == len(cal.ROUTER_BOUNDS)
+    assert "router bound" in cal.markdown(report)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import secrets
 import threading
 import time
@@ -379,7 +380,8 @@ class EngineCore:
         """Greedy choices of plan `kind` along given tokens, as the runner runs a step:
         each prompt is prefilled on the invariant plan (as a VERIFIED request's is),
         then forced[i] is fed to sequence i one decode step at a time, every sequence
-        in the same pass. Returns per step (tokens, margins), one entry per sequence:
+        in the same pass. Returns per step (tokens, margins, router margins: a mixture
+        of experts' smallest router margin, else inf), one entry per sequence:
         step t's predict the token after forced[i][t]. The forced lists have one
         length. The sequences are throwaway: their KV blocks come from the free list
         and go back unregistered, so the KV accounting is as before (a cached prefix
@@ -402,7 +404,8 @@ class EngineCore:
                 out = self.runner.run(StepPlan([ScheduledSeq.plan(r, len(r.tokens) - 1, len(r.tokens), kind)
                                                 for r in reqs]))
                 steps.append(([out[r.request_id].tokens[0] for r in reqs],
-                              [out[r.request_id].margins[0] for r in reqs]))
+                              [out[r.request_id].margins[0] for r in reqs],
+                              [(out[r.request_id].router_margins or (math.inf,))[0] for r in reqs]))
             return steps
         finally:
             for block in borrowed:

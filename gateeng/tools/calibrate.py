@@ -14,6 +14,13 @@ later by the window or finish trigger (VERIFIED output stays exact), but costs a
 longer rollback. The miss rate is missed flips per decode step, with a one-sided
 Clopper-Pearson upper bound; the recommendation is the smallest tau whose bound
 meets the target.
+
+A mixture of experts' fast steps also carry the router margin (the k-th minus the
+(k+1)-th router score, smallest over the routing layers): at the recommended tau (or
+the largest in the table, where none meets the target) a second table adds the
+router-margin gate, a step triggering on either, for each router bound; the
+recommended bound is the smallest whose miss-rate bound meets the target (the
+server's --router-margin-threshold).
 """
 from __future__ import annotations
 
@@ -35,6 +42,9 @@ BATCH_SIZES = (1, 8, 32)
 TARGET_MISS = 1e-3
 CONFIDENCE = 0.95
 TAUS = (0.0, 0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0)
+# Router bounds for a mixture of experts (router scores are probabilities for softmax
+# routing, logits for Mixtral's).
+ROUTER_BOUNDS = (0.0, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3)
 
 
 @dataclass
@@ -64,6 +74,12 @@ class Report:
     # The fast plan changes kernel above this many rows and no batch here had more, so
     # such steps were not measured (None: none left out).
     untested_above: Optional[int] = None
+    # A mixture of experts: per step, the smallest router margin; the router table (TauRow's
+    # tau is the router bound) at router_tau; and the bound it recommends.
+    router_margins: list = field(default_factory=list, repr=False)
+    router_rows: list = field(default_factory=list)
+    router_tau: Optional[float] = None
+    recommended_router: Optional[float] = None
 
     @property
     def flip_rate(self) -> float:
@@ -99,15 +115,21 @@ def clopper_pearson_upper(k: int, n: int, confidence: float = 0.95) -> float:
 
 
 def tau_table(margins: Sequence[float], flipped: Sequence[bool], taus=TAUS,
-              confidence: float = 0.95) -> list:
+              confidence: float = 0.95, routers: Sequence[float] = (), tau: float = 0.0) -> list:
+    """A TauRow per threshold in `taus`. With `routers` (each step's router margin),
+    `taus` are router bounds and a step triggers on its margin below `tau` or its
+    router margin within the bound."""
     n = len(margins)
     flips = sum(flipped)
     rows = []
-    for tau in taus:
-        trig = [gate.margin_triggers(m, tau) for m in margins]
+    for bound in taus:
+        if routers:
+            trig = [gate.margin_triggers(m, tau) or gate.margin_triggers(r, bound) for m, r in zip(margins, routers)]
+        else:
+            trig = [gate.margin_triggers(m, bound) for m in margins]
         caught = sum(1 for t, f in zip(trig, flipped) if t and f)
         misses = flips - caught
-        rows.append(TauRow(tau, sum(trig) / max(n, 1), caught / flips if flips else 1.0, misses,
+        rows.append(TauRow(bound, sum(trig) / max(n, 1), caught / flips if flips else 1.0, misses,
                            misses / max(n, 1), clopper_pearson_upper(misses, n, confidence)))
     return rows
 
@@ -142,11 +164,12 @@ def _reference(loaded, prompts: list, n_tokens: int, dtype: str, progress, tenso
 
 
 def _teacher_forced(engine, prompts: list, refs: list):
-    """(margin, flipped) for every fast decode step of one batch of prompts."""
+    """(margin, router margin, flipped) for every fast decode step of one batch of prompts."""
     n = min(len(r) for r in refs)
     out = []
-    for t, (tokens, margins) in enumerate(engine.teacher_forced(prompts, [r[:n - 1] for r in refs]), start=1):
-        out.extend((float(m), int(k) != r[t]) for k, m, r in zip(tokens, margins, refs))
+    for t, (tokens, margins, routers) in enumerate(engine.teacher_forced(prompts, [r[:n - 1] for r in refs]),
+                                                   start=1):
+        out.extend((float(m), float(rm), int(k) != r[t]) for k, m, rm, r in zip(tokens, margins, routers, refs))
     return out
 
 
@@ -174,14 +197,16 @@ def calibrate(loaded, prompts: list, n_tokens: int = TOKENS, batch_sizes=BATCH_S
         switch = packing.of(engine.model).fast_rowwise_max_rows
         fast = fast or served
         engine.replace_fast_plan(fast)
-        margins, flipped, flips_by, steps_by = [], [], {}, {}
+        margins, routers, flipped, flips_by, steps_by = [], [], [], {}, {}
+        moe = engine.model.cfg.moe is not None
         for b, gs in groups.items():
             bar.set_postfix_str(f"fast decode, batch {b}")
             for g in gs:
                 samples = _teacher_forced(engine, [prompts[i] for i in g], [refs[i] for i in g])
-                margins += [m for m, _ in samples]
-                flipped += [f for _, f in samples]
-                flips_by[b] = flips_by.get(b, 0) + sum(f for _, f in samples)
+                margins += [m for m, _, _ in samples]
+                routers += [r for _, r, _ in samples]
+                flipped += [f for _, _, f in samples]
+                flips_by[b] = flips_by.get(b, 0) + sum(f for _, _, f in samples)
                 steps_by[b] = steps_by.get(b, 0) + len(samples)
                 bar.update(1)
         engine.close()
@@ -190,8 +215,14 @@ def calibrate(loaded, prompts: list, n_tokens: int = TOKENS, batch_sizes=BATCH_S
         fast_matmul, switch = "replaced by the caller", None
     largest = max(len(g) for gs in groups.values() for g in gs)
     untested = switch if switch is not None and largest <= switch else None
-    return Report(len(margins), sum(flipped), flips_by, steps_by, confidence, target_miss,
-                  recommend(rows, target_miss), rows, machine, margins, flipped, fast_matmul, untested)
+    report = Report(len(margins), sum(flipped), flips_by, steps_by, confidence, target_miss,
+                    recommend(rows, target_miss), rows, machine, margins, flipped, fast_matmul, untested)
+    if moe:
+        report.router_margins = routers
+        report.router_tau = report.recommended_tau if report.recommended_tau is not None else TAUS[-1]
+        report.router_rows = tau_table(margins, flipped, ROUTER_BOUNDS, confidence, routers, report.router_tau)
+        report.recommended_router = recommend(report.router_rows, target_miss)
+    return report
 
 
 # ---- output --------------------------------------------------------------------
@@ -217,6 +248,17 @@ def markdown(report: Report) -> str:
               if rec is not None else
               f"no tau in the table meets --target-miss {report.target_miss:g}: measure more steps "
               "(more prompts or --tokens) or accept a higher target"]
+    if report.router_rows:
+        lines += ["", f"a mixture of experts: the router-margin gate beside tau = {report.router_tau:g}", "",
+                  "| router bound | trigger rate | flips caught at their step | missed flips | miss rate | "
+                  f"miss rate {100 * report.confidence:.0f}% upper bound |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {r.tau:g} | {100 * r.trigger_rate:.1f}% | {100 * r.catch_rate:.1f}% | {r.misses} | "
+                  f"{r.miss_rate:.2e} | {r.miss_upper:.2e} |" for r in report.router_rows]
+        bound = report.recommended_router
+        lines += ["", f"recommended router bound: {bound:g} (serve with --router-margin-threshold {bound:g})"
+                  if bound is not None else
+                  f"no router bound in the table meets --target-miss {report.target_miss:g} at this tau"]
     return "\n".join(lines)
 
 
@@ -228,6 +270,8 @@ def write(report: Report, out_dir: Path, meta: dict) -> tuple[Path, Path]:
             "confidence": report.confidence, "target_miss": report.target_miss,
             "recommended_tau": report.recommended_tau, "table": [asdict(r) for r in report.rows],
             "fast_plan": report.fast_plan, "untested_above_rows": report.untested_above,
+            "router_tau": report.router_tau, "recommended_router_bound": report.recommended_router,
+            "router_table": [asdict(r) for r in report.router_rows],
             "reproducibility": report.machine}
     js = out_dir / "calibration.json"
     js.write_text(json.dumps(data, indent=2))
