@@ -183,3 +183,33 @@ def test_dockerfile_passes_hadolint_and_installs_torch_before_the_source():
 def yaml_list(instruction: str) -> list:
     import json
     return json.loads(instruction.split(None, 1)[1])
+
+
+def test_kuberay_fleet_runs_gateeng_fleet_behind_its_service():
+    """deploy/k8s/fleet-kuberay.yaml: the RayJob's entrypoint is a `gateeng fleet` command
+    the CLI accepts, its replicas fit the worker group, and the Service reaches the
+    head pod's fronts on the ports the command serves."""
+    import shlex
+
+    import kubernetes_validate
+    import yaml
+
+    from gateeng.tools.cli import build_parser
+    docs = {d["kind"]: d for d in yaml.safe_load_all((DEPLOY / "k8s" / "fleet-kuberay.yaml").read_text()) if d}
+    job, service = docs["RayJob"], docs["Service"]
+    kubernetes_validate.validate(service, kubernetes_validate.latest_version(), strict=True)
+    argv = shlex.split(job["spec"]["entrypoint"])
+    assert argv[:2] == ["gateeng", "fleet"]
+    args = build_parser().parse_args(argv[1:])
+    assert args.func.__name__ == "cmd_fleet" and args.ray_address == "auto" and args.host == "0.0.0.0"
+    cluster = job["spec"]["rayClusterSpec"]
+    workers = cluster["workerGroupSpecs"][0]
+    worker = workers["template"]["spec"]["containers"][0]
+    assert workers["replicas"] * int(worker["resources"]["limits"]["cpu"]) >= args.replicas * args.threads
+    head = cluster["headGroupSpec"]["template"]
+    assert service["spec"]["selector"].items() <= head["metadata"]["labels"].items()
+    ports = {p["name"]: p["containerPort"] for p in head["spec"]["containers"][0]["ports"]}
+    assert ports == {"grpc": args.port, "http": args.http_port, "metrics": args.metrics_port}
+    assert {p["name"]: p["port"] for p in service["spec"]["ports"]} == ports
+    mounts = {m["name"]: m["mountPath"] for m in head["spec"]["containers"][0]["volumeMounts"]}
+    assert args.admin_token_file.startswith(mounts["admin-token"])
