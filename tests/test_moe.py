@@ -317,3 +317,23 @@ def test_calibrate_measures_the_router_margins_of_a_mixture_of_experts(tmp_path)
     js, _ = cal.write(report, tmp_path, {"model": "tiny-olmoe"})
     assert len(json.loads(js.read_text())["router_table"]) == len(cal.ROUTER_BOUNDS)
     assert "router bound" in cal.markdown(report)
+
+
+def test_new_weights_in_place_serve_what_a_fresh_start_on_them_serves(saved, tmp_path):
+    """A mixture of experts' weight update (per-expert files, as save_pretrained writes
+    them): the new fingerprint and the new reference answers, as a fresh start gives."""
+    from gateeng.model.loader import load
+    gen = torch.Generator().manual_seed(3)
+    new = rewrite(saved, tmp_path / "new",
+                  lambda t: {k: v + 0.05 * torch.randn(v.shape, generator=gen) for k, v in t.items()})
+    fresh = load(str(new), "bfloat16")
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    want = reference_answer(fresh, SEQS[1], params)
+    engine = Engine(EngineConfig(dtype="bfloat16", **TINY), loaded=load(str(saved), "bfloat16"))
+    try:
+        update = engine.update_weights(new)
+        got = engine.generate(SEQS[1], params, VERIFIED)
+    finally:
+        engine.shutdown()
+    assert update.model_fingerprint == fresh.fingerprint
+    assert got.token_ids == want
