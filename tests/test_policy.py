@@ -12,7 +12,7 @@ from gateeng.engine.engine import Engine
 from gateeng.plans import reference_ops
 from gateeng.request import DeterminismParams, Mode, SamplingParams
 from gateeng.train import Policy
-from tiny import hf_family, tiny_loaded
+from tiny import MOE_FAMILIES, hf_family, tiny_loaded
 
 VERIFIED = DeterminismParams(Mode.VERIFIED)
 PROMPTS = [[7, 3, 9, 11, 200, 13], [5, 6, 7], [100, 20, 30, 40, 50, 60, 70, 80, 90], [1, 2]]
@@ -66,8 +66,9 @@ def test_logprobs_equal_verified_bits_packed_and_alone(llama, name):
         assert bits(policy.logprobs([seqs[i]], [lens[i]], **policy_args(params))[0].tolist()) == want
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
-def test_logprobs_equal_verified_bits_with_biases_and_qk_norms(family):
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", *MOE_FAMILIES])
+def test_logprobs_equal_verified_bits_with_biases_qk_norms_and_experts(family):
+    """Mixtures of experts too: the routing is the reference's, the sampler's and the trainer's alike."""
     hf = hf_family(family)
     engine = engine_for(hf)
     try:
@@ -109,10 +110,9 @@ def test_a_tensor_parallel_server_and_a_scalar_trainer_agree():
     assert [bits(g.tolist()) for g in got] == [bits(e.logprob for e in r.logprobs) for r in res]
 
 
-@pytest.mark.parametrize("family, tie", [("llama", True), ("llama", False), ("qwen2", False), ("qwen3", False)])
-def test_gradients_match_float32_transformers_within_the_bf16_forward(family, tie):
-    hf = hf_family(family, tie=tie).float()
-    policy = Policy(tiny_loaded("float32", hf))
+def gradients_both_ways(hf, policy) -> tuple:
+    """(the policy's, float32 transformers') gradients by name of one advantage-weighted
+    sum of logprobs, both on hf's weights rounded to bf16."""
     with torch.no_grad():                      # the weights both sides use: the bf16 roundings
         for p in hf.parameters():
             p.copy_(p.to(torch.bfloat16).float())
@@ -125,14 +125,26 @@ def test_gradients_match_float32_transformers_within_the_bf16_forward(family, ti
         lp = torch.log_softmax(hf(torch.tensor([s])).logits[0].float() / temperature, -1)
         total = total + (w * lp[n - 1:len(s) - 1].gather(1, torch.tensor(s[n:])[:, None])[:, 0]).sum()
     total.backward()
-    theirs = dict(hf.named_parameters())
-    ours = policy.model.hf_state_dict(lambda p: p.grad)
-    assert set(ours) == {n for n in theirs if not (tie and n == "lm_head.weight")}
+    return policy.model.hf_state_dict(lambda p: p.grad), {n: p.grad for n, p in hf.named_parameters()}
+
+
+def assert_gradients_close(ours: dict, theirs: dict) -> None:
     for name, g in ours.items():
-        want = theirs[name].grad
+        want = theirs[name]
+        if not want.any():                     # a part nothing reached (an expert no token chose), on both sides
+            assert not g.any(), name
+            continue
         rel = float((g - want).norm() / want.norm())
         cos = float(torch.nn.functional.cosine_similarity(g.flatten(), want.flatten(), dim=0))
         assert rel < GRAD_REL_BOUND and cos > GRAD_COS_BOUND, (name, rel, cos)
+
+
+@pytest.mark.parametrize("family, tie", [("llama", True), ("llama", False), ("qwen2", False), ("qwen3", False)])
+def test_gradients_match_float32_transformers_within_the_bf16_forward(family, tie):
+    hf = hf_family(family, tie=tie).float()
+    ours, theirs = gradients_both_ways(hf, Policy(tiny_loaded("float32", hf)))
+    assert set(ours) == {n for n in theirs if not (tie and n == "lm_head.weight")}
+    assert_gradients_close(ours, theirs)
 
 
 def test_every_parameter_that_shapes_the_logprobs_gets_a_gradient(llama):

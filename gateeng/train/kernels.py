@@ -50,6 +50,12 @@ class CpuReference:
     def decode_attention(self, q, k_cache, v_cache, tables, lens, scale: float):
         return self.ops.decode_attention(q, k_cache, v_cache, tables, lens, scale)
 
+    def moe_route(self, logits, k: int, softmax_first: bool, renorm: bool):
+        return tuple(self.ops.moe_route(logits, k, softmax_first, renorm))
+
+    def moe_combine(self, y, weights):
+        return self.ops.moe_combine(y, weights)
+
 
 class TritonReference:
     """The Triton kernels of the reference (the CUDA invariant plan's, TritonReferencePlan)."""

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from gateeng.config import SOFTMAX_TOPK
+
 BF16 = torch.bfloat16
 
 
@@ -131,7 +133,7 @@ class TrainingPlan:
         self._packed: dict = {}       # id(master) -> that rounding as the kernels' matmul takes it
         self._pending = None          # (k, v) of the layer whose rope_store ran last
         self.lm_head = model.lm_head
-        for w in model.projections() + [model.lm_head]:
+        for w in model.projections() + [model.lm_head] + model.routers():
             self._packed[id(w)] = kernels.prepare(w.detach().to(BF16))
 
     def weight(self, master: torch.Tensor) -> torch.Tensor:
@@ -186,6 +188,35 @@ class TrainingPlan:
             gate, up = gu.chunk(2, dim=-1)
             return F.silu(gate) * up
         return self._op(lambda gu: ops.silu_mul(gu.to(BF16)).float(), plain, gate_up)
+
+    # A mixture of experts' routing layer (LlamaModel._moe). The choice of experts is
+    # discrete: the backward goes straight through it, to the router by the chosen
+    # experts' weights and to each expert by its rows.
+    def router_logits(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """A router's logits: the reference's binary32 dots, as the lm_head's."""
+        return _Linear.apply(x, self.weight(w), self._packed[id(w)], self.ops, True)
+
+    def route(self, logits: torch.Tensor, moe) -> tuple:
+        """(each row's k experts, ascending ids [M, k]; their binary32 weights [M, k]) by
+        the reference's rule; the weights' gradient is the float32 rule's at the same
+        choice (softmax over the experts, or over the chosen k)."""
+        first = moe.routing == SOFTMAX_TOPK
+        with torch.no_grad():
+            ids, weights, _ = self.ops.moe_route(logits.detach(), moe.top_k, first, moe.norm_topk_prob)
+
+        def plain(z):
+            if not first:
+                return torch.softmax(z.gather(-1, ids), -1)
+            w = torch.softmax(z, -1).gather(-1, ids)
+            return w / w.sum(-1, keepdim=True) if moe.norm_topk_prob else w
+        return ids, self._op(lambda z: weights, plain, logits)
+
+    def combine(self, y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Each row's experts' outputs y [M, k, H] weighted and summed in ascending
+        expert order, then rounded (the reference's combine)."""
+        ops = self.ops
+        return self._op(lambda y, w: ops.moe_combine(y.to(BF16), w).float(),
+                        lambda y, w: (y * w[..., None]).sum(1), y, weights)
 
     def rope_store(self, qkv, cos, sin, kv: TrainKV, layer: int, slots, num_heads: int) -> torch.Tensor:
         """RoPE on the queries and keys; the kernel stores keys and values in the cache
