@@ -9,6 +9,7 @@ one EngineReplica on each bundle. Ray restarts a replica that dies, up to
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 from gateeng.config import EngineConfig
@@ -42,6 +43,8 @@ def place(config: EngineConfig, replicas: int, cpus: int, served_model_name: Opt
         raise TimeoutError(f"the Ray cluster cannot place {replicas} replicas of {cpus} CPUs each within "
                            f"{timeout_s:.0f} s (ray.cluster_resources(): {ray.cluster_resources()}); add nodes or "
                            f"lower --replicas or --threads")
+    # Every replica computes on exactly its bundle's CPUs, whatever the node's size.
+    config = dataclasses.replace(config, num_threads=cpus)
     actor = ray.remote(EngineReplica).options
     handles = {}
     for i in range(replicas):

@@ -4,7 +4,6 @@ one Engine. The fronts, their bounds and their refusals are the same code."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from typing import Optional
 
 from gateeng.config import EngineConfig, ServerConfig
@@ -23,10 +22,7 @@ def fleet_server(config: EngineConfig, settings: ServerConfig, replicas: int, ra
         raise ValueError("--tensor-parallel-size above 1 is not served by `gateeng fleet`: each replica runs on "
                          "one node; use `gateeng serve --tensor-parallel-size` on one machine")
     registry = FleetRegistry()
-    # Every replica runs its bundle's CPUs, so its record and speed do not depend on
-    # the node's size.
-    cpus = config.num_threads or 1
-    config = dataclasses.replace(config, num_threads=cpus)
+    cpus = config.num_threads or 1   # each replica's bundle (cluster.place)
     name = settings.served_model_name
 
     def build() -> Fleet:
