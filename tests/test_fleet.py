@@ -17,6 +17,7 @@ import threading
 import time
 import urllib.request
 
+import grpc
 import psutil
 import pytest
 import torch
@@ -25,6 +26,7 @@ from gateeng.config import EngineConfig, ServerConfig
 from gateeng.model import loader
 from gateeng.plans import reference_ops
 from gateeng.request import DeterminismParams, Mode, SamplingParams
+from gateeng.serving.gateway import REQUEST_ID_HEADER
 from gateeng.serving.grpc_client import Client
 from gateeng.tools import cli
 from test_server_async import SERVING, Running, wait_for
@@ -230,45 +232,63 @@ def test_update_reaches_both_replicas_and_a_broken_one_neither(fleet, single, ne
 
 
 def test_a_replica_killed_mid_stream_loses_no_verified_stream(fleet):
-    """SIGKILL one replica while VERIFIED streams run on both: every stream ends with
-    the tokens a single server gives (the fleet's weights are the updated ones by now,
-    so the reference is the fleet itself before the kill: VERIFIED bits repeat)."""
+    """SIGKILL one replica while VERIFIED and OFF streams run on both: every VERIFIED
+    stream ends with the tokens one server gives (the fleet's weights are the updated
+    ones by now, so the reference is the fleet itself before the kill: VERIFIED bits
+    repeat); an OFF stream the dead replica had sent tokens of ends with the error
+    that says why, and every other OFF stream completes."""
     params = SamplingParams(max_tokens=300, ignore_eos=True, temperature=0.7, seed=3)
     prompts = [[11 + i, 3, 90, 4 + i] for i in range(6)]
+    off = [[31 + i, 8, 60] for i in range(4)]
     with Client(fleet.target) as c:
         want = [list(c.complete(p, params, VERIFIED).token_ids) for p in prompts]
-    received = [[] for _ in prompts]
-    finals, errors = [None] * len(prompts), []
+    runs = [(p, VERIFIED) for p in prompts] + [(p, DeterminismParams(Mode.OFF)) for p in off]
+    received = [[] for _ in runs]
+    finals, errors, ids = [None] * len(runs), [None] * len(runs), [None] * len(runs)
 
     def stream(i):
         try:
             with Client(fleet.target) as c:
-                for ev in c.generate(prompts[i], params, VERIFIED):
+                call = c.generate(runs[i][0], params, runs[i][1])
+                ids[i] = dict(call.initial_metadata())[REQUEST_ID_HEADER]
+                for ev in call:
                     if ev.HasField("chunk"):
                         received[i].extend(ev.chunk.token_ids)
                     elif ev.HasField("complete"):
                         finals[i] = ev.complete
-        except Exception as exc:   # recorded: the assertions below name it
-            errors.append(exc)
-    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
+        except grpc.RpcError as exc:   # recorded: the assertions below name it
+            errors[i] = exc
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(runs))]
+    # The OFF streams first, spread by load over both replicas; then the VERIFIED ones.
+    for t in threads[len(prompts):]:
         t.start()
     deadline = time.time() + 60
+    while not all(ids[len(prompts):]) and time.time() < deadline:
+        time.sleep(0.005)
+    for t in threads[:len(prompts)]:
+        t.start()
     while not all(received) and time.time() < deadline:
         time.sleep(0.005)
     victim = "replica-0"
     actor = fleet.fleet.actors[victim]
     pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))
     with fleet.fleet._lock:
-        on_victim = [r.request_id for r in fleet.fleet._requests.values() if r.replica == victim and r.sent]
+        on_victim = {r.request_id: r.determinism.mode for r in fleet.fleet._requests.values()
+                     if r.replica == victim and r.sent}
     os.kill(pid, signal.SIGKILL)
     for t in threads:
         t.join(180)
-    assert errors == []
-    assert on_victim, "no stream was half sent on the killed replica: the kill came too late"
-    assert [list(f.token_ids) for f in finals] == want
-    assert received == want   # the streamed tokens too: nothing sent twice, nothing missing
-    assert {f.reproducibility.replica for f in finals} <= {"replica-0", "replica-1"}
+    verified = len(prompts)
+    assert errors[:verified] == [None] * verified
+    assert {Mode.VERIFIED, Mode.OFF} <= set(on_victim.values()), f"the kill came too late: {on_victim}"
+    assert [list(f.token_ids) for f in finals[:verified]] == want
+    assert received[:verified] == want   # the streamed tokens too: nothing sent twice, nothing missing
+    assert {f.reproducibility.replica for f in finals[:verified]} <= {"replica-0", "replica-1"}
+    for i in range(verified, len(runs)):
+        if on_victim.get(ids[i]) is Mode.OFF:
+            assert finals[i] is None and "cannot be resumed with the same bits" in errors[i].details()
+        else:
+            assert errors[i] is None and len(finals[i].token_ids) == params.max_tokens
     # Ray restarts the replica, and it serves again, on the fleet's weights.
     deadline = time.time() + 180
     while victim not in fleet.fleet.serving:
