@@ -11,7 +11,8 @@ It covers
      counterpart, in the same run (anchor: batch-invariant matmul within ~20% of cuBLAS);
   3. the reference (gateeng-ref-1): each Triton reference kernel on the device against
      the CPU reference build on the same inputs, bit for bit (matmul, the quantized
-     matmul and embedding rows, RMSNorm, SiLU, attention, exp and log, Gumbel noise);
+     matmul and embedding rows, RMSNorm, SiLU, attention, exp and log, Gumbel noise,
+     a mixture of experts' routing and combine, and a tiny MoE's forward);
   4. the golden file's tiny-model answers (tests/golden), made on a CPU, decoded
      again on the device: token ids and logprob bits;
   5. end to end, a random-weight ~1B Llama decoding a batch of 64 with the fast
@@ -147,15 +148,17 @@ def check_sampling(dev):
     row("sampling", "argmax+margin equal to torch; seeded Gumbel equal to the CPU hash", str(ok), "ok" if ok else "FAIL")
 
 
+def same(got, want) -> bool:
+    """Whether a device tensor has the CPU tensor `want`'s dtype and bits."""
+    view = {torch.bfloat16: torch.int16, torch.float32: torch.int32}.get(want.dtype, want.dtype)
+    return got.dtype == want.dtype and torch.equal(got.cpu().contiguous().view(view), want.contiguous().view(view))
+
+
 def check_reference(dev):
     """The Triton reference kernels on the device give the CPU reference build's bits."""
     from gateeng.kernels import triton_reference as tr
     from gateeng.plans import reference_ops
     ops = reference_ops.load()
-
-    def same(got, want):
-        view = torch.int16 if want.dtype == torch.bfloat16 else torch.int32
-        return torch.equal(got.cpu().contiguous().view(view), want.contiguous().view(view))
 
     def bf(*shape, scale=1.0):
         return (torch.randn(*shape) * scale).to(torch.bfloat16)
@@ -210,6 +213,40 @@ def quantized_same(ops, dev, m: int, n: int, k: int) -> bool:
         ok &= torch.equal(tr.qrows(q, d, mins, ids.to(dev)).cpu().view(torch.int16),
                           ops.qrows(packed, ids).view(torch.int16))
     return bool(ok)
+
+
+def check_moe(dev):
+    """A mixture of experts on the device's reference: the Triton routing (every rule,
+    exact ties) and combine against the CPU build, and the golden file's tiny Qwen3-MoE
+    on TritonReferencePlan on the device against ReferencePlan on the CPU (a prefill and
+    a decode step: hidden states and logits). The engine still refuses a mixture of
+    experts on CUDA at start-up; this is the check that lifting it needs."""
+    sys.path.append(str(ROOT))
+    from gateeng.kernels import triton_reference as tr
+    from gateeng.plans import reference_ops
+    from gateeng.plans.gpu import TritonReferencePlan
+    from gateeng.plans.reference import ReferencePlan
+    from tests.test_triton_moe import prefill_then_decode
+    from tests.tiny import spec_tiny
+    ops = reference_ops.load()
+    z = torch.randn(512, 128) * 3
+    z[:128, 64:] = z[:128, :64]      # every expert tied with another
+    z[128:256] = z[128:256].round()  # many exact ties
+    ok = True
+    for k in (1, 2, 8):
+        for rule in ((True, True), (True, False), (False, False)):
+            ok &= all(same(g, w) for g, w in zip(tr.moe_route(z.to(dev), k, *rule), ops.moe_route(z, k, *rule)))
+    weights = ops.moe_route(z, 8, True, True)[1]
+    y = (torch.randn(512, 8, 2048) * 4).to(torch.bfloat16)
+    ok &= same(tr.moe_combine(y.to(dev), weights.to(dev)), ops.moe_combine(y, weights))
+    row("moe", "routing (3 rules, k 1/2/8 of 128, ties) and combine (512 rows x 8 x 2048) == CPU build", str(ok),
+        "ok" if ok else "FAIL")
+    cpu, gpu = spec_tiny(moe=True).model, spec_tiny(moe=True, device=str(dev)).model
+    want = prefill_then_decode(cpu, ReferencePlan(cpu, ops, 4))
+    got = prefill_then_decode(gpu, TritonReferencePlan(4, gpu))
+    ok = all(same(g, w) for step_got, step_want in zip(got, want) for g, w in zip(step_got, step_want))
+    row("moe", "tiny Qwen3-MoE on the device's TritonReferencePlan == CPU ReferencePlan (hidden, logits)", str(ok),
+        "ok" if ok else "FAIL")
 
 
 def check_golden(dev):
@@ -311,7 +348,7 @@ def check_policy(dev):
 
 
 CHECKS = {"matmul": check_matmul, "rmsnorm": check_rmsnorm, "attention": check_attention,
-          "sampling": check_sampling, "reference": check_reference, "golden": check_golden,
+          "sampling": check_sampling, "reference": check_reference, "moe": check_moe, "golden": check_golden,
           "policy": check_policy, "end_to_end": check_end_to_end}
 
 

@@ -483,3 +483,142 @@ def gumbel(key: int, vocab: int, device="cpu") -> torch.Tensor:
     out = torch.empty(vocab, dtype=torch.float32, device=device)
     _gumbel_kernel[(triton.cdiv(vocab, 1024),)](out, key, vocab, BLOCK=1024, **OPTIONS)
     return out
+
+
+# ---- mixture of experts (SPEC.md, "Mixture of experts") ----------------------------
+# The router's logits are matmul(x, router, f32=True): the binary32 dots themselves.
+# Routing takes BM rows per program, each row's experts along the second axis.
+
+@triton.jit
+def _lane(v, hit):
+    """Per row, v at the one column where hit is true, bit for bit (-0 kept): every
+    other value the max sees is -inf."""
+    return tl.max(tl.where(hit, v, -float("inf")), axis=1)
+
+
+@triton.jit
+def _sum_lanes(v, idx, n, BM: tl.constexpr):
+    """Per row, the spec's sum of v[row, 0..n-1]: its 16 blocks of ceil(n/16), each a
+    chain of adds in order from +0, folded by the tree."""
+    per = (n + DOT_BLOCKS - 1) // DOT_BLOCKS
+    zero = tl.zeros((BM,), dtype=tl.float32)
+    lv0, lv1, lv2, lv3 = zero, zero, zero, zero
+    acc = zero
+    for l in tl.static_range(DOT_BLOCKS):
+        acc = zero
+        for j in range(l * per, tl.minimum(n, (l + 1) * per)):
+            acc = _flush(acc + _lane(v, idx == j))
+        acc, lv0, lv1, lv2, lv3 = _fold(l, acc, lv0, lv1, lv2, lv3)
+    return acc
+
+
+@triton.jit
+def _top(s, left, idx, EB: tl.constexpr):
+    """Per row, the id of the largest s among `left`, the lowest id among equals (+0 and
+    -0 equal); EB where none is left."""
+    best = tl.max(tl.where(left, s, -float("inf")), axis=1)
+    return tl.min(tl.where(left & (s == best[:, None]), idx, EB), axis=1)
+
+
+@triton.jit
+def _next_chosen(chosen, idx, prev, EB: tl.constexpr):
+    """Per row, its lowest chosen expert id above prev."""
+    return tl.min(tl.where(chosen & (idx > prev[:, None]), idx, EB), axis=1)
+
+
+@triton.jit
+def _moe_route_kernel(z_ptr, ids_ptr, w_ptr, margin_ptr, M, E, K: tl.constexpr, SOFTMAX_FIRST: tl.constexpr,
+                      RENORM: tl.constexpr, BM: tl.constexpr, EB: tl.constexpr):
+    """Each row's routing: ranking scores s (the softmax of its logits, or the logits),
+    k picks of the largest s left, the lowest id among equals; the margin (the k-th
+    pick's s minus the largest s left); then the weights, summed over the chosen in
+    ascending id order and divided by that sum (except softmax first without RENORM)."""
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    rmask = rows < M
+    idx = tl.arange(0, EB)[None, :]
+    live = idx < E
+    z = _flush(tl.load(z_ptr + rows[:, None] * E + idx, mask=rmask[:, None] & live, other=0.0))
+    if SOFTMAX_FIRST:
+        mx = tl.max(tl.where(live, z, -float("inf")), axis=1)
+        e = _exp(_flush(z - mx[:, None]))
+        s = _flush(tl.div_rn(e, _sum_lanes(e, idx, E, BM)[:, None]))
+    else:
+        s = z
+    chosen = (idx < 0) & rmask[:, None]   # [BM, EB], none yet
+    kth = tl.zeros((BM,), dtype=tl.float32)
+    for _ in tl.static_range(K):
+        pick = _top(s, live & ~chosen, idx, EB)
+        chosen = chosen | (idx == pick[:, None])
+        kth = _lane(s, idx == pick[:, None])
+    # The (k+1)-th ranked score is the one at its pick's id: a zero keeps its sign.
+    after = _lane(s, idx == _top(s, live & ~chosen, idx, EB)[:, None])
+    tl.store(margin_ptr + rows, tl.where(K < E, _flush(kth - after), float("inf")), mask=rmask)
+    if SOFTMAX_FIRST:
+        u = s
+    else:
+        m = tl.max(tl.where(chosen, z, -float("inf")), axis=1)
+        u = _exp(_flush(z - m[:, None]))
+    if RENORM or not SOFTMAX_FIRST:
+        t = tl.zeros((BM,), dtype=tl.float32)
+        c = tl.full((BM,), -1, tl.int32)
+        for _ in tl.static_range(K):
+            c = _next_chosen(chosen, idx, c, EB)
+            t = _flush(t + _lane(u, idx == c[:, None]))
+        u = _flush(tl.div_rn(u, t[:, None]))
+    c = tl.full((BM,), -1, tl.int32)
+    for i in tl.static_range(K):
+        c = _next_chosen(chosen, idx, c, EB)
+        tl.store(ids_ptr + rows * K + i, c.to(tl.int64), mask=rmask)
+        tl.store(w_ptr + rows * K + i, _lane(u, idx == c[:, None]), mask=rmask)
+
+
+def moe_route(logits: torch.Tensor, k: int, softmax_first: bool, renorm: bool) -> list:
+    """[ids, weights, margins] of each row's routing from its binary32 router logits
+    [rows, E], as ref_ops.cpp's moe_route: the k chosen expert ids ascending (int64
+    [rows, k]), their binary32 weights [rows, k], the router margin [rows] (+inf when
+    k = E). A NaN logit is refused (this reads the logits back to the host)."""
+    assert logits.dtype == torch.float32 and logits.dim() == 2 and 1 <= k <= logits.shape[1]
+    logits = logits.contiguous()
+    nan = torch.isnan(logits)
+    if bool(nan.any()):
+        r, j = nan.nonzero()[0].tolist()
+        raise RuntimeError(f"router logit is NaN (row {r}, expert {j})")
+    rows, e = logits.shape
+    ids = torch.empty(rows, k, dtype=torch.int64, device=logits.device)
+    weights = torch.empty(rows, k, dtype=torch.float32, device=logits.device)
+    margins = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    if rows:
+        _moe_route_kernel[(triton.cdiv(rows, 16),)](logits, ids, weights, margins, rows, e, K=k,
+                                                    SOFTMAX_FIRST=softmax_first, RENORM=renorm, BM=16,
+                                                    EB=triton.next_power_of_2(e), **OPTIONS)
+    return [ids, weights, margins]
+
+
+@triton.jit
+def _moe_combine_kernel(y_ptr, w_ptr, out_ptr, M, H, K: tl.constexpr, BM: tl.constexpr, BLOCK: tl.constexpr):
+    """Each row's outputs: acc = +0, then per expert in order acc = acc + w*y (a
+    multiply, then an add), then bf16."""
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    rmask = rows < M
+    mask = rmask[:, None] & (cols < H)[None, :]
+    acc = tl.zeros((BM, BLOCK), dtype=tl.float32)
+    for i in tl.static_range(K):
+        w = _flush(tl.load(w_ptr + rows * K + i, mask=rmask, other=0.0))
+        y = _bf(tl.load(y_ptr + (rows * K + i)[:, None] * H + cols[None, :], mask=mask, other=0))
+        acc = _flush(acc + _flush(w[:, None] * y))
+    tl.store(out_ptr + rows[:, None] * H + cols[None, :], _to_bf(acc), mask=mask)
+
+
+def moe_combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Each row's experts' outputs y [rows, k, H] (bf16, ascending expert id order)
+    weighted by weights [rows, k] (binary32) and summed in that order: bf16 [rows, H]."""
+    assert y.dtype == torch.bfloat16 and weights.dtype == torch.float32 and y.dim() == 3
+    rows, k, h = y.shape
+    assert weights.shape == (rows, k)
+    out = torch.empty(rows, h, dtype=y.dtype, device=y.device)
+    if rows:
+        grid = (triton.cdiv(rows, 16), triton.cdiv(h, 128))
+        _moe_combine_kernel[grid](_bits(y), weights.contiguous(), out.view(torch.int16), rows, h, K=k, BM=16,
+                                  BLOCK=128, **OPTIONS)
+    return out

@@ -45,8 +45,11 @@ def build(cfg: EngineConfig, model, model_config, dtype, owned: bool = False) ->
     says so). `owned`: the caller loaded the model for this engine alone, so plain
     weights that no plan multiplies are freed (packing.release_plain_weights)."""
     if model.cfg.moe is not None and (cfg.device != "cpu" or model.dtype != torch.bfloat16):
+        # The Triton reference routes and combines (TritonReferencePlan), held to the CPU
+        # build in the interpreter; a MoE's CUDA serving path has not run on a GPU.
         raise ValueError(f"a mixture of experts is served in bfloat16 on CPU only (asked: {cfg.dtype} on "
-                         f"{cfg.device}): its invariant plan is the CPU reference")
+                         f"{cfg.device}): float32 has no reference for it, and its CUDA serving path is not "
+                         "yet checked on a GPU (bench/gpu_check.py moe)")
     if cfg.device != "cpu":
         return _cuda_plans(cfg, model, model_config, dtype)
     kernels = cpu_ops.load() if cfg.cpu_kernels else None

@@ -91,6 +91,11 @@ class TritonReferencePlan(ReferenceBase):
         b = self._blocks.get(id(w))
         return self.ops.matmul(x, w, f32=f32) if b is None else self.ops.qmatmul(x, b.q, b.d, b.m, f32=f32)
 
+    def router_logits(self, x, w):
+        """A router's logits: the binary32 dots x @ w.T, not rounded to bf16. (route and
+        combine are ReferenceBase's, on triton_reference's moe_route and moe_combine.)"""
+        return self.linear(x.contiguous(), w, f32=True)
+
     def add_rms_norm(self, h, add, w, eps):
         h = self.ops.add(h, add)
         return h, self.ops.rms_norm(h, w, eps)

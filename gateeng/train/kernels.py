@@ -97,3 +97,12 @@ class TritonReference:
 
     def decode_attention(self, q, k_cache, v_cache, tables, lens, scale: float):
         return self.ops.decode_attention(q, k_cache, v_cache, tables.to(q.device), lens.to(q.device), scale)
+
+    def moe_route(self, logits, k: int, softmax_first: bool, renorm: bool):
+        """(ids, weights, margins) of each row's k experts from its binary32 router
+        logits, as the CPU builds' moe_route (SPEC.md, "Mixture of experts")."""
+        return self.ops.moe_route(logits, k, softmax_first, renorm)
+
+    def moe_combine(self, y, weights):
+        """Each row's experts' outputs y [rows, k, H] weighted and summed in order, bf16."""
+        return self.ops.moe_combine(y, weights)
