@@ -219,7 +219,7 @@ def check_moe(dev):
     """A mixture of experts on the device's reference: the Triton routing (every rule,
     exact ties) and combine against the CPU build, and the golden file's tiny Qwen3-MoE
     on TritonReferencePlan on the device against ReferencePlan on the CPU (a prefill and
-    a decode step: hidden states and logits). The engine still refuses a mixture of
+    a decode step: hidden states, logits and router margins). The engine still refuses a mixture of
     experts on CUDA at start-up; this is the check that lifting it needs."""
     sys.path.append(str(ROOT))
     from gateeng.kernels import triton_reference as tr
@@ -245,8 +245,8 @@ def check_moe(dev):
     want = prefill_then_decode(cpu, ReferencePlan(cpu, ops, 4))
     got = prefill_then_decode(gpu, TritonReferencePlan(4, gpu))
     ok = all(same(g, w) for step_got, step_want in zip(got, want) for g, w in zip(step_got, step_want))
-    row("moe", "tiny Qwen3-MoE on the device's TritonReferencePlan == CPU ReferencePlan (hidden, logits)", str(ok),
-        "ok" if ok else "FAIL")
+    row("moe", "tiny Qwen3-MoE on the device's TritonReferencePlan == CPU ReferencePlan (hidden, logits, margins)",
+        str(ok), "ok" if ok else "FAIL")
 
 
 def check_golden(dev):

@@ -148,9 +148,9 @@ def test_router_logits_give_the_cpu_references_bits():
 
 
 def prefill_then_decode(model, plan) -> list:
-    """(hidden states, float32 logits) at every row of a prefill of two sequences (9
-    rows routed in one batch), then of a decode step of both, on `plan` (with
-    bench/gpu_check.py: on the model's device)."""
+    """(hidden states, float32 logits, smallest router margins) at every row of a prefill
+    of two sequences (9 rows routed in one batch), then of a decode step of both, on
+    `plan` (with bench/gpu_check.py: on the model's device)."""
     from gateeng.model.llama import KVCache
     from gateeng.plans.rows import Rows
     kv = KVCache(model.cfg, 8, 4, torch.bfloat16, model.device)
@@ -161,8 +161,8 @@ def prefill_then_decode(model, plan) -> list:
         for ids, first, table in chunks:
             rows.add_chunk(ids, first, table, 4)
         rows.sample_rows.extend(range(len(rows)))
-        hidden = plan.hidden(model, kv, rows)
-        outs.append((hidden, plan.full_logits(model, hidden)))
+        hidden, margins = plan.hidden_and_router(model, kv, rows)
+        outs.append((hidden, plan.full_logits(model, hidden), margins))
     return outs
 
 
@@ -173,9 +173,9 @@ def test_the_triton_plan_runs_a_mixture_of_experts_as_the_cpu_reference():
     model = tiny_moe()
     want = prefill_then_decode(model, ReferencePlan(model, reference_ops.load(), 4))
     got = prefill_then_decode(model, TritonReferencePlan(4, model))
-    assert [h.shape[0] for h, _ in got] == [9, 2]
-    for (h, logits), (h_want, logits_want) in zip(got, want):
-        assert same(h, h_want) and same(logits, logits_want)
+    assert [h.shape[0] for h, _, _ in got] == [9, 2]
+    for step_got, step_want in zip(got, want):
+        assert all(same(g, w) for g, w in zip(step_got, step_want))
 
 
 def test_a_nan_router_logit_is_refused_by_name():
@@ -195,3 +195,4 @@ def test_the_trainers_triton_kernels_route_and_combine_as_the_cpu_build():
     assert torch.equal(got[0], want[0]) and bits(got[1]) == bits(want[1]) and bits(got[2]) == bits(want[2])
     y = (torch.randn(16, 2, 40, generator=torch.Generator().manual_seed(16)) * 4).to(torch.bfloat16)
     assert same(tri.moe_combine(y, want[1]), ops.moe_combine(y, want[1]))
+

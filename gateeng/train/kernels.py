@@ -101,7 +101,7 @@ class TritonReference:
     def moe_route(self, logits, k: int, softmax_first: bool, renorm: bool):
         """(ids, weights, margins) of each row's k experts from its binary32 router
         logits, as the CPU builds' moe_route (SPEC.md, "Mixture of experts")."""
-        return self.ops.moe_route(logits, k, softmax_first, renorm)
+        return tuple(self.ops.moe_route(logits, k, softmax_first, renorm))
 
     def moe_combine(self, y, weights):
         """Each row's experts' outputs y [rows, k, H] weighted and summed in order, bf16."""
