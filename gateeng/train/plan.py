@@ -197,19 +197,19 @@ class TrainingPlan:
         return _Linear.apply(x, self.weight(w), self._packed[id(w)], self.ops, True)
 
     def route(self, logits: torch.Tensor, moe) -> tuple:
-        """(each row's k experts, ascending ids [M, k]; their binary32 weights [M, k]) by
-        the reference's rule; the weights' gradient is the float32 rule's at the same
-        choice (softmax over the experts, or over the chosen k)."""
+        """(each row's k experts, ascending ids [M, k]; their binary32 weights [M, k]; its
+        router margin [M]) by the reference's rule; the weights' gradient is the float32
+        rule's at the same choice (softmax over the experts, or over the chosen k)."""
         first = moe.routing == SOFTMAX_TOPK
         with torch.no_grad():
-            ids, weights, _ = self.ops.moe_route(logits.detach(), moe.top_k, first, moe.norm_topk_prob)
+            ids, weights, margins = self.ops.moe_route(logits.detach(), moe.top_k, first, moe.norm_topk_prob)
 
         def plain(z):
             if not first:
                 return torch.softmax(z.gather(-1, ids), -1)
             w = torch.softmax(z, -1).gather(-1, ids)
             return w / w.sum(-1, keepdim=True) if moe.norm_topk_prob else w
-        return ids, self._op(lambda z: weights, plain, logits)
+        return ids, self._op(lambda z: weights, plain, logits), margins
 
     def combine(self, y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Each row's experts' outputs y [M, k, H] weighted and summed in ascending
