@@ -11,6 +11,8 @@ for it (`pip install sentencepiece`, with numpy, torch and transformers already 
 
 Shapes: `1b` is TinyLlama-1.1B's (2048 hidden, 5632 MLP, 22 layers, 32 heads, 4 KV
 heads) with SmolLM2's 49152-token vocabulary: 1.17B parameters, 2.3 GB in bf16.
+`moe-1.8b` is a Qwen3-MoE (1024 hidden, 16 layers, 64 experts of 512, 8 per token):
+1.8B parameters, about 0.3B active per token; `moe-tiny` a small Qwen3-MoE.
 """
 from __future__ import annotations
 
@@ -23,11 +25,16 @@ from pathlib import Path
 
 # name -> (hidden, intermediate, layers, heads, KV heads)
 SHAPES = {"1b": (2048, 5632, 22, 32, 4), "360m": (960, 2560, 32, 15, 5)}
+# Qwen3-MoE shapes, name -> (hidden, expert intermediate, layers, heads, KV heads, experts, experts per token):
+# `moe-1.8b` is a 1.8B-total model with about 0.3B parameters active per token; `moe-tiny`
+# a small one for end-to-end runs (its vocabulary is still SmolLM2's).
+MOE_SHAPES = {"moe-1.8b": (1024, 512, 16, 16, 4, 64, 8), "moe-tiny": (256, 128, 4, 4, 2, 8, 2)}
 
 
 def random_llama(out: Path, shape: str) -> Path:
-    """A random-weight Llama of `shape` as a bf16 HF directory, with the embedded
-    model's tokenizer and vocabulary; `out` is reused where it already holds one."""
+    """A random-weight Llama (a Qwen3-MoE for MOE_SHAPES) of `shape` as a bf16 HF
+    directory, with the embedded model's tokenizer and vocabulary; `out` is reused where
+    it already holds one."""
     from gateeng.model.loader import default_model_path, ensure_hf_dir
     src = ensure_hf_dir(default_model_path())
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
@@ -37,10 +44,16 @@ def random_llama(out: Path, shape: str) -> Path:
     from safetensors.torch import save_file
 
     config = json.loads((src / "config.json").read_text())
-    hidden, inter, layers, heads, kv = SHAPES[shape]
+    moe = shape in MOE_SHAPES
+    hidden, inter, layers, heads, kv, *experts = MOE_SHAPES[shape] if moe else SHAPES[shape]
     config.update(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
                   num_key_value_heads=kv, head_dim=hidden // heads, tie_word_embeddings=False, dtype="bfloat16",
                   model_type="llama", architectures=["LlamaForCausalLM"])   # what llama.cpp's converter reads
+    if moe:
+        config.update(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], num_experts=experts[0],
+                      num_experts_per_tok=experts[1], moe_intermediate_size=inter, norm_topk_prob=True,
+                      decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False, sliding_window=None,
+                      attention_bias=False, router_aux_loss_coef=0.001, output_router_logits=False)
     vocab, hd = config["vocab_size"], hidden // heads
     gen = torch.Generator().manual_seed(0)
 
@@ -57,10 +70,18 @@ def random_llama(out: Path, shape: str) -> Path:
                         p + "self_attn.q_proj.weight": rand(heads * hd, hidden),
                         p + "self_attn.k_proj.weight": rand(kv * hd, hidden),
                         p + "self_attn.v_proj.weight": rand(kv * hd, hidden),
-                        p + "self_attn.o_proj.weight": rand(hidden, heads * hd),
-                        p + "mlp.gate_proj.weight": rand(inter, hidden),
-                        p + "mlp.up_proj.weight": rand(inter, hidden),
-                        p + "mlp.down_proj.weight": rand(hidden, inter)})
+                        p + "self_attn.o_proj.weight": rand(hidden, heads * hd)})
+        if not moe:
+            tensors.update({p + "mlp.gate_proj.weight": rand(inter, hidden), p + "mlp.up_proj.weight": rand(inter, hidden),
+                            p + "mlp.down_proj.weight": rand(hidden, inter)})
+            continue
+        tensors.update({p + "self_attn.q_norm.weight": torch.ones(hd, dtype=torch.bfloat16),
+                        p + "self_attn.k_norm.weight": torch.ones(hd, dtype=torch.bfloat16),
+                        p + "mlp.gate.weight": rand(experts[0], hidden)})
+        for j in range(experts[0]):   # one tensor per expert, as the hub stores them
+            tensors.update({f"{p}mlp.experts.{j}.gate_proj.weight": rand(inter, hidden),
+                            f"{p}mlp.experts.{j}.up_proj.weight": rand(inter, hidden),
+                            f"{p}mlp.experts.{j}.down_proj.weight": rand(hidden, inter)})
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
@@ -95,7 +116,7 @@ def quantized(quantize: str, gguf: Path, kind: str, out: Path) -> Path:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="1b")
+    ap.add_argument("--shape", choices=sorted(SHAPES) + sorted(MOE_SHAPES), default="1b")
     ap.add_argument("--out", required=True, help="folder for the HF directory and the GGUF files")
     ap.add_argument("--convert", default=None, help="llama.cpp's convert_hf_to_gguf.py: also write a BF16 GGUF")
     ap.add_argument("--llama-quantize", default=None, help="llama-quantize: also write --types copies")

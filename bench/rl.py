@@ -5,6 +5,7 @@ pushes them into the running server with `gateeng update-weights`, every step.
 
     python bench/rl.py                    # 10 steps on the embedded model
     python bench/rl.py --steps 3          # a short run
+    python bench/rl.py --model DIR        # a Hugging Face directory (bench/models.py --shape moe-tiny)
 
 The task: "What is A + B?" for A and B in 2..--largest, reward 1 when the last
 number in the answer is A + B. Each step draws --prompts questions and samples --group
@@ -37,6 +38,7 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -65,13 +67,14 @@ def reward(text: str, answer: int) -> float:
 class Server:
     """`gateeng serve` with its HTTP front and an admin token, on loopback."""
 
-    def __init__(self, workdir: Path):
+    def __init__(self, workdir: Path, model: Optional[str]):
         self.grpc, self.http = free_port(), free_port()
         self.token = workdir / "admin-token"
         self.token.write_text(os.urandom(16).hex())
         self.log = open(workdir / "server.log", "w")
-        # --dequantize: the bf16 model the policy computes and update-weights replaces
-        self.proc = subprocess.Popen([sys.executable, "-m", "gateeng.tools.cli", "serve", "--dequantize", "--port", str(self.grpc),
+        # --dequantize: the embedded GGUF as the bf16 model the policy computes and update-weights replaces
+        which = ["--model", model] if model else ["--dequantize"]
+        self.proc = subprocess.Popen([sys.executable, "-m", "gateeng.tools.cli", "serve", *which, "--port", str(self.grpc),
                                       "--http-port", str(self.http), "--metrics-port", "-1",
                                       "--admin-token-file", str(self.token)], stdout=self.log,
                                      stderr=subprocess.STDOUT)
@@ -137,6 +140,7 @@ def transformers_logprobs(hf, policy: Policy, rollouts: list) -> list:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="a Hugging Face directory (default: the embedded model)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--prompts", type=int, default=2, help="questions per step")
     ap.add_argument("--group", type=int, default=8, help="samples per question (GRPO's group)")
@@ -154,10 +158,10 @@ def main() -> int:
     out = args.out or work
     out.mkdir(parents=True, exist_ok=True)
     print(f"rl: {args.steps} steps, {args.prompts} x {args.group} samples; {machine()}", file=sys.stderr, flush=True)
-    policy = Policy.load()
+    policy = Policy.load(args.model)
     hf = AutoModelForCausalLM.from_pretrained(policy.hf_dir, dtype=torch.bfloat16).eval()
     opt = torch.optim.AdamW(policy.parameters(), lr=args.lr)
-    server = Server(work)
+    server = Server(work, args.model)
     steps = []
     try:
         pool = ThreadPoolExecutor(args.prompts * args.group)
