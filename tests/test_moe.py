@@ -269,8 +269,6 @@ def test_a_mixture_of_experts_is_refused_where_its_reference_is_not_built():
     loaded = tiny_loaded("float32", hf_family("mixtral"))
     with pytest.raises(ValueError, match="bfloat16 on CPU"):
         Engine(EngineConfig(dtype="float32", **TINY), loaded=loaded)
-    from gateeng.plans.tp_shapes import refusal
-    assert "mixture of experts" in refusal(loaded.config, 2)
 
 
 def test_the_gate_triggers_on_a_router_margin_within_its_bound():

@@ -400,9 +400,11 @@ def start(cfg: EngineConfig, model, timeout: float, owned: bool = False):
     plans = replace(plans, fast=sharded.ShardedPlan(plans.fast, PlanKind.FAST, group.command),
                     invariant=sharded.ShardedPlan(plans.invariant, PlanKind.INVARIANT, group.command))
     attention = ("split by head" if lay.attention_split else
-                 "whole on every rank (its heads, or its quantized o's GGUF blocks, do not split evenly)")
+                 "whole on every rank (its heads, or its quantized o's GGUF blocks, do not split evenly, "
+                 "or a q/k norm spans the whole projection)")
+    mlp = "each expert's MLP (the routers whole)" if model.cfg.moe is not None else "the MLP"
     log(f"tensor parallel: {group.size} ranks on gloo, threads per rank: {threads_per_rank(cfg)}; "
-        f"attention {attention}; the MLP, o and the lm_head split")
+        f"attention {attention}; {mlp}, o and the lm_head split")
     return mine, plans, group
 
 

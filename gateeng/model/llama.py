@@ -227,22 +227,27 @@ class LlamaModel(torch.nn.Module):
         row's bits its own: the plan's matmul is row-invariant where it must be), then
         each row's weighted sum in ascending expert order (plan.combine). The rows'
         smallest router margin so far goes to meta.router_margin (the gate reads it)."""
-        moe = self.cfg.moe
+        moe, tp = self.cfg.moe, self.tp
         chosen, weights, margins = plan.route(plan.router_logits(x, layer.router), moe)   # [M, k], [M, k], [M]
+        if tp is not None:   # every rank runs the same experts on the same rows
+            chosen, weights = tp.same_routing(plan, chosen, weights)
         old = getattr(meta, "router_margin", None)
         meta.router_margin = margins if old is None else torch.minimum(old, margins)
         flat = chosen.reshape(-1)
         order = torch.argsort(flat, stable=True)   # (row, slot) pairs grouped by expert
         counts = torch.bincount(flat, minlength=moe.num_experts).tolist()
-        out = x.new_empty(flat.shape[0], x.shape[1])
+        # On a tensor-parallel shard, each expert's down gives this rank's binary32 share,
+        # summed over the ranks (tp.expert_sum) before the combine.
+        out = x.new_empty(flat.shape[0], x.shape[1], dtype=x.dtype if tp is None else torch.float32)
         start = 0
         for (gate_up, down), n in zip(layer.experts, counts):
             if n:
                 pairs = order[start:start + n]
-                rows = x.index_select(0, pairs // moe.top_k)
-                out.index_copy_(0, pairs, plan.linear(plan.silu_mul(plan.linear(rows, gate_up)), down))
+                rows = plan.silu_mul(plan.linear(x.index_select(0, pairs // moe.top_k), gate_up))
+                out.index_copy_(0, pairs, plan.linear(rows, down) if tp is None else tp.expert_partial(plan, rows, down))
                 start += n
-        return plan.combine(out.view(x.shape[0], moe.top_k, x.shape[1]), weights)
+        out = out.view(x.shape[0], moe.top_k, x.shape[1])
+        return plan.combine(out, weights) if tp is None else tp.expert_sum(plan, out, weights, x.dtype)
 
     def _row_parallel(self, plan, x: torch.Tensor, w: torch.Tensor, which: str) -> torch.Tensor:
         """x @ w.T for o and down: on a tensor-parallel shard, the sum over the ranks."""

@@ -9,19 +9,31 @@ served as stored) splits on its own lanes, whole GGUF blocks (kernels/SPEC.md), 
 each rank's part is packed again with the whole K's lanes; the MLP columns follow
 down's slice, so an uneven split of a quantized down is an uneven MLP split. Where the
 heads do not split evenly over the ranks, or a quantized o's slices are not whole
-heads (SmolLM2-135M: 9 heads, 3 KV heads), every rank holds all of attention and its
-KV cache, and o still runs row-parallel: each rank multiplies its K slice of the
-full attention output. The embedding and the norms are whole on every rank. What the
-layout holds is a function of the model's shape, how its o and down are stored, the
-size and the rank only, so every rank derives the same one.
+heads (SmolLM2-135M: 9 heads, 3 KV heads), or a q/k norm spans the whole projection
+(OLMoE), every rank holds all of attention and its KV cache, and o still runs
+row-parallel: each rank multiplies its K slice of the full attention output. The
+embedding and the norms are whole on every rank.
+
+A mixture of experts' routing layer splits each expert as a plain MLP (its gate_up by
+its columns, its down by K: every expert the same columns), and its router is whole
+on every rank, so every rank chooses the same experts. Each expert's down gives the
+rank's binary32 share of its rows; the reference sums every expert's share over the
+ranks (its row-parallel sum) before the experts are combined, so each expert output
+the combine takes, and the combine, have the bits of one device
+(plans.collectives.expert_sum). Experts served quantized (a GGUF's, as stored) are
+not split: row_units refuses them.
+
+What the layout holds is a function of the model's shape, how its o and down are
+stored, the size and the rank only, so every rank derives the same one.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, replace
 
 import torch
 
-from gateeng.config import ModelConfig
+from gateeng.config import QK_NORM_HEAD, ModelConfig
 from gateeng.heap import trim_heap
 from gateeng.model import families
 from gateeng.model.llama import LlamaModel
@@ -43,6 +55,8 @@ class ShardLayout:
     vocab_per_rank: int     # the width every rank's logits are padded to before the gather
     o: KSlice               # its slice of o's K (the attention output)
     down: KSlice            # its slice of down's K (the MLP columns)
+    expert_mlp: range       # its columns of each expert's MLP (a mixture of experts; else empty)
+    expert_down: KSlice     # its slice of each expert's down's K (those columns)
 
 
 def layout(cfg: ModelConfig, size: int, rank: int, units: tuple = (PAIR, PAIR)) -> ShardLayout:
@@ -55,9 +69,11 @@ def layout(cfg: ModelConfig, size: int, rank: int, units: tuple = (PAIR, PAIR)) 
     nq = cfg.num_heads * cfg.head_dim
     o = k_slice(nq, size, rank, units[0])
     down = k_slice(cfg.intermediate_size, size, rank, units[1])
+    expert_down = k_slice(cfg.moe.intermediate_size if cfg.moe is not None else 0, size, rank)
     # Heads split where they divide evenly and o's slices are whole heads (always for
-    # bf16, whose K is a multiple of 32: an even split).
-    split = (cfg.num_heads % size == 0 and cfg.num_kv_heads % size == 0
+    # bf16, whose K is a multiple of 32: an even split), and where no q/k norm reduces
+    # over the whole projection (OLMoE's: a rank holding some heads could not compute it).
+    split = (cfg.num_heads % size == 0 and cfg.num_kv_heads % size == 0 and cfg.qk_norm_scope == QK_NORM_HEAD
              and all(k_slice(nq, size, r, units[0])[:2] == (r * nq // size, (r + 1) * nq // size)
                      for r in range(size)))
 
@@ -70,16 +86,24 @@ def layout(cfg: ModelConfig, size: int, rank: int, units: tuple = (PAIR, PAIR)) 
         kv_heads=part(cfg.num_kv_heads) if split else range(cfg.num_kv_heads),
         mlp=range(down.start, down.stop),
         vocab=range(min(cfg.vocab_size, rank * per), min(cfg.vocab_size, (rank + 1) * per)),
-        vocab_size=cfg.vocab_size, vocab_per_rank=per, o=o, down=down)
+        vocab_size=cfg.vocab_size, vocab_per_rank=per, o=o, down=down,
+        expert_mlp=range(expert_down.start, expert_down.stop), expert_down=expert_down)
 
 
 def row_units(model: LlamaModel, size: int) -> tuple:
     """The units o's and down's K split in (layout's `units`): a quantized weight's GGUF
     blocks where every layer's is quantized, bf16 pairs where none is. A model whose
-    layers mix the two is split where both split the same way, else ValueError."""
+    layers mix the two is split where both split the same way, else ValueError; so is
+    a mixture of experts whose experts are served quantized."""
+    experts = [w for layer in model.layers for e in layer.experts or () for w in (e.gate_up, e.down)]
+    if any(_quantized(model, w) is not None for w in experts):
+        raise ValueError(f"the model's experts are quantized as stored, and quantized experts do not split over "
+                         f"ranks: serve it with --dequantize at tensor-parallel size {size}")
     out = []
     for which, k in (("o", model.cfg.num_heads * model.cfg.head_dim), ("down", model.cfg.intermediate_size)):
-        quantized = {_quantized(model, getattr(layer, which)) is not None for layer in model.layers}
+        # a routing layer has no down of its own (its experts' split as bf16 weights)
+        quantized = {_quantized(model, getattr(layer, which)) is not None for layer in model.layers
+                     if getattr(layer, which) is not None}
         if quantized == {True, False} and any(k_slice(k, size, r, PAIR)[:2] != k_slice(k, size, r, QUANT_BLOCK)[:2]
                                               for r in range(size)):
             raise ValueError(f"the model's {which} projections are quantized in some layers and not in others, "
@@ -96,10 +120,11 @@ def _quantized(model: LlamaModel, w: torch.Tensor):
 
 
 def local_config(cfg: ModelConfig, lay: ShardLayout) -> ModelConfig:
-    """The shard's own shape: its heads, MLP columns and lm_head rows (untied: the
-    embedding stays whole)."""
+    """The shard's own shape: its heads, MLP columns (each expert's too) and lm_head
+    rows (untied: the embedding stays whole)."""
+    moe = None if cfg.moe is None else replace(cfg.moe, intermediate_size=len(lay.expert_mlp))
     return replace(cfg, num_heads=len(lay.heads), num_kv_heads=len(lay.kv_heads),
-                   intermediate_size=len(lay.mlp), vocab_size=len(lay.vocab), tie_word_embeddings=False)
+                   intermediate_size=len(lay.mlp), vocab_size=len(lay.vocab), tie_word_embeddings=False, moe=moe)
 
 
 def shard_tensors(model: LlamaModel, lays: list, release: bool = False) -> list:
@@ -123,7 +148,8 @@ def shard_tensors(model: LlamaModel, lays: list, release: bool = False) -> list:
         def pick(t, lay):
             out, offset = [], 0
             for kind, n in zip(w.rows, w.parts(cfg)):
-                mine = {"q": (lay.heads, d), "kv": (lay.kv_heads, d), "inter": (lay.mlp, 1)}.get(kind)
+                mine = {"q": (lay.heads, d), "kv": (lay.kv_heads, d), "inter": (lay.mlp, 1),
+                        "expert_inter": (lay.expert_mlp, 1)}.get(kind)
                 out.append(t[offset:offset + n] if mine is None else rows(t, mine[0], offset, mine[1]))
                 offset += n
             return out[0] if len(out) == 1 else torch.cat(out)
@@ -147,8 +173,9 @@ def shard_tensors(model: LlamaModel, lays: list, release: bool = False) -> list:
             packing.drop_weight(model, w)
 
     def by_k(name: str, w, which: str) -> None:
-        """w's columns of each rank's slice of K (a quantized w: its GGUF blocks there,
-        packed with the whole K's lanes, which row_units made the same columns)."""
+        """w's columns of each rank's slice of K (the layout's `which`; a quantized w:
+        its GGUF blocks there, packed with the whole K's lanes, which row_units made
+        the same columns)."""
         p = _quantized(model, w)
         raw = None if p is None else ops.qunpack(p.data, p.n, p.per)
         for out, lay in zip(outs, lays):
@@ -168,16 +195,19 @@ def shard_tensors(model: LlamaModel, lays: list, release: bool = False) -> list:
     for out in outs:
         out["embed"] = embed
     plain("norm", model.norm)
-    for i, layer in enumerate(model.layers):
-        pre = f"layers.{i}."
-        for w in families.of(cfg).block.weights(cfg):
-            t = getattr(layer, w.attr)
-            if w.cols in ("q", "inter"):   # o and down: row-parallel, split by K (a bias stays whole: added once)
-                by_k(pre + w.attr, t, w.attr)
+    # o, down and each expert's down: row-parallel, split by K (the layout's slice of
+    # it); a bias stays whole (added once), and so does the router (its experts' rows).
+    row_parallel = {"q": "o", "inter": "down", "expert_inter": "expert_down"}
+    for i, weights in itertools.groupby(families.of(cfg).block.tensors(cfg), key=lambda entry: entry[0]):
+        for _, j, w, _ in weights:
+            owner = model.layers[i] if j is None else model.layers[i].experts[j]
+            name, t = _shard_name(i, j, w.attr), getattr(owner, w.attr)
+            if w.cols in row_parallel:
+                by_k(name, t, row_parallel[w.cols])
             elif w.cols:
-                by_rows(pre + w.attr, t, rank_rows(w))
+                by_rows(name, t, rank_rows(w))
             else:
-                plain(pre + w.attr, t, rank_rows(w))
+                plain(name, t, rank_rows(w))
         if release:   # what the layer's weights held goes back to the OS, not only to malloc
             trim_heap()
     by_rows("lm_head", model.lm_head, lambda t, lay: rows(t, lay.vocab))   # last: it may be the embedding
@@ -202,12 +232,18 @@ def build_shard(cfg: ModelConfig, lay: ShardLayout, tensors: dict, stored_types:
         setattr(model.get_submodule(owner), attr, torch.nn.Parameter(plain, requires_grad=False))
     slices = {}
     for i, layer in enumerate(model.layers):   # each row-parallel weight's own KSlice, in its units
-        for which, k in (("o", cfg.num_heads * cfg.head_dim), ("down", cfg.intermediate_size)):
-            unit = QUANT_BLOCK if isinstance(tensors[f"layers.{i}.{which}"], Packed) else PAIR
+        row_parallel = [(None, "o", "o", cfg.num_heads * cfg.head_dim)]
+        if layer.experts is None:
+            row_parallel.append((None, "down", "down", cfg.intermediate_size))
+        else:
+            row_parallel += [(j, "down", "expert_down", cfg.moe.intermediate_size) for j in range(len(layer.experts))]
+        for j, attr, which, k in row_parallel:
+            name = _shard_name(i, j, attr)
+            unit = QUANT_BLOCK if isinstance(tensors[name], Packed) else PAIR
             ks = k_slice(k, lay.size, lay.rank, unit)
             if ks[:2] != getattr(lay, which)[:2]:
-                raise ValueError(f"layer {i}'s {which} does not split as the layout does")
-            slices[id(getattr(layer, which))] = ks
+                raise ValueError(f"{name} does not split as the layout does")
+            slices[id(model.get_parameter(name))] = ks
     model.tp = RowParallel(lay, slices)
     model.finalize()
     for name, t in tensors.items():
@@ -218,11 +254,18 @@ def build_shard(cfg: ModelConfig, lay: ShardLayout, tensors: dict, stored_types:
     return model
 
 
+def _shard_name(layer: int, expert, attr: str) -> str:
+    """A layer weight's name among the shard model's parameters (an expert's below its
+    layer's `experts`)."""
+    return f"layers.{layer}." + ("" if expert is None else f"experts.{expert}.") + attr
+
+
 class RowParallel:
-    """A shard model's row-parallel projections (LlamaModel.forward calls it for o
-    and down): the rank's share of x @ w.T, summed over the ranks by the plan's rule
+    """A shard model's sums over the ranks (LlamaModel.forward calls it): the rank's
+    share of x @ w.T for o and down, summed by the plan's rule
     (plans.collectives.row_linear), each weight on its own KSlice (`slices`, by id:
-    a bf16 weight's K in pairs, a quantized one's in GGUF blocks)."""
+    a bf16 weight's K in pairs, a quantized one's in GGUF blocks); and a routing
+    layer's choice and its experts' sum."""
 
     def __init__(self, lay: ShardLayout, slices: dict):
         self.layout = lay
@@ -233,3 +276,17 @@ class RowParallel:
         if which == "o" and not self.layout.attention_split:   # every rank holds the whole attention output
             x = x[:, ks.start:ks.stop]
         return collectives.row_linear(plan, x, w, ks, self.layout.size)
+
+    def same_routing(self, plan, chosen: torch.Tensor, weights: torch.Tensor) -> tuple:
+        """The routing layer's choice as every rank takes it (collectives.same_routing)."""
+        return collectives.same_routing(plan, chosen, weights)
+
+    def expert_partial(self, plan, x: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        """An expert's down for rows x (its columns of the expert's MLP): this rank's
+        binary32 share, summed over the ranks by expert_sum."""
+        return collectives.row_partial(plan, x, down, self._slices[id(down)])
+
+    def expert_sum(self, plan, partials: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The routing layer's output from its rows' experts' shares [M, k, H] and their
+        weights [M, k] (collectives.expert_sum)."""
+        return collectives.expert_sum(plan, partials, weights, self.layout.size, dtype)

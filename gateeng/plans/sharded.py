@@ -37,6 +37,13 @@ class ShardedPlan:
             return self.inner.hidden(model, kv, rows)
 
     @torch.inference_mode()
+    def hidden_and_router(self, model, kv, rows: Rows) -> tuple:
+        """hidden's result and a mixture of experts' router margins (the driver's: every
+        rank's forward routes as the driver's does, model.shard)."""
+        with self._command((HIDDEN, self.kind, rows)):
+            return self.inner.hidden_and_router(model, kv, rows)
+
+    @torch.inference_mode()
     def full_logits(self, model, hidden: torch.Tensor) -> torch.Tensor:
         with self._command((LOGITS, self.kind, hidden)):
             return vocab_logits(self.inner, model, hidden)

@@ -1,8 +1,8 @@
 """Tensor parallelism's shapes: which sizes a model admits, and each rank's slice of K.
 
-The split is Megatron's (model.shard). q/k/v and gate/up are split by output
-columns, and so is the lm_head (by vocabulary rows). o and down are split by K: their input is the
-rank's own heads and MLP columns. A row-parallel projection's slice of K must be
+The split is Megatron's (model.shard). q/k/v and gate/up (each expert's too) are
+split by output columns, and so is the lm_head (by vocabulary rows). o and down (each
+expert's too) are split by K: their input is the rank's own heads and MLP columns. A row-parallel projection's slice of K must be
 whole blocks of the reference's dot (kernels/SPEC.md, "Tensor parallelism"). Then
 the ranks' subtree sums (linear_partial), combined by the tree's top levels
 (combine_partials), give the bits of one device. Pure arithmetic on shapes: no
@@ -54,14 +54,20 @@ def refusal(cfg: ModelConfig, size: int) -> Optional[str]:
                 f"dot splits K into {DOT_BLOCKS} blocks, and each rank must hold a whole subtree of them")
     if size == 1:
         return None
-    if cfg.moe is not None:
-        return "tensor parallelism of a mixture of experts is not built: serve it at tensor-parallel size 1"
     # Heads that do not split evenly are not refused: attention is then whole on every
-    # rank (model.shard), and o still splits on its K blocks.
-    if cfg.intermediate_size % size:
-        return f"the model's {cfg.intermediate_size} MLP columns (intermediate_size) do not split evenly over {size} ranks"
-    for name, k in (("attention output projection", cfg.num_heads * cfg.head_dim),
-                    ("MLP down projection", cfg.intermediate_size)):
+    # rank (model.shard), and o still splits on its K blocks. A mixture of experts splits
+    # each expert as a plain MLP; its plain-MLP layers, where it has any, as a dense model's.
+    moe = cfg.moe
+    mlps = ()
+    if moe is None or len(moe.sparse_layers) < cfg.num_layers:
+        mlps += (("MLP", "intermediate_size", cfg.intermediate_size),)
+    if moe is not None:
+        mlps += (("expert MLP", "the experts' intermediate size", moe.intermediate_size),)
+    for what, field, columns in mlps:
+        if columns % size:
+            return f"the model's {columns} {what} columns ({field}) do not split evenly over {size} ranks"
+    for name, k in ((("attention output projection", cfg.num_heads * cfg.head_dim),)
+                    + tuple((f"{what} down projection", columns) for what, _, columns in mlps)):
         if k % (2 * DOT_BLOCKS):
             return (f"the {name}'s K = {k} is not a multiple of {2 * DOT_BLOCKS}: an even split of it "
                     f"would not fall on the reference dot's block boundaries")
