@@ -26,7 +26,7 @@ plan=invariant runs; a second table compares each mode's fastest run, a third
 the median of the per-round ratios. Each mode also reports its engine steps and
 forward passes per plan: the work it adds, which the host's noise does not move.
 
-Usage: python bench/mixed.py [--prompts 20] [--tokens 96] [--rounds 3] [--wall] [--torch-ops]
+Usage: python bench/mixed.py [--model DIR] [--prompts 20] [--tokens 96] [--rounds 3] [--wall] [--torch-ops]
        [--fast-logit-noise SIGMA] [--quick]
 """
 from __future__ import annotations
@@ -200,6 +200,7 @@ def tpot(rows, idx):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="a Hugging Face directory or GGUF (default: the embedded model)")
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--quick", action="store_true", help="8 prompts x 16 tokens (a smoke run)")
@@ -225,7 +226,7 @@ def main():
     n = args.prompts
     ops = dict(TORCH_OPS) if args.torch_ops else {}
     ops["fast_logit_noise"] = args.fast_logit_noise
-    loaded = load(None, "bfloat16")
+    loaded = load(args.model, "bfloat16")
     prompts = prompt_set(n, mixed=True)
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
     print(header(), flush=True)
