@@ -90,6 +90,23 @@ def test_speculative_verified_triggered_by_the_router_margin_has_the_bits_of_one
     assert all(c.stats.triggers_router > 0 and c.stats.triggers_margin == 0 for c in done)
 
 
+def test_a_mixture_of_experts_split_weight_by_weight_lets_each_weight_go_and_gives_the_same_shards():
+    kept, model = (tiny_loaded("bfloat16", hf_family("qwen3_moe")).model for _ in range(2))
+    lays = [shard.layout(model.cfg, 2, r) for r in range(2)]
+    want, got = shard.shard_tensors(kept, lays), shard.shard_tensors(model, lays, release=True)
+    for a, b in zip(want, got):
+        assert a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
+    router, expert = kept.layers[0].router, kept.layers[0].experts[3]
+    for r, part in enumerate(want):   # the router whole; expert 3's columns of gate and of up, its K of down
+        assert torch.equal(part["layers.0.router"], router)
+        lo, hi = 16 * r, 16 * (r + 1)
+        gate_up = torch.cat([expert.gate_up[lo:hi], expert.gate_up[32 + lo:32 + hi]])
+        assert torch.equal(part["layers.0.experts.3.gate_up"], gate_up)
+        assert torch.equal(part["layers.0.experts.3.down"], expert.down[:, lo:hi])
+    weights = model.projections() + model.routers() + [model.lm_head]
+    assert all(w.untyped_storage().nbytes() == 0 for w in weights)   # every weight let go once split
+
+
 def moe_config(expert_inter: int, sparse_layers=(0, 1), intermediate: int = 128) -> ModelConfig:
     return ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=intermediate, num_layers=2, num_heads=4,
                        num_kv_heads=2, head_dim=16, architecture="qwen3_moe", qk_norm=True,
@@ -100,7 +117,8 @@ def moe_config(expert_inter: int, sparse_layers=(0, 1), intermediate: int = 128)
 def test_sizes_whose_experts_do_not_split_on_block_boundaries_are_refused_by_name():
     with pytest.raises(ValueError, match="expert MLP down projection's K = 48 is not a multiple of 32"):
         shard.layout(moe_config(48), 2, 0)
-    with pytest.raises(ValueError, match="MLP down projection.s K = 100"):   # layer 1, a plain MLP, splits as a dense one
+    # layer 1, a plain MLP, splits as a dense model's
+    with pytest.raises(ValueError, match="MLP down projection.s K = 100"):
         shard.layout(moe_config(32, sparse_layers=(0,), intermediate=100), 2, 0)
     # Every layer routes: the dense width is used by no layer, and is not refused.
     lays = [shard.layout(moe_config(32, intermediate=100), 4, r) for r in range(4)]

@@ -244,7 +244,8 @@ class LlamaModel(torch.nn.Module):
             if n:
                 pairs = order[start:start + n]
                 rows = plan.silu_mul(plan.linear(x.index_select(0, pairs // moe.top_k), gate_up))
-                out.index_copy_(0, pairs, plan.linear(rows, down) if tp is None else tp.expert_partial(plan, rows, down))
+                y = plan.linear(rows, down) if tp is None else tp.expert_partial(plan, rows, down)
+                out.index_copy_(0, pairs, y)
                 start += n
         out = out.view(x.shape[0], moe.top_k, x.shape[1])
         return plan.combine(out, weights) if tp is None else tp.expert_sum(plan, out, weights, x.dtype)

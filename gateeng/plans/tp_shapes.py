@@ -2,11 +2,11 @@
 
 The split is Megatron's (model.shard). q/k/v and gate/up (each expert's too) are
 split by output columns, and so is the lm_head (by vocabulary rows). o and down (each
-expert's too) are split by K: their input is the rank's own heads and MLP columns. A row-parallel projection's slice of K must be
-whole blocks of the reference's dot (kernels/SPEC.md, "Tensor parallelism"). Then
-the ranks' subtree sums (linear_partial), combined by the tree's top levels
-(combine_partials), give the bits of one device. Pure arithmetic on shapes: no
-process group, no model.
+expert's too) are split by K: their input is the rank's own heads and MLP columns.
+A row-parallel projection's slice of K must be whole blocks of the reference's dot
+(kernels/SPEC.md, "Tensor parallelism"). Then the ranks' subtree sums
+(linear_partial), combined by the tree's top levels (combine_partials), give the
+bits of one device. Pure arithmetic on shapes: no process group, no model.
 """
 from __future__ import annotations
 
