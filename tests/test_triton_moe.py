@@ -196,3 +196,19 @@ def test_the_trainers_triton_kernels_route_and_combine_as_the_cpu_build():
     y = (torch.randn(16, 2, 40, generator=torch.Generator().manual_seed(16)) * 4).to(torch.bfloat16)
     assert same(tri.moe_combine(y, want[1]), ops.moe_combine(y, want[1]))
 
+
+
+def test_the_policy_on_the_triton_kernels_gives_a_mixture_of_experts_the_cpu_bits():
+    """The trainer's policy on a tiny Mixtral (gateeng.train, kernels="triton": the
+    router logits, moe_route and moe_combine above): the logprobs of its CPU build, bit
+    for bit, and a backward through the routing."""
+    from gateeng.train import Policy
+    from tests.tiny import hf_family, tiny_loaded
+    hf = hf_family("mixtral")
+    seqs, prompt_lens = [[7, 3, 9, 11, 200, 13], [5, 6, 7, 8]], [4, 2]
+    want = Policy(tiny_loaded("float32", hf)).logprobs(seqs, prompt_lens, temperature=0.9)
+    policy = Policy(tiny_loaded("float32", hf), kernels="triton")
+    got = policy.logprobs(seqs, prompt_lens, temperature=0.9)
+    assert [bits(g.detach()) for g in got] == [bits(w.detach()) for w in want]
+    sum(g.sum() for g in got).backward()
+    assert all(p.grad is not None for p in policy.parameters())
