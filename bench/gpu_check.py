@@ -197,12 +197,12 @@ def quantized_same(ops, dev, m: int, n: int, k: int) -> bool:
     build's bits, for each type served as stored, on reference_ops' probe records (scales
     from 2^-24 to 2^4) as the loader splits them (gguf_weights.split_blocks)."""
     from gateeng.kernels import triton_reference as tr
-    from gateeng.model.gguf_weights import SERVED_QUANTIZED, split_blocks
+    from gateeng.model.gguf_weights import BLOCKS_QUANTIZED, split_blocks
     from gateeng.plans import reference_ops
     x = (torch.randn(m, k) * 4).to(torch.bfloat16)
     ids = torch.randint(0, n, (m,))
     ok = True
-    for kind, ggml in SERVED_QUANTIZED.items():
+    for kind, ggml in BLOCKS_QUANTIZED.items():
         raw = reference_ops.quantized_probe(n, k, dict(reference_ops.QUANT_PROBES)[ggml], seed=ggml)
         packed = ops.qpack(raw, ggml)
         q, d, mins = (None if a is None else torch.from_numpy(a).to(dev) for a in split_blocks(raw.numpy(), kind, k))

@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import header  # noqa: E402
 
-from gateeng.model.gguf_weights import SERVED_QUANTIZED  # noqa: E402
+from gateeng.model.gguf_weights import BLOCKS_QUANTIZED as SERVED_QUANTIZED  # noqa: E402   (random weights: gguf quantizes these)
 from gateeng.plans import cpu_ops, reference_ops  # noqa: E402
 
 HIDDEN, MLP, KV = 2048, 5632, 4 * 64

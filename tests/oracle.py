@@ -215,7 +215,7 @@ def attention(q, keys, values, scale: float):
     return to_bf(flush(acc * inv))
 
 
-# ---- quantized weights (Q8_0, Q4_0, Q4_1) -------------------------------------------
+# ---- quantized weights (Q8_0, Q4_0, Q4_1; Q4_K, Q5_K, Q6_K) ------------------------
 
 def qdot(x, q, d, m=None) -> np.ndarray:
     """The spec's qdot over the last axis (broadcast): x bf16 bits [..., K], q the
@@ -223,32 +223,46 @@ def qdot(x, q, d, m=None) -> np.ndarray:
     Q4_1, m binary16 minimums [..., K/32]. Per block of 32 the chain of fma on the
     integers, odd element first; c = d*s (or (d*s) + (m*t), t the plain sum of x);
     16 lanes of ceil(B/16) consecutive blocks, each a chain of adds from +0; the tree."""
-    xf = bf(x)
-    qf = np.asarray(q).astype(F32)              # -128..127: exact, bf16 values
     df = flush(np.asarray(d, np.float16).astype(F32))
-    mf = None if m is None else flush(np.asarray(m, np.float16).astype(F32))
+    mf = None if m is None else -flush(np.asarray(m, np.float16).astype(F32))   # c - (-m)*t is c + m*t, exactly
+    return kqdot(x, q, df, mf, 32, 32)
+
+
+def kqdot(x, q, scale, mins=None, block: int = 256, sub: int = 32) -> np.ndarray:
+    """The spec's qdot with sub-blocks (the K-quants): x bf16 bits [..., K], q the
+    integers [..., K] (Q6_K's already n - 32), `scale` the binary32 scale of each
+    sub-block of `sub` values [..., K/sub] (d * sc), `mins` the binary32 minimum of each
+    (dmin * min) or None. Per sub-block the chain of fma on its integers, odd element
+    first; c = scale*s, or (scale*s) - (min*t) with t the plain sum of its x; a lane is
+    ceil(B/16) consecutive blocks of `block` values, its sum a chain of adds of their
+    sub-blocks' c in order from +0; the tree over the 16 lanes."""
+    xf = bf(x)
+    qf = np.asarray(q).astype(F32)              # |q| <= 128: exact, bf16 values
+    sf = flush(np.asarray(scale, F32))
+    mf = None if mins is None else flush(np.asarray(mins, F32))
     k = xf.shape[-1]
-    assert k % 32 == 0 and qf.shape[-1] == k and df.shape[-1] == k // 32
-    nb = k // 32
-    shapes = [xf.shape[:-1], qf.shape[:-1], df.shape[:-1]] + ([] if mf is None else [mf.shape[:-1]])
+    assert k % block == 0 and qf.shape[-1] == k and sf.shape[-1] == k // sub
+    nb, subs = k // block, block // sub
+    shapes = [xf.shape[:-1], qf.shape[:-1], sf.shape[:-1]] + ([] if mf is None else [mf.shape[:-1]])
     shape = np.broadcast_shapes(*shapes)
     per = (nb + 15) // 16
     lanes = []
     for lane in range(16):
         acc = np.zeros(shape, F32)
         for g in range(lane * per, min(nb, (lane + 1) * per)):
-            s = np.zeros(shape, F32)
-            t = np.zeros(xf.shape[:-1], F32)
-            for p in range(16):
-                odd, even = 32 * g + 2 * p + 1, 32 * g + 2 * p
-                s = fma(xf[..., odd], qf[..., odd], s)
-                s = fma(xf[..., even], qf[..., even], s)
-                t = flush(t + xf[..., odd])
-                t = flush(t + xf[..., even])
-            c = flush(df[..., g] * s)
-            if mf is not None:
-                c = flush(c + flush(mf[..., g] * t))
-            acc = flush(acc + c)
+            for j in range(g * subs, (g + 1) * subs):
+                s = np.zeros(shape, F32)
+                t = np.zeros(xf.shape[:-1], F32)
+                for p in range(sub // 2):
+                    odd, even = sub * j + 2 * p + 1, sub * j + 2 * p
+                    s = fma(xf[..., odd], qf[..., odd], s)
+                    s = fma(xf[..., even], qf[..., even], s)
+                    t = flush(t + xf[..., odd])
+                    t = flush(t + xf[..., even])
+                c = flush(sf[..., j] * s)
+                if mf is not None:
+                    c = flush(c - flush(mf[..., j] * t))
+                acc = flush(acc + c)
         lanes.append(acc)
     return tree(lanes)
 
@@ -258,6 +272,53 @@ def qlinear(x, q, d, m=None, f32: bool = False):
     bf16 bits, or the binary32 qdots (f32)."""
     s = qdot(x[:, None, :], q[None, :, :], d[None, :, :], None if m is None else m[None, :, :])
     return s if f32 else to_bf(s)
+
+
+def kqlinear(x, q, scale, mins=None, sub: int = 32, f32: bool = False):
+    """x [M, K] (bf16 bits) @ a K-quant W [N, K].T (kqdot's q, scale and mins, [N, ...])."""
+    s = kqdot(x[:, None, :], q[None, :, :], scale[None, :, :], None if mins is None else mins[None, :, :], 256, sub)
+    return s if f32 else to_bf(s)
+
+
+K_QUANTS = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}   # bytes per stored super-block of 256 values
+
+
+def kfields(raw, kind: str) -> tuple:
+    """A K-quant's GGUF rows (uint8 [N, blocks * stored bytes]) as kqdot's operands
+    (q [N, K], scale [N, K/sub], mins [N, K/sub] or None, sub): ggml's block layouts,
+    decoded here on their own (tests check them against the gguf package's
+    dequantization). The scales are d * sc and dmin * min in binary32 (exact)."""
+    raw = np.asarray(raw, np.uint8)
+    n = raw.shape[0]
+    b = raw.reshape(n, -1, K_QUANTS[kind])
+    nb = b.shape[1]
+    half = lambda a: np.ascontiguousarray(a).view(np.float16)[..., 0].astype(F32)   # noqa: E731
+    if kind == "Q6_K":
+        ql, qh, sc, d = b[..., :128], b[..., 128:192], b[..., 192:208].view(np.int8), half(b[..., 208:210])
+        lo = np.concatenate([ql[..., :64] & 15, ql[..., :64] >> 4, ql[..., 64:] & 15, ql[..., 64:] >> 4], -1)
+        hi = np.concatenate([(qh[..., h * 32:(h + 1) * 32] >> (2 * i)) & 3 for h in range(2) for i in range(4)], -1)
+        q = (lo | (hi << 4)).astype(np.int64) - 32
+        return q.reshape(n, -1), (d[..., None] * sc.astype(F32)).reshape(n, -1), None, 16
+    d, dmin, s = half(b[..., 0:2]), half(b[..., 2:4]), b[..., 4:16].astype(np.int64)
+    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], -1)
+    mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], -1)
+    qs = b[..., 48:176] if kind == "Q5_K" else b[..., 16:144]
+    q = np.concatenate([(qs[..., (j // 2) * 32:(j // 2 + 1) * 32] >> (4 * (j % 2))) & 15 for j in range(8)], -1)
+    q = q.astype(np.int64).reshape(n, nb, 256)
+    if kind == "Q5_K":
+        qh = b[..., 16:48]
+        q = q | (np.concatenate([(qh >> j) & 1 for j in range(8)], -1).astype(np.int64) << 4)
+    scale = d[..., None] * sc.astype(F32)
+    mins = dmin[..., None] * mn.astype(F32)
+    return q.reshape(n, -1), scale.reshape(n, -1), mins.reshape(n, -1), 32
+
+
+def kvalues(q, scale, mins=None, sub: int = 32):
+    """A K-quant table's rows as bf16 bits: bf16(scale*q), or bf16((scale*q) - min)."""
+    v = flush(np.repeat(np.asarray(scale, F32), sub, -1) * np.asarray(q).astype(F32))   # exact
+    if mins is not None:
+        v = flush(v - np.repeat(np.asarray(mins, F32), sub, -1))
+    return to_bf(v)
 
 
 def qvalues(q, d, m=None):

@@ -1,4 +1,5 @@
-"""A GGUF served as stored: Q8_0, Q4_0 and Q4_1 weights stay quantized and are
+"""A GGUF served as stored: Q8_0, Q4_0 and Q4_1 weights (the K-quants:
+tests/test_kquant_serving.py) stay quantized and are
 multiplied by the reference (kernels/SPEC.md, "Quantized weights"), in every build,
 in both plans; other types are converted to bf16 and named in the log; what is not
 served quantized fails closed."""
@@ -24,7 +25,7 @@ BUILDS = [pytest.param(isa, marks=pytest.mark.skipif(isa not in reference_ops.ru
 def files(tmp_path_factory):
     where = tmp_path_factory.mktemp("quantized")
     out = {t: write_tiny_gguf(where / f"tiny-{t}.gguf", t) for t in TYPES}
-    out["mixed"] = write_tiny_gguf(where / "tiny-mixed.gguf", {"blk.*.ffn_down.weight": "Q6_K", "*": "Q4_0"},
+    out["mixed"] = write_tiny_gguf(where / "tiny-mixed.gguf", {"blk.*.ffn_down.weight": "Q5_0", "*": "Q4_0"},
                                    tie=False, intermediate=256, seed=1)
     return out
 
@@ -110,9 +111,9 @@ def test_quantized_logits_follow_the_file_and_the_plans_agree(files, gguf_type):
 
 def test_other_types_are_converted_to_bf16_and_named(files, capsys):
     loaded = loader.load(str(files["mixed"]["path"]))
-    assert packing.of(loaded.model).stored_types == {"Q4_0": 14}   # all but the two Q6_K ffn_down
+    assert packing.of(loaded.model).stored_types == {"Q4_0": 14}   # all but the two Q5_0 ffn_down
     err = capsys.readouterr().err
-    assert "dequantized to bf16 (not served as stored): 2 Q6_K" in err, err
+    assert "dequantized to bf16 (not served as stored): 2 Q5_0" in err, err
 
 
 def test_quantized_weights_fail_closed(files, tmp_path):

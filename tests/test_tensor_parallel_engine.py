@@ -102,7 +102,14 @@ def test_attention_whole_on_every_rank_at_four_ranks_keeps_the_bits(one):
     # lanes of 2, so at 4 ranks the last holds none
     ({"token_embd.weight": "Q8_0", "*": "Q4_1"}, 4, dict(hidden=576, heads=9, kv_heads=3, head_dim=64,
                                                         intermediate=1536, layers=1)),
-], ids=["q4_0-by-head", "smollm2-mix-whole-attention"])
+    # the K-quants (Q4_K, Q5_K, Q6_K) as stored: down's 16 super-blocks in lanes of 1, o's one
+    # super-block whole on rank 0 (attention whole on every rank)
+    ({"blk.*.ffn_down.weight": "Q6_K", "blk.*.ffn_gate.weight": "Q5_K", "blk.*.ffn_up.weight": "Q5_K",
+      "output.weight": "Q6_K", "*": "Q4_K"}, 2, dict(hidden=256, heads=2, kv_heads=1, head_dim=128,
+                                                     intermediate=4096, layers=1, tie=False)),
+    ({"blk.*.ffn_down.weight": "Q6_K", "*": "Q4_K"}, 4, dict(hidden=256, heads=2, kv_heads=1, head_dim=128,
+                                                             intermediate=4096, layers=1)),
+], ids=["q4_0-by-head", "smollm2-mix-whole-attention", "k-quants-2", "k-quants-4"])
 def test_a_quantized_gguf_served_as_stored_has_the_bits_of_one_process(tmp_path, qtype, size, shape):
     path = write_tiny_gguf(tmp_path / "q.gguf", qtype, **shape)["path"]
     answers, plans = {}, {}

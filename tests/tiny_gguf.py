@@ -8,7 +8,8 @@ in F32, output.weight only when untied), the llama.* keys the converter writes, 
 every tokenizer.* key of the embedded SmolLM2 GGUF (so the vocabulary is SmolLM2's,
 49152 tokens). Quantization is gguf-py's (gguf.quants.quantize: Q4_0, Q4_1, Q5_0,
 Q5_1, Q8_0, BF16, F16), plus a numpy port of ggml's quantize_row_q6_K_ref for Q6_K,
-which gguf-py cannot quantize.
+which gguf-py cannot quantize, and a plain min/max quantizer for Q4_K and Q5_K (ggml's
+block layout; not llama-quantize's choice of scales).
 
 Checked once by hand against llama.cpp 11434 (/tmp/llama, not needed by the tests):
 convert_hf_to_gguf.py --outtype f32 on the same HF model (and the tokenizer transformers
@@ -181,6 +182,39 @@ def quantize_q6_k(data: np.ndarray) -> np.ndarray:
     return blocks.reshape(rows, cols // 256 * 210)
 
 
+def quantize_q45_k(data: np.ndarray, bits: int) -> np.ndarray:
+    """Q4_K (bits 4) or Q5_K (bits 5) blocks (uint8, rows x row_bytes) of a float array
+    whose rows are multiples of 256: valid blocks by a plain min/max rule per sub-block
+    of 32 (scale (max - min) / (2^bits - 1), minimum -min(min, 0)), the sub-block scales
+    and minimums as 6-bit multiples of d and dmin. Not llama-quantize's search for the
+    best scales (make_qkx2_quants): the bytes differ from its, the layout is ggml's."""
+    f32, top = np.float32, (1 << bits) - 1
+    rows, cols = data.shape
+    if cols % 256:
+        raise ValueError(f"Q{bits}_K needs rows that are a multiple of 256 values, not {cols}")
+    x = np.ascontiguousarray(data, dtype=f32).reshape(-1, 8, 32)       # super-blocks of 8 sub-blocks
+    nb = len(x)
+    low = np.minimum(x.min(-1), 0)
+    step = ((x.max(-1) - low) / top).astype(f32)
+    d16 = (step.max(-1) / 63).astype(np.float16)
+    dmin16 = ((-low).max(-1) / 63).astype(np.float16)
+    d, dmin = d16.astype(f32)[:, None], dmin16.astype(f32)[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d > 0, np.clip(_nearest_int(step / d), 0, 63), 0)
+        mn = np.where(dmin > 0, np.clip(_nearest_int(-low / dmin), 0, 63), 0)
+        scale, offset = (d * sc)[..., None], (dmin * mn)[..., None]
+        q = np.where(scale > 0, np.clip(_nearest_int((x + offset) / scale), 0, top), 0).astype(np.uint8)
+    sc, mn = sc.astype(np.uint8), mn.astype(np.uint8)
+    scales = np.concatenate([sc[:, :4] | ((sc[:, 4:] >> 4) << 6), mn[:, :4] | ((mn[:, 4:] >> 4) << 6),
+                             (sc[:, 4:] & 15) | ((mn[:, 4:] & 15) << 4)], axis=1)
+    qs = np.concatenate([(q[:, 2 * i] & 15) | ((q[:, 2 * i + 1] & 15) << 4) for i in range(4)], axis=1)
+    parts = [d16.reshape(nb, 1).view(np.uint8), dmin16.reshape(nb, 1).view(np.uint8), scales]
+    if bits == 5:
+        parts.append(np.bitwise_or.reduce([(q[:, j] >> 4) << j for j in range(8)], axis=0).astype(np.uint8))
+    blocks = np.concatenate(parts + [qs], axis=1)
+    return blocks.reshape(rows, cols // 256 * (144 if bits == 4 else 176))
+
+
 def quantize(data: np.ndarray, qtype: str) -> np.ndarray:
     """`data` (float32, 2-D) in GGML type `qtype`, as the bytes (or floats) GGUF stores."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -193,6 +227,8 @@ def quantize(data: np.ndarray, qtype: str) -> np.ndarray:
                          "(llama-quantize would fall back to another type)")
     if t == GGMLQuantizationType.Q6_K:
         return quantize_q6_k(data)
+    if t in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K):
+        return quantize_q45_k(data, 4 if t == GGMLQuantizationType.Q4_K else 5)
     return quants.quantize(np.ascontiguousarray(data, dtype=np.float32), t)
 
 
@@ -266,6 +302,7 @@ def write_tiny_gguf(path, qtype: QType, seed: int = 0, tie: bool = True, hidden=
     types = {g: t for g, _, t in tensors}
 
     base = spec.get("*", "").upper() or Counter(t for _, w, t in tensors if w.ndim == 2).most_common(1)[0][0]
+    base = {"Q4_K": "Q4_K_M", "Q5_K": "Q5_K_M"}.get(base, base)   # llama.cpp's file types name the K mixes
     file_type = int(LlamaFileType.ALL_F32 if base == "F32" else LlamaFileType[f"MOSTLY_{base}"])
 
     path = Path(path)

@@ -19,12 +19,13 @@ inline void check_packed(const torch::Tensor& x, const torch::Tensor& packed, in
               "packed weight does not match x or n");
 }
 
-// x is bf16 [M, K]; packed is qpack() of an [n, K] quantized weight: [ceil(n / 16), K / QK, record] bytes.
-inline void check_qpacked(const torch::Tensor& x, const torch::Tensor& packed, int64_t n) {
+// x is bf16 [M, K]; packed is qpack() of an [n, K] quantized weight: [ceil(n / 16), K / block, record] bytes,
+// `block` values per GGUF block (QK; a K-quant's super-block: 256).
+inline void check_qpacked(const torch::Tensor& x, const torch::Tensor& packed, int64_t n, int64_t block = QK) {
   TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2 && x.device().is_cpu(), "x must be bf16 [M, K]");
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.dim() == 3 && packed.is_contiguous(),
               "packed must come from the reference's qpack");
-  TORCH_CHECK(packed.size(1) * QK == x.size(1) && (n + 15) / 16 == packed.size(0),
+  TORCH_CHECK(packed.size(1) * block == x.size(1) && (n + 15) / 16 == packed.size(0),
               "packed weight does not match x or n");
 }
 

@@ -461,32 +461,52 @@ Out out_to(torch::Tensor& result, int64_t n) {
 }
 
 // ---- quantized weights ------------------------------------------------------------
-// SPEC.md, "Quantized weights". A GGUF weight of type Q8_0, Q4_0 or Q4_1 keeps its
-// integers and per-block binary16 scales, repacked once (qpack) for 16 output columns
-// at a time, like the bf16 layout: uint8 [ceil(N/16)][B][record], one record per block
-// of 32 values of K and column block. Within a column block the records are in the
-// order the kernels read them (QLayout): step by step, the s-th block of every lane
-// that has one, so a column block is one sequential stream. A record is the 16 columns' scales d (binary16),
-// for Q4_1 their minimums m, then the integers pair by pair, the 16 columns' (even, odd)
-// values side by side: Q8_0 as int8 [16 pairs][16][2]; Q4 as bytes [8][16][2] whose low
-// nibble is pair 2j and high nibble pair 2j + 1. The record size names the type.
-// Zero columns (scale 0) pad the last column block.
+// SPEC.md, "Quantized weights". A GGUF weight of type Q8_0, Q4_0, Q4_1, Q4_K, Q5_K or
+// Q6_K keeps its integers and its binary16 scales, repacked once (qpack) for 16 output
+// columns at a time, like the bf16 layout: uint8 [ceil(N/16)][B][record], one record
+// per GGUF block of K (32 values; a K-quant's super-block: 256) and column block.
+// Within a column block the records are in the order the kernels read them (QLayout):
+// step by step, the s-th block of every lane that has one, so a column block is one
+// sequential stream. A record is the 16 columns' scales d (binary16), for Q4_1 their
+// minimums m (Q4_K, Q5_K: dmin), a K-quant's sub-block scales (and Q4_K's, Q5_K's
+// sub-block minimums) as bytes [sub-block][16], then the integers pair by pair, the 16
+// columns' (even, odd) values side by side: Q8_0 as int8 [16 pairs][16][2]; the others
+// as 4-bit bytes [pairs / 2][16][2] whose low nibble is pair 2j and high nibble pair
+// 2j + 1; then Q5_K's fifth bits (a u32 per pair, bit 2c + e: column c, element e) or
+// Q6_K's fifth and sixth bits (bytes [pairs / 4][16][2], pair 4j + i in bits 2i, 2i + 1).
+// The record size names the type. Zero columns (scale 0) pad the last column block.
 
-constexpr int64_t GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q8_0 = 8;   // GGML type ids
+constexpr int64_t GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14;
+constexpr int64_t QK_K = 256;   // values per K-quant super-block
 constexpr int64_t REC_Q8_0 = 32 + 512, REC_Q4_0 = 32 + 256, REC_Q4_1 = 64 + 256;
+constexpr int64_t REC_Q4_K = 64 + 2 * 128 + 2048, REC_Q5_K = REC_Q4_K + 512, REC_Q6_K = 32 + 256 + 2048 + 1024;
+
+enum class QKind { Q8, Q4, Q4K, Q5K, Q6K };
 
 struct QType {
   int64_t ggml, raw, rec;   // GGML id, bytes per stored block, bytes per record
-  bool q8, mins;
+  QKind kind;
+  bool mins;       // a minimum per (sub-)block: Q4_1 adds m * t, Q4_K and Q5_K subtract (dmin * min) * t
+  int64_t values;  // values per block
+  int sub;         // values per sub-block (each its own scale); the block itself where values == sub
+  int bias;        // the stored integer minus bias is q
+  int64_t sc_off, m_off, q_off, hi_off;   // where a record's sub-block scales, minimums, integers, high bits start
+  bool q8() const { return kind == QKind::Q8; }
+  bool kq() const { return values == QK_K; }
+  int subs() const { return static_cast<int>(values / sub); }
 };
-constexpr QType QTYPES[] = {{GGML_Q8_0, 34, REC_Q8_0, true, false},
-                            {GGML_Q4_0, 18, REC_Q4_0, false, false},
-                            {GGML_Q4_1, 20, REC_Q4_1, false, true}};
+constexpr QType QTYPES[] = {
+    {GGML_Q8_0, 34, REC_Q8_0, QKind::Q8, false, QK, 32, 0, 0, 0, 32, 0},
+    {GGML_Q4_0, 18, REC_Q4_0, QKind::Q4, false, QK, 32, 8, 0, 0, 32, 0},
+    {GGML_Q4_1, 20, REC_Q4_1, QKind::Q4, true, QK, 32, 0, 0, 0, 64, 0},
+    {GGML_Q4_K, 144, REC_Q4_K, QKind::Q4K, true, QK_K, 32, 0, 64, 192, 320, 0},
+    {GGML_Q5_K, 176, REC_Q5_K, QKind::Q5K, true, QK_K, 32, 0, 64, 192, 320, 2368},
+    {GGML_Q6_K, 210, REC_Q6_K, QKind::Q6K, false, QK_K, 16, 32, 32, 0, 288, 2336}};
 
 const QType& qtype_of_ggml(int64_t ggml) {
   for (const auto& t : QTYPES)
     if (t.ggml == ggml) return t;
-  TORCH_CHECK(false, "GGML type ", ggml, " is not served quantized (Q8_0, Q4_0 and Q4_1 are)");
+  TORCH_CHECK(false, "GGML type ", ggml, " is not served quantized (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K are)");
 }
 const QType& qtype_of_record(int64_t rec) {
   for (const auto& t : QTYPES)
@@ -502,14 +522,165 @@ inline float half(u16 h) {
   const float v = static_cast<float>(f) * from_bits(0x33800000u);   // f * 2^-24, exact
   return sign ? -v : v;
 }
+inline float half_at(const uint8_t* p) {
+  u16 h;
+  std::memcpy(&h, p, 2);
+  return half(h);
+}
 
-// The integer of column c, pair p, element t (0 even, 1 odd) of a record.
-inline float qint(const QType& t, const uint8_t* rec, int p, int c, int e) {
-  const uint8_t* q = rec + (t.mins ? 64 : 32);
-  if (t.q8) return static_cast<float>(static_cast<int8_t>(q[(p * 16 + c) * 2 + e]));
+// The integer q of column c, pair p of the block, element e (0 even, 1 odd) of a record.
+inline int qint_i(const QType& t, const uint8_t* rec, int p, int c, int e) {
+  const uint8_t* q = rec + t.q_off;
+  if (t.q8()) return static_cast<int8_t>(q[(p * 16 + c) * 2 + e]);
   const uint8_t b = q[((p / 2) * 16 + c) * 2 + e];
-  const int n = (p % 2) ? (b >> 4) : (b & 0x0F);
-  return static_cast<float>(t.mins ? n : n - 8);
+  int n = (p % 2) ? (b >> 4) : (b & 0x0F);
+  if (t.kind == QKind::Q5K) {
+    u32 mask;
+    std::memcpy(&mask, rec + t.hi_off + 4 * p, 4);
+    n |= static_cast<int>((mask >> (2 * c + e)) & 1u) << 4;
+  } else if (t.kind == QKind::Q6K) {
+    n |= ((rec[t.hi_off + ((p / 4) * 16 + c) * 2 + e] >> (2 * (p % 4))) & 3) << 4;
+  }
+  return n - t.bias;
+}
+inline float qint(const QType& t, const uint8_t* rec, int p, int c, int e) {
+  return static_cast<float>(qint_i(t, rec, p, c, e));   // exact: |q| <= 128
+}
+
+// Column c's scale of sub-block j (SPEC.md): d, or a K-quant's d * sc, exact in binary32
+// (an 11-bit significand times an integer of at most 7 bits).
+inline float qscale(const QType& t, const uint8_t* rec, int j, int c) {
+  const float d = half_at(rec + 2 * c);
+  if (!t.kq()) return d;
+  const uint8_t s = rec[t.sc_off + j * 16 + c];
+  return d * static_cast<float>(t.kind == QKind::Q6K ? static_cast<int>(static_cast<int8_t>(s)) : static_cast<int>(s));
+}
+// Column c's minimum of sub-block j: Q4_1's m (added), or dmin * min (exact; subtracted).
+inline float qmin(const QType& t, const uint8_t* rec, int j, int c) {
+  const float m = half_at(rec + 32 + 2 * c);
+  return t.kq() ? m * static_cast<float>(rec[t.m_off + j * 16 + c]) : m;
+}
+
+// ---- a K-quant's GGUF block (ggml's block_q4_K, block_q5_K, block_q6_K) ----
+// Where its binary16 d (and dmin) sit.
+inline int64_t k_d_at(const QType& t) { return t.kind == QKind::Q6K ? 208 : 0; }
+// The stored integer (before the bias) of value v of the block.
+inline int k_get(const QType& t, const uint8_t* b, int v) {
+  if (t.kind == QKind::Q6K) {
+    const int h = v / 128, w = v % 128;
+    const int lo = (b[h * 64 + w % 64] >> (4 * (w / 64))) & 0x0F;
+    const int hi = (b[128 + h * 32 + w % 32] >> (2 * (w / 32))) & 3;
+    return lo | (hi << 4);
+  }
+  const int j = v / 32, l = v % 32;
+  const uint8_t* qs = b + (t.kind == QKind::Q5K ? 48 : 16);
+  int n = (qs[(j / 2) * 32 + l] >> (4 * (j % 2))) & 0x0F;
+  if (t.kind == QKind::Q5K) n |= ((b[16 + l] >> j) & 1) << 4;
+  return n;
+}
+// k_get's inverse: value v's integer n written into a zeroed block.
+inline void k_put(const QType& t, uint8_t* b, int v, int n) {
+  if (t.kind == QKind::Q6K) {
+    const int h = v / 128, w = v % 128;
+    b[h * 64 + w % 64] |= static_cast<uint8_t>((n & 0x0F) << (4 * (w / 64)));
+    b[128 + h * 32 + w % 32] |= static_cast<uint8_t>((n >> 4) << (2 * (w / 32)));
+    return;
+  }
+  const int j = v / 32, l = v % 32;
+  uint8_t* qs = b + (t.kind == QKind::Q5K ? 48 : 16);
+  qs[(j / 2) * 32 + l] |= static_cast<uint8_t>((n & 0x0F) << (4 * (j % 2)));
+  if (t.kind == QKind::Q5K) b[16 + l] |= static_cast<uint8_t>(((n >> 4) & 1) << j);
+}
+// The sub-block scales (and Q4_K's, Q5_K's minimums): Q6_K's 16 int8; Q4_K's and
+// Q5_K's 8 + 8 six-bit values in 12 bytes (ggml's get_scale_min_k4).
+inline void k_scales(const QType& t, const uint8_t* b, uint8_t* sc, uint8_t* mn) {
+  if (t.kind == QKind::Q6K) {
+    std::memcpy(sc, b + 192, 16);
+    return;
+  }
+  const uint8_t* s = b + 4;
+  for (int j = 0; j < 4; ++j) {
+    sc[j] = s[j] & 63;
+    mn[j] = s[j + 4] & 63;
+    sc[j + 4] = (s[j + 8] & 0x0F) | ((s[j] >> 6) << 4);
+    mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+  }
+}
+inline void k_put_scales(const QType& t, uint8_t* b, const uint8_t* sc, const uint8_t* mn) {
+  if (t.kind == QKind::Q6K) {
+    std::memcpy(b + 192, sc, 16);
+    return;
+  }
+  uint8_t* s = b + 4;
+  for (int j = 0; j < 4; ++j) {
+    s[j] = static_cast<uint8_t>(sc[j] | ((sc[j + 4] >> 4) << 6));
+    s[j + 4] = static_cast<uint8_t>(mn[j] | ((mn[j + 4] >> 4) << 6));
+    s[j + 8] = static_cast<uint8_t>((sc[j + 4] & 0x0F) | ((mn[j + 4] & 0x0F) << 4));
+  }
+}
+
+// A record's integer of column c, pair p, element e set from the stored n (qpack).
+inline void rec_put(const QType& t, uint8_t* rec, int p, int c, int e, int n) {
+  uint8_t* q = rec + t.q_off;
+  if (t.q8()) {
+    q[(p * 16 + c) * 2 + e] = static_cast<uint8_t>(n);
+    return;
+  }
+  q[((p / 2) * 16 + c) * 2 + e] |= static_cast<uint8_t>((n & 0x0F) << ((p % 2) * 4));
+  if (t.kind == QKind::Q5K) {
+    u32 mask;
+    std::memcpy(&mask, rec + t.hi_off + 4 * p, 4);
+    mask |= static_cast<u32>((n >> 4) & 1) << (2 * c + e);
+    std::memcpy(rec + t.hi_off + 4 * p, &mask, 4);
+  } else if (t.kind == QKind::Q6K) {
+    rec[t.hi_off + ((p / 4) * 16 + c) * 2 + e] |= static_cast<uint8_t>((n >> 4) << (2 * (p % 4)));
+  }
+}
+
+// One stored block of column c into its record (qpack), or back (qunpack, into a zeroed block).
+void block_to_record(const QType& t, const uint8_t* b, uint8_t* rec, int c) {
+  if (!t.kq()) {
+    std::memcpy(rec + 2 * c, b, 2);                        // d
+    if (t.mins) std::memcpy(rec + 32 + 2 * c, b + 2, 2);   // m
+    const uint8_t* qs = b + (t.mins ? 4 : 2);
+    for (int v = 0; v < QK; ++v)   // GGUF Q4: byte j holds value j (low nibble) and value j + 16 (high)
+      rec_put(t, rec, v / 2, c, v % 2, t.q8() ? qs[v] : v < 16 ? (qs[v] & 0x0F) : (qs[v - 16] >> 4));
+    return;
+  }
+  std::memcpy(rec + 2 * c, b + k_d_at(t), 2);
+  if (t.mins) std::memcpy(rec + 32 + 2 * c, b + 2, 2);   // dmin
+  uint8_t sc[16], mn[8];
+  k_scales(t, b, sc, mn);
+  for (int j = 0; j < t.subs(); ++j) {
+    rec[t.sc_off + j * 16 + c] = sc[j];
+    if (t.mins) rec[t.m_off + j * 16 + c] = mn[j];
+  }
+  for (int v = 0; v < QK_K; ++v) rec_put(t, rec, v / 2, c, v % 2, k_get(t, b, v));
+}
+void record_to_block(const QType& t, const uint8_t* rec, uint8_t* b, int c) {
+  if (!t.kq()) {
+    std::memcpy(b, rec + 2 * c, 2);
+    if (t.mins) std::memcpy(b + 2, rec + 32 + 2 * c, 2);
+    uint8_t* qs = b + (t.mins ? 4 : 2);
+    for (int v = 0; v < QK; ++v) {
+      const int n = qint_i(t, rec, v / 2, c, v % 2) + t.bias;
+      if (t.q8()) {
+        qs[v] = static_cast<uint8_t>(n);
+      } else {
+        qs[v % 16] |= static_cast<uint8_t>(v < 16 ? n : n << 4);
+      }
+    }
+    return;
+  }
+  std::memcpy(b + k_d_at(t), rec + 2 * c, 2);
+  if (t.mins) std::memcpy(b + 2, rec + 32 + 2 * c, 2);
+  uint8_t sc[16], mn[8];
+  for (int j = 0; j < t.subs(); ++j) {
+    sc[j] = rec[t.sc_off + j * 16 + c];
+    if (t.mins) mn[j] = rec[t.m_off + j * 16 + c];
+  }
+  k_put_scales(t, b, sc, mn);
+  for (int v = 0; v < QK_K; ++v) k_put(t, b, v, qint_i(t, rec, v / 2, c, v % 2) + t.bias);
 }
 
 // The lanes (SPEC.md: lane l sums blocks l*per .. min(B, (l+1)*per) - 1) and where each
@@ -551,27 +722,11 @@ torch::Tensor qpack(torch::Tensor raw, int64_t ggml, int64_t per) {
   const uint8_t* src = raw.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, cbs, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t cb = begin; cb < end; ++cb) {
-      for (int64_t c = 0; c < 16 && cb * 16 + c < n; ++c) {
-        for (int64_t g = 0; g < nb; ++g) {
-          const uint8_t* b = src + (cb * 16 + c) * raw.size(1) + g * t.raw;
-          uint8_t* rec = dst + (cb * nb + lay.record(g)) * t.rec;
-          std::memcpy(rec + 2 * c, b, 2);                        // d
-          if (t.mins) std::memcpy(rec + 32 + 2 * c, b + 2, 2);   // m
-          const uint8_t* qs = b + (t.mins ? 4 : 2);
-          uint8_t* q = rec + (t.mins ? 64 : 32);
-          for (int v = 0; v < QK; ++v) {
-            const int p = v / 2, e = v % 2;
-            if (t.q8) {
-              q[(p * 16 + c) * 2 + e] = qs[v];
-            } else {   // GGUF: byte j holds value j (low nibble) and value j + 16 (high)
-              const int n4 = v < 16 ? (qs[v] & 0x0F) : (qs[v - 16] >> 4);
-              q[((p / 2) * 16 + c) * 2 + e] |= static_cast<uint8_t>(n4 << ((p % 2) * 4));
-            }
-          }
-        }
-      }
-    }
+    for (int64_t cb = begin; cb < end; ++cb)
+      for (int64_t c = 0; c < 16 && cb * 16 + c < n; ++c)
+        for (int64_t g = 0; g < nb; ++g)
+          block_to_record(t, src + (cb * 16 + c) * raw.size(1) + g * t.raw, dst + (cb * nb + lay.record(g)) * t.rec,
+                          static_cast<int>(c));
   });
   return out;
 }
@@ -587,26 +742,10 @@ torch::Tensor qunpack(torch::Tensor packed, int64_t n, int64_t per) {
   auto raw = torch::zeros({n, row}, packed.options());
   const uint8_t* src = packed.data_ptr<uint8_t>();
   uint8_t* dst = raw.data_ptr<uint8_t>();
-  for (int64_t r = 0; r < n; ++r) {
-    const int64_t cb = r / 16, c = r % 16;
-    for (int64_t g = 0; g < nb; ++g) {
-      const uint8_t* rec = src + (cb * nb + lay.record(g)) * t.rec;
-      uint8_t* b = dst + r * row + g * t.raw;
-      std::memcpy(b, rec + 2 * c, 2);
-      if (t.mins) std::memcpy(b + 2, rec + 32 + 2 * c, 2);
-      uint8_t* qs = b + (t.mins ? 4 : 2);
-      const uint8_t* q = rec + (t.mins ? 64 : 32);
-      for (int v = 0; v < QK; ++v) {
-        const int p = v / 2, e = v % 2;
-        if (t.q8) {
-          qs[v] = q[(p * 16 + c) * 2 + e];
-        } else {
-          const int n4 = (q[((p / 2) * 16 + c) * 2 + e] >> ((p % 2) * 4)) & 0x0F;
-          qs[v % 16] |= static_cast<uint8_t>(v < 16 ? n4 : n4 << 4);
-        }
-      }
-    }
-  }
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t g = 0; g < nb; ++g)
+      record_to_block(t, src + ((r / 16) * nb + lay.record(g)) * t.rec, dst + r * row + g * t.raw,
+                      static_cast<int>(r % 16));
   return raw;
 }
 
@@ -616,7 +755,13 @@ int64_t qtype(torch::Tensor packed) {
   return qtype_of_record(packed.size(2)).ggml;
 }
 
-// x's block sums t_g (SPEC.md: Q4_1's minimums multiply them), [rows][B].
+// The values per GGUF block of a packed weight's type (32; a K-quant's super-block: 256).
+int64_t qblock(torch::Tensor packed) {
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.dim() == 3, "packed must come from qpack");
+  return qtype_of_record(packed.size(2)).values;
+}
+
+// x's sums t over each 32 values (SPEC.md: the minimums multiply them), [rows][K/32].
 std::vector<float> block_sums(const u16* x, int64_t m, int64_t k) {
   const int64_t nb = k / QK;
   std::vector<float> t(m * nb);
@@ -642,10 +787,12 @@ inline void prefetch_records(const uint8_t* next, int64_t from, int64_t bytes) {
 }
 
 // The portable tile: MR rows x 16 columns of one column block, the spec written out.
+// tx: the rows' sums of 32 values, [rows][K/32].
 template <int MR>
 void qtile_portable(const QType& t, const QLayout& lay, const u16* x, int64_t k, const float* tx, const uint8_t* w,
                     const Out& out, int64_t row, int64_t col) {
-  const int64_t nb = lay.nb, per = lay.per;
+  const int64_t nb = lay.nb, per = lay.per, kq = k / QK;
+  const int sp = t.sub / 2;   // pairs per sub-block
   float lvl[5][MR][16];
   for (int l = 0; l < (1 << lay.levels); ++l) {
     float lane[MR][16];
@@ -654,22 +801,21 @@ void qtile_portable(const QType& t, const QLayout& lay, const u16* x, int64_t k,
     for (int64_t g = std::min(nb, l * per); g < std::min(nb, (l + 1) * per); ++g) {
       const uint8_t* rec = w + lay.record(g) * t.rec;
       for (int i = 0; i < MR; ++i) {
-        const u16* xg = x + i * k + g * QK;
+        const u16* xg = x + i * k + g * t.values;
         for (int c = 0; c < 16; ++c) {
-          float s = 0.f;
-          for (int p = 0; p < 16; ++p) {
-            s = std::fma(bf(xg[2 * p + 1]), qint(t, rec, p, c, 1), s);
-            s = std::fma(bf(xg[2 * p]), qint(t, rec, p, c, 0), s);
+          for (int j = 0; j < t.subs(); ++j) {
+            float s = 0.f;
+            for (int p = j * sp; p < (j + 1) * sp; ++p) {
+              s = std::fma(bf(xg[2 * p + 1]), qint(t, rec, p, c, 1), s);
+              s = std::fma(bf(xg[2 * p]), qint(t, rec, p, c, 0), s);
+            }
+            float v = qscale(t, rec, j, c) * s;
+            if (t.mins) {
+              const float mt = qmin(t, rec, j, c) * tx[i * kq + (g * t.values + j * t.sub) / QK];
+              v = t.kq() ? v - mt : v + mt;
+            }
+            lane[i][c] = lane[i][c] + v;
           }
-          u16 dh, mh;
-          std::memcpy(&dh, rec + 2 * c, 2);
-          float v = half(dh) * s;
-          if (t.mins) {
-            std::memcpy(&mh, rec + 32 + 2 * c, 2);
-            const float mt = half(mh) * tx[i * nb + g];
-            v = v + mt;
-          }
-          lane[i][c] = lane[i][c] + v;
         }
       }
     }
@@ -684,10 +830,23 @@ void qtile_portable(const QType& t, const QLayout& lay, const u16* x, int64_t k,
     for (int c = 0; c < 16 && col + c < out.n; ++c) out.put(row + i, col + c, lvl[lay.levels][i][c]);
 }
 
+// f(integral_constant<QKind>) for t's kind: the vector tiles are compiled per kind.
+template <typename F>
+inline void with_kind(const QType& t, F&& f) {
+  switch (t.kind) {
+    case QKind::Q8: return f(std::integral_constant<QKind, QKind::Q8>{});
+    case QKind::Q4: return f(std::integral_constant<QKind, QKind::Q4>{});
+    case QKind::Q4K: return f(std::integral_constant<QKind, QKind::Q4K>{});
+    case QKind::Q5K: return f(std::integral_constant<QKind, QKind::Q5K>{});
+    case QKind::Q6K: return f(std::integral_constant<QKind, QKind::Q6K>{});
+  }
+}
+
 #if defined(GATEENG_REF_AVX512BF16)
 // The AVX-512 BF16 tile: MR rows x 16 columns, LN lanes at a time (independent chains:
-// a block's 16 pairs are one chain of VDPBF16PS, the spec's order). Q4 integers become
-// bf16 by a table lookup (VPERMW), Q8_0 through binary32 (exact either way).
+// a sub-block's pairs are one chain of VDPBF16PS, the spec's order). Q4 integers become
+// bf16 by a table lookup (VPERMW); Q8_0's and the K-quants' through binary32 (exact
+// either way).
 struct QTables {
   __m512i q4_0, q4_1;
   QTables() {
@@ -698,13 +857,50 @@ struct QTables {
   }
 };
 
-template <int MR, int LN>
+// A K-quant record's integers of pair p, the 16 columns' (even, odd) side by side, as bf16.
+template <QKind KD>
+inline __m512bh kpair_dpbf16(const QType& t, const uint8_t* rec, int p) {
+  __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + t.q_off + (p / 2) * 32)));
+  w = _mm512_and_si512(_mm512_srli_epi16(w, (p % 2) * 4), _mm512_set1_epi16(0x0F));
+  if constexpr (KD == QKind::Q5K) {
+    u32 mask;
+    std::memcpy(&mask, rec + t.hi_off + 4 * p, 4);
+    w = _mm512_or_si512(w, _mm512_maskz_set1_epi16(static_cast<__mmask32>(mask), 16));
+  } else if constexpr (KD == QKind::Q6K) {
+    const __m512i hi = _mm512_cvtepu8_epi16(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + t.hi_off + (p / 4) * 32)));
+    w = _mm512_or_si512(w, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hi, 2 * (p % 4)), _mm512_set1_epi16(3)), 4));
+    w = _mm512_sub_epi16(w, _mm512_set1_epi16(32));
+  }
+  const __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(w)));
+  const __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(w, 1)));
+  return _mm512_cvtne2ps_pbh(f1, f0);
+}
+
+// The 16 columns' scales (d, or d * sc) and minimums (m, or dmin * min) of sub-block j.
+template <QKind KD>
+inline __m512 kscale512(const QType& t, const uint8_t* rec, int j) {
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec)));
+  if constexpr (KD == QKind::Q8 || KD == QKind::Q4) return d;
+  const __m128i s = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + t.sc_off + j * 16));
+  return _mm512_mul_ps(d, _mm512_cvtepi32_ps(KD == QKind::Q6K ? _mm512_cvtepi8_epi32(s) : _mm512_cvtepu8_epi32(s)));
+}
+template <QKind KD>
+inline __m512 kmin512(const QType& t, const uint8_t* rec, int j) {
+  const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32)));
+  if constexpr (KD == QKind::Q8 || KD == QKind::Q4) return m;
+  return _mm512_mul_ps(m, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                              _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + t.m_off + j * 16)))));
+}
+
+template <int MR, int LN, QKind KD>
 void qtile_dpbf16(const QType& t, const QLayout& lay, const u16* x, int64_t k, const float* tx, const uint8_t* w,
                   const uint8_t* next, const Out& out, int64_t row, int64_t col) {
   static const QTables tables;
   const __m512i table = t.mins ? tables.q4_1 : tables.q4_0;
   const __m512i nib = _mm512_set1_epi16(0x0F);
-  const int64_t nb = lay.nb, per = lay.per, qoff = t.mins ? 64 : 32;
+  const int64_t per = lay.per, kq = k / QK, qoff = t.q_off;
+  const int sp = t.sub / 2;
   alignas(64) float lanes[16][MR][16];
   for (int l = 0; l < 16; ++l)
     for (int i = 0; i < MR; ++i) _mm512_store_ps(lanes[l][i], _mm512_setzero_ps());
@@ -714,55 +910,72 @@ void qtile_dpbf16(const QType& t, const QLayout& lay, const u16* x, int64_t k, c
       const int64_t count = std::min<int64_t>(LN, live - j0);
       const uint8_t* recs = w + (lay.base[s] + j0) * t.rec;   // `count` records, one after another
       prefetch_records(next, (lay.base[s] + j0) * t.rec, count * t.rec);
-      __m512 acc[LN][MR];
-      for (int j = 0; j < LN; ++j)
-        for (int i = 0; i < MR; ++i) acc[j][i] = _mm512_setzero_ps();
-      if (t.q8) {
-        for (int p = 0; p < 16; ++p) {
-          for (int j = 0; j < LN; ++j) {
-            if (j >= count) break;
-            const int64_t g = (j0 + j) * per + s;
-            const int8_t* q = reinterpret_cast<const int8_t*>(recs + j * t.rec + qoff + p * 32);
-            const __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
-            const __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))));
-            const __m512bh wv = _mm512_cvtne2ps_pbh(f1, f0);
-            for (int i = 0; i < MR; ++i) {
-              int32_t pair;
-              std::memcpy(&pair, x + i * k + g * QK + 2 * p, sizeof(pair));
-              acc[j][i] = _mm512_dpbf16_ps(acc[j][i], (__m512bh)_mm512_set1_epi32(pair), wv);
+      for (int sb = 0; sb < t.subs(); ++sb) {
+        __m512 acc[LN][MR];
+        for (int j = 0; j < LN; ++j)
+          for (int i = 0; i < MR; ++i) acc[j][i] = _mm512_setzero_ps();
+        if constexpr (KD == QKind::Q8) {
+          for (int p = 0; p < 16; ++p) {
+            for (int j = 0; j < LN; ++j) {
+              if (j >= count) break;
+              const int64_t g = (j0 + j) * per + s;
+              const int8_t* q = reinterpret_cast<const int8_t*>(recs + j * t.rec + qoff + p * 32);
+              const __m512 f0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
+              const __m512 f1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))));
+              const __m512bh wv = _mm512_cvtne2ps_pbh(f1, f0);
+              for (int i = 0; i < MR; ++i) {
+                int32_t pair;
+                std::memcpy(&pair, x + i * k + g * QK + 2 * p, sizeof(pair));
+                acc[j][i] = _mm512_dpbf16_ps(acc[j][i], (__m512bh)_mm512_set1_epi32(pair), wv);
+              }
+            }
+          }
+        } else if constexpr (KD == QKind::Q4) {
+          for (int pp = 0; pp < 8; ++pp) {
+            for (int j = 0; j < LN; ++j) {
+              if (j >= count) break;
+              const int64_t g = (j0 + j) * per + s;
+              const __m512i words = _mm512_cvtepu8_epi16(
+                  _mm256_loadu_si256(reinterpret_cast<const __m256i*>(recs + j * t.rec + qoff + pp * 32)));
+              const __m512bh w0 = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(words, nib), table);
+              const __m512bh w1 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), table);
+              for (int i = 0; i < MR; ++i) {
+                int32_t p0, p1;
+                std::memcpy(&p0, x + i * k + g * QK + 4 * pp, sizeof(p0));
+                std::memcpy(&p1, x + i * k + g * QK + 4 * pp + 2, sizeof(p1));
+                acc[j][i] = _mm512_dpbf16_ps(acc[j][i], (__m512bh)_mm512_set1_epi32(p0), w0);
+                acc[j][i] = _mm512_dpbf16_ps(acc[j][i], (__m512bh)_mm512_set1_epi32(p1), w1);
+              }
+            }
+          }
+        } else {
+          for (int p = sb * sp; p < (sb + 1) * sp; ++p) {
+            for (int j = 0; j < LN; ++j) {
+              if (j >= count) break;
+              const int64_t g = (j0 + j) * per + s;
+              const __m512bh wv = kpair_dpbf16<KD>(t, recs + j * t.rec, p);
+              for (int i = 0; i < MR; ++i) {
+                int32_t pair;
+                std::memcpy(&pair, x + i * k + g * QK_K + 2 * p, sizeof(pair));
+                acc[j][i] = _mm512_dpbf16_ps(acc[j][i], (__m512bh)_mm512_set1_epi32(pair), wv);
+              }
             }
           }
         }
-      } else {
-        for (int pp = 0; pp < 8; ++pp) {
-          for (int j = 0; j < LN; ++j) {
-            if (j >= count) break;
-            const int64_t g = (j0 + j) * per + s;
-            const __m512i words = _mm512_cvtepu8_epi16(
-                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(recs + j * t.rec + qoff + pp * 32)));
-            const __m512bh w0 = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(words, nib), table);
-            const __m512bh w1 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), table);
-            for (int i = 0; i < MR; ++i) {
-              int32_t p0, p1;
-              std::memcpy(&p0, x + i * k + g * QK + 4 * pp, sizeof(p0));
-              std::memcpy(&p1, x + i * k + g * QK + 4 * pp + 2, sizeof(p1));
-              acc[j][i] = _mm512_dpbf16_ps(acc[j][i], (__m512bh)_mm512_set1_epi32(p0), w0);
-              acc[j][i] = _mm512_dpbf16_ps(acc[j][i], (__m512bh)_mm512_set1_epi32(p1), w1);
+        for (int j = 0; j < count; ++j) {
+          const int64_t g = (j0 + j) * per + s;
+          const uint8_t* rec = recs + j * t.rec;
+          const __m512 d = kscale512<KD>(t, rec, sb);
+          const __m512 m = t.mins ? kmin512<KD>(t, rec, sb) : _mm512_setzero_ps();
+          for (int i = 0; i < MR; ++i) {
+            __m512 v = _mm512_mul_ps(d, acc[j][i]);
+            if (t.mins) {
+              const __m512 mt = _mm512_mul_ps(m, _mm512_set1_ps(tx[i * kq + (g * t.values + sb * t.sub) / QK]));
+              v = t.kq() ? _mm512_sub_ps(v, mt) : _mm512_add_ps(v, mt);
             }
+            float* lane = lanes[j0 + j][i];
+            _mm512_store_ps(lane, _mm512_add_ps(_mm512_load_ps(lane), v));
           }
-        }
-      }
-      for (int j = 0; j < count; ++j) {
-        const int64_t g = (j0 + j) * per + s;
-        const uint8_t* rec = recs + j * t.rec;
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec)));
-        const __m512 m = t.mins ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32)))
-                                : _mm512_setzero_ps();
-        for (int i = 0; i < MR; ++i) {
-          __m512 v = _mm512_mul_ps(d, acc[j][i]);
-          if (t.mins) v = _mm512_add_ps(v, _mm512_mul_ps(m, _mm512_set1_ps(tx[i * nb + g])));
-          float* lane = lanes[j0 + j][i];
-          _mm512_store_ps(lane, _mm512_add_ps(_mm512_load_ps(lane), v));
         }
       }
     }
@@ -785,14 +998,66 @@ void qtile_dpbf16(const QType& t, const QLayout& lay, const u16* x, int64_t k, c
 #endif
 
 #if defined(GATEENG_REF_AVX2)
+// A record's integers of pair p for the 8 columns of half h, even and odd elements.
+template <QKind KD>
+inline void qpair_avx2(const QType& t, const uint8_t* rec, int p, int h, __m256i& e, __m256i& o) {
+  if constexpr (KD == QKind::Q8) {
+    const __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + t.q_off + p * 32 + h * 16)));
+    e = _mm256_srai_epi32(_mm256_slli_epi32(v, 16), 16);
+    o = _mm256_srai_epi32(v, 16);
+    return;
+  } else {
+    const __m256i nib = _mm256_set1_epi32(0x0F);
+    const __m256i v = _mm256_cvtepu16_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + t.q_off + (p / 2) * 32 + h * 16)));
+    const int sh = (p % 2) * 4;
+    e = _mm256_and_si256(_mm256_srli_epi32(v, sh), nib);
+    o = _mm256_and_si256(_mm256_srli_epi32(v, 8 + sh), nib);
+    if constexpr (KD == QKind::Q5K) {
+      u32 mask;
+      std::memcpy(&mask, rec + t.hi_off + 4 * p, 4);
+      const __m256i bits = _mm256_set1_epi32(static_cast<int>(mask >> (16 * h))), one = _mm256_set1_epi32(1);
+      const __m256i at = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+      e = _mm256_or_si256(e, _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(bits, at), one), 4));
+      o = _mm256_or_si256(o, _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(bits, _mm256_add_epi32(at, one)), one), 4));
+    } else if constexpr (KD == QKind::Q6K) {
+      const __m256i hi = _mm256_cvtepu16_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + t.hi_off + (p / 4) * 32 + h * 16)));
+      const __m256i three = _mm256_set1_epi32(3);
+      const int s2 = (p % 4) * 2;
+      e = _mm256_or_si256(e, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hi, s2), three), 4));
+      o = _mm256_or_si256(o, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hi, 8 + s2), three), 4));
+    }
+    const __m256i bias = _mm256_set1_epi32(t.bias);
+    e = _mm256_sub_epi32(e, bias);
+    o = _mm256_sub_epi32(o, bias);
+  }
+}
+
+// The 8 columns of half h: their scales (d, or d * sc) and minimums (m, or dmin * min) of sub-block j.
+template <QKind KD>
+inline __m256 qscale_avx2(const QType& t, const uint8_t* rec, int j, int h) {
+  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + h * 16)));
+  if constexpr (KD == QKind::Q8 || KD == QKind::Q4) return d;
+  const __m128i s = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + t.sc_off + j * 16 + h * 8));
+  return _mm256_mul_ps(d, _mm256_cvtepi32_ps(KD == QKind::Q6K ? _mm256_cvtepi8_epi32(s) : _mm256_cvtepu8_epi32(s)));
+}
+template <QKind KD>
+inline __m256 qmin_avx2(const QType& t, const uint8_t* rec, int j, int h) {
+  const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 32 + h * 16)));
+  if constexpr (KD == QKind::Q8 || KD == QKind::Q4) return m;
+  return _mm256_mul_ps(m, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + t.m_off + j * 16 + h * 8)))));
+}
+
 // The AVX2 tile: MR rows x 16 columns as two 8-lane halves, LN lanes at a time. A
 // pair's even and odd integers come out of the record as binary32 (exact) and take
 // one FMA each, odd first: VDPBF16PS's two steps, under Flush's DAZ/FTZ.
-template <int MR, int LN>
+template <int MR, int LN, QKind KD>
 void qtile_avx2(const QType& t, const QLayout& lay, const float* xo, const float* xe, int64_t k, const float* tx,
                 const uint8_t* w, const uint8_t* next, const Out& out, int64_t row, int64_t col) {
-  const int64_t nb = lay.nb, per = lay.per, pairs = k / 2, qoff = t.mins ? 64 : 32;
-  const __m256i nib = _mm256_set1_epi32(0x0F), bias = _mm256_set1_epi32(t.mins ? 0 : 8);
+  const int64_t per = lay.per, pairs = k / 2, kq = k / QK;
+  const int sp = t.sub / 2;
   alignas(32) float lanes[16][MR][16];
   for (int l = 0; l < 16; ++l)
     for (int i = 0; i < MR; ++i)
@@ -803,47 +1068,41 @@ void qtile_avx2(const QType& t, const QLayout& lay, const float* xo, const float
       const int64_t count = std::min<int64_t>(LN, live - j0);
       const uint8_t* recs = w + (lay.base[s] + j0) * t.rec;
       prefetch_records(next, (lay.base[s] + j0) * t.rec, count * t.rec);
-      __m256 acc[LN][MR][2];
-      for (int j = 0; j < LN; ++j)
-        for (int i = 0; i < MR; ++i) acc[j][i][0] = acc[j][i][1] = _mm256_setzero_ps();
-      for (int p = 0; p < 16; ++p) {
-        for (int j = 0; j < LN; ++j) {
-          if (j >= count) break;
-          const int64_t xp = ((j0 + j) * per + s) * QK / 2 + p;
-          for (int h = 0; h < 2; ++h) {
-            __m256 e, o;
-            if (t.q8) {
-              const __m256i v = _mm256_cvtepi8_epi16(
-                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(recs + j * t.rec + qoff + p * 32 + h * 16)));
-              e = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 16), 16));
-              o = _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 16));
-            } else {
-              const __m256i v = _mm256_cvtepu16_epi32(
-                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(recs + j * t.rec + qoff + (p / 2) * 32 + h * 16)));
-              const int sh = (p % 2) * 4;
-              e = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(_mm256_srli_epi32(v, sh), nib), bias));
-              o = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(_mm256_srli_epi32(v, 8 + sh), nib), bias));
-            }
-            for (int i = 0; i < MR; ++i) {
-              const __m256 xov = _mm256_broadcast_ss(xo + i * pairs + xp);
-              const __m256 xev = _mm256_broadcast_ss(xe + i * pairs + xp);
-              acc[j][i][h] = _mm256_fmadd_ps(xev, e, _mm256_fmadd_ps(xov, o, acc[j][i][h]));
+      for (int sb = 0; sb < t.subs(); ++sb) {
+        __m256 acc[LN][MR][2];
+        for (int j = 0; j < LN; ++j)
+          for (int i = 0; i < MR; ++i) acc[j][i][0] = acc[j][i][1] = _mm256_setzero_ps();
+        for (int p = sb * sp; p < (sb + 1) * sp; ++p) {
+          for (int j = 0; j < LN; ++j) {
+            if (j >= count) break;
+            const int64_t xp = ((j0 + j) * per + s) * t.values / 2 + p;
+            for (int h = 0; h < 2; ++h) {
+              __m256i ei, oi;
+              qpair_avx2<KD>(t, recs + j * t.rec, p, h, ei, oi);
+              const __m256 e = _mm256_cvtepi32_ps(ei), o = _mm256_cvtepi32_ps(oi);
+              for (int i = 0; i < MR; ++i) {
+                const __m256 xov = _mm256_broadcast_ss(xo + i * pairs + xp);
+                const __m256 xev = _mm256_broadcast_ss(xe + i * pairs + xp);
+                acc[j][i][h] = _mm256_fmadd_ps(xev, e, _mm256_fmadd_ps(xov, o, acc[j][i][h]));
+              }
             }
           }
         }
-      }
-      for (int j = 0; j < count; ++j) {
-        const int64_t g = (j0 + j) * per + s;
-        const uint8_t* rec = recs + j * t.rec;
-        for (int h = 0; h < 2; ++h) {
-          const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + h * 16)));
-          const __m256 m = t.mins ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 32 + h * 16)))
-                                  : _mm256_setzero_ps();
-          for (int i = 0; i < MR; ++i) {
-            __m256 v = _mm256_mul_ps(d, acc[j][i][h]);
-            if (t.mins) v = _mm256_add_ps(v, _mm256_mul_ps(m, _mm256_set1_ps(tx[i * nb + g])));
-            float* lane = lanes[j0 + j][i] + h * 8;
-            _mm256_store_ps(lane, _mm256_add_ps(_mm256_load_ps(lane), v));
+        for (int j = 0; j < count; ++j) {
+          const int64_t g = (j0 + j) * per + s;
+          const uint8_t* rec = recs + j * t.rec;
+          for (int h = 0; h < 2; ++h) {
+            const __m256 d = qscale_avx2<KD>(t, rec, sb, h);
+            const __m256 m = t.mins ? qmin_avx2<KD>(t, rec, sb, h) : _mm256_setzero_ps();
+            for (int i = 0; i < MR; ++i) {
+              __m256 v = _mm256_mul_ps(d, acc[j][i][h]);
+              if (t.mins) {
+                const __m256 mt = _mm256_mul_ps(m, _mm256_set1_ps(tx[i * kq + (g * t.values + sb * t.sub) / QK]));
+                v = t.kq() ? _mm256_sub_ps(v, mt) : _mm256_add_ps(v, mt);
+              }
+              float* lane = lanes[j0 + j][i] + h * 8;
+              _mm256_store_ps(lane, _mm256_add_ps(_mm256_load_ps(lane), v));
+            }
           }
         }
       }
@@ -871,9 +1130,10 @@ void qtile_avx2(const QType& t, const QLayout& lay, const float* xo, const float
 // compares the two).
 torch::Tensor qlinear_lanes(torch::Tensor x, torch::Tensor packed, int64_t n, bool f32, bool portable, int64_t per,
                             int levels) {
-  check_qpacked(x, packed, n);
-  x = x.contiguous();
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.dim() == 3, "packed must come from the reference's qpack");
   const QType& t = qtype_of_record(packed.size(2));
+  check_qpacked(x, packed, n, t.values);
+  x = x.contiguous();
   const QLayout lay(packed.size(1), per, levels);
   const int64_t m = x.size(0), k = x.size(1), cbs = packed.size(0), stride = packed.size(1) * t.rec;
   auto result = torch::empty({m, n}, x.options().dtype(f32 ? torch::kFloat : torch::kBFloat16));
@@ -886,33 +1146,37 @@ torch::Tensor qlinear_lanes(torch::Tensor x, torch::Tensor packed, int64_t n, bo
     Flush flush;
     tx = block_sums(xp, m, k);
   }
+  const int64_t kq = k / QK;
   if (portable) {
     for_each_tile<4>(m, cbs, [&](auto rows, int64_t r, int64_t b, int64_t) {
-      qtile_portable<decltype(rows)::value>(t, lay, xp + r * k, k, tx.data() + r * (k / QK), wp + b * stride, out, r,
-                                            b * 16);
+      qtile_portable<decltype(rows)::value>(t, lay, xp + r * k, k, tx.data() + r * kq, wp + b * stride, out, r, b * 16);
     });
     return result;
   }
 #if defined(GATEENG_REF_AVX512BF16)
-  for_each_tile<8>(m, cbs, [&](auto rows, int64_t r, int64_t b, int64_t nb) {
-    constexpr int MR = decltype(rows)::value;
-    qtile_dpbf16<MR, std::max(1, 8 / MR)>(t, lay, xp + r * k, k, tx.data() + r * (k / QK), wp + b * stride,
-                                          nb >= 0 ? wp + nb * stride : nullptr, out, r, b * 16);
+  with_kind(t, [&](auto kind) {
+    for_each_tile<8>(m, cbs, [&](auto rows, int64_t r, int64_t b, int64_t nb) {
+      constexpr int MR = decltype(rows)::value;
+      qtile_dpbf16<MR, std::max(1, 8 / MR), decltype(kind)::value>(
+          t, lay, xp + r * k, k, tx.data() + r * kq, wp + b * stride, nb >= 0 ? wp + nb * stride : nullptr, out, r,
+          b * 16);
+    });
   });
 #elif defined(GATEENG_REF_AVX2)
   const int64_t pairs = k / 2;
   std::vector<float> xo(m * pairs), xe(m * pairs);   // exact: a bf16 is a binary32
   for (int64_t i = 0; i < m * pairs; ++i) xo[i] = bf(xp[2 * i + 1]), xe[i] = bf(xp[2 * i]);
-  for_each_tile<4>(m, cbs, [&](auto rows, int64_t r, int64_t b, int64_t nb) {
-    constexpr int MR = decltype(rows)::value;
-    qtile_avx2<MR, std::max(1, 4 / MR)>(t, lay, xo.data() + r * pairs, xe.data() + r * pairs, k,
-                                        tx.data() + r * (k / QK), wp + b * stride,
-                                        nb >= 0 ? wp + nb * stride : nullptr, out, r, b * 16);
+  with_kind(t, [&](auto kind) {
+    for_each_tile<4>(m, cbs, [&](auto rows, int64_t r, int64_t b, int64_t nb) {
+      constexpr int MR = decltype(rows)::value;
+      qtile_avx2<MR, std::max(1, 4 / MR), decltype(kind)::value>(
+          t, lay, xo.data() + r * pairs, xe.data() + r * pairs, k, tx.data() + r * kq, wp + b * stride,
+          nb >= 0 ? wp + nb * stride : nullptr, out, r, b * 16);
+    });
   });
 #else
   for_each_tile<4>(m, cbs, [&](auto rows, int64_t r, int64_t b, int64_t) {
-    qtile_portable<decltype(rows)::value>(t, lay, xp + r * k, k, tx.data() + r * (k / QK), wp + b * stride, out, r,
-                                          b * 16);
+    qtile_portable<decltype(rows)::value>(t, lay, xp + r * k, k, tx.data() + r * kq, wp + b * stride, out, r, b * 16);
   });
 #endif
   return result;
@@ -923,13 +1187,14 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor packed, int64_t n, bool f32
 }
 
 // The bf16 values of rows `ids` of a quantized packed weight (SPEC.md: an embedding's
-// rows): bf16(d * q), or bf16((d * q) + m) for Q4_1.
+// rows): bf16(d * q), bf16((d * q) + m) for Q4_1, bf16((d * sc) * q) for Q6_K and
+// bf16(((d * sc) * q) - (dmin * min)) for Q4_K and Q5_K.
 torch::Tensor qrows(torch::Tensor packed, torch::Tensor ids, int64_t per) {
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.dim() == 3 && packed.is_contiguous(),
               "packed must come from qpack");
   const QType& t = qtype_of_record(packed.size(2));
   ids = ids.to(torch::kLong).contiguous();
-  const int64_t nb = packed.size(1), k = nb * QK, rows = ids.numel();
+  const int64_t nb = packed.size(1), k = nb * t.values, rows = ids.numel();
   const QLayout lay(nb, per);
   auto out = torch::empty({rows, k}, torch::kBFloat16);
   u16* o = reinterpret_cast<u16*>(out.data_ptr<at::BFloat16>());
@@ -937,17 +1202,16 @@ torch::Tensor qrows(torch::Tensor packed, torch::Tensor ids, int64_t per) {
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   Flush flush;
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t cb = id[r] / 16, c = id[r] % 16;
+    const int64_t cb = id[r] / 16;
+    const int c = static_cast<int>(id[r] % 16);
     TORCH_CHECK(id[r] >= 0 && cb < packed.size(0), "row id ", id[r], " out of range");
     for (int64_t g = 0; g < nb; ++g) {
       const uint8_t* rec = wp + (cb * nb + lay.record(g)) * t.rec;
-      u16 dh, mh = 0;
-      std::memcpy(&dh, rec + 2 * c, 2);
-      if (t.mins) std::memcpy(&mh, rec + 32 + 2 * c, 2);
-      for (int v = 0; v < QK; ++v) {
-        float value = half(dh) * qint(t, rec, v / 2, static_cast<int>(c), v % 2);
-        if (t.mins) value = value + half(mh);
-        o[r * k + g * QK + v] = to_bf(value);
+      for (int v = 0; v < t.values; ++v) {
+        const int j = v / t.sub;
+        float value = qscale(t, rec, j, c) * qint(t, rec, v / 2, c, v % 2);
+        if (t.mins) value = t.kq() ? value - qmin(t, rec, j, c) : value + qmin(t, rec, j, c);
+        o[r * k + g * t.values + v] = to_bf(value);
       }
     }
   }
@@ -1671,11 +1935,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "x @ w.T on a packed weight, bf16 or float32 out (per: a quantized weight's layout)",
         py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("f32"),
         py::arg("per") = 0);
-  m.def("qpack", &qpack, "a GGUF Q8_0, Q4_0 or Q4_1 weight's rows (uint8 [N, row bytes], GGML type id) in qlinear's "
+  m.def("qpack", &qpack, "a GGUF Q8_0, Q4_0, Q4_1, Q4_K, Q5_K or Q6_K weight's rows (uint8 [N, row bytes], GGML type id) in qlinear's "
         "layout, lanes of `per` blocks (0: ceil(blocks / 16))", py::arg("raw"), py::arg("ggml"), py::arg("per") = 0);
   m.def("qunpack", &qunpack, "the GGUF rows of a quantized packed weight of n rows (qpack's inverse)",
         py::arg("packed"), py::arg("n"), py::arg("per") = 0);
   m.def("qtype", &qtype, "the GGML type id of a quantized packed weight");
+  m.def("qblock", &qblock, "the values per GGUF block of a quantized packed weight (32, or a K-quant's 256)");
   m.def("qlinear", &qlinear, "x @ w.T on a quantized packed weight, bf16 or float32 out (portable: the spec's plain loops)",
         py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("f32"),
         py::arg("portable") = false, py::arg("per") = 0);

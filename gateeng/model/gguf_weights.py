@@ -6,11 +6,13 @@ tensor's bytes are then read from the file on their own (no memory map held, so 
 file never counts in the process's memory), converted and packed, and dropped before
 the next one is read: loading holds the model's packed weights plus one tensor.
 
-Q8_0, Q4_0 and Q4_1 weights stay quantized (kernels/SPEC.md, "Quantized weights"),
-in the reference kernels' packed layout (ref_ops.cpp `qpack`). F32, F16 and BF16
-tensors, and every other quantized type (the K-quants, ...), are converted to bf16;
-each such quantized type is named in the start-up log. A stacked projection (q, k
-and v; gate and up) is served quantized only when its parts share one such type.
+Q8_0, Q4_0, Q4_1 and the K-quants Q4_K, Q5_K and Q6_K stay quantized (kernels/SPEC.md,
+"Quantized weights"), in the reference kernels' packed layout (ref_ops.cpp `qpack`),
+repacked once at load. F32, F16 and BF16 tensors, and every other quantized type
+(Q5_0, Q5_1, the IQ types, ...), are converted to bf16; each such quantized type is
+named in the start-up log. A stacked projection (q, k and v; gate and up) is served
+quantized only when its parts share one such type. The Triton reference (`blocks_on`)
+takes Q8_0, Q4_0 and Q4_1 as stored; it converts the K-quants to bf16.
 """
 from __future__ import annotations
 
@@ -29,8 +31,10 @@ from gateeng.plans import packing
 from gateeng.plans.cpu_linear import Packed
 from gateeng.plans.packing import QuantBlocks
 
-# The types multiplied as stored, by GGML type id (ref_ops.cpp's QTYPES).
-SERVED_QUANTIZED = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3}
+# The types multiplied as stored, by GGML type id (ref_ops.cpp's QTYPES): on the Triton
+# reference (QuantBlocks), and on the CPU reference kernels.
+BLOCKS_QUANTIZED = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3}
+SERVED_QUANTIZED = {**BLOCKS_QUANTIZED, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 PLAIN_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}   # type: its bytes' dtype
 # The GGUF architectures read natively, and their tensors' names, are the families'
 # (gateeng.model.families). llama.cpp's converter permutes some families' q and k rows
@@ -185,7 +189,7 @@ class GGUFLoad:
         heads = heads or [None] * len(names)
         types = {self.tensors.tensors[n].type for n in names}
         kind = next(iter(types)) if len(types) == 1 else None
-        if self.quantized and kind in SERVED_QUANTIZED:
+        if self.quantized and kind in (SERVED_QUANTIZED if self.blocks_on is None else BLOCKS_QUANTIZED):
             raw = (np.concatenate([self._rows(n, True, h) for n, h in zip(names, heads)]) if len(names) > 1
                    else self._rows(names[0], True, heads[0]))
             if self.blocks_on is not None:

@@ -4,8 +4,9 @@ forward takes (Megatron's split).
 q/k/v and gate/up are split by output columns (each rank its heads and its MLP
 columns), the lm_head by vocabulary rows; o and down by K, on the reference dot's
 block boundaries (plans.tp_shapes.k_slice), and summed over the ranks
-(plans.collectives.row_linear). A quantized o or down (a GGUF's Q8_0, Q4_0 or Q4_1,
-served as stored) splits on its own lanes, whole GGUF blocks (kernels/SPEC.md), and
+(plans.collectives.row_linear). A quantized o or down (a GGUF's Q8_0, Q4_0, Q4_1 or
+K-quant, served as stored) splits on its own lanes, whole GGUF blocks (a K-quant's
+super-blocks of 256 values; kernels/SPEC.md), and
 each rank's part is packed again with the whole K's lanes; the MLP columns follow
 down's slice, so an uneven split of a quantized down is an uneven MLP split. Where the
 heads do not split evenly over the ranks, or a quantized o's slices are not whole
@@ -39,7 +40,7 @@ from gateeng.model import families
 from gateeng.model.llama import LlamaModel
 from gateeng.plans import collectives, packing
 from gateeng.plans.cpu_linear import Packed
-from gateeng.plans.tp_shapes import PAIR, QUANT_BLOCK, KSlice, k_slice, refusal
+from gateeng.plans.tp_shapes import PAIR, KSlice, k_slice, refusal
 
 
 @dataclass(frozen=True)
@@ -92,9 +93,10 @@ def layout(cfg: ModelConfig, size: int, rank: int, units: tuple = (PAIR, PAIR)) 
 
 def row_units(model: LlamaModel, size: int) -> tuple:
     """The units o's and down's K split in (layout's `units`): a quantized weight's GGUF
-    blocks where every layer's is quantized, bf16 pairs where none is. A model whose
-    layers mix the two is split where both split the same way, else ValueError; so is
-    a mixture of experts whose experts are served quantized."""
+    blocks (32 values, a K-quant's 256) where every layer's is stored alike, bf16 pairs
+    where none is quantized. A model whose layers mix units is split where they all
+    split the same way, else ValueError; so is a mixture of experts whose experts are
+    served quantized."""
     experts = [w for layer in model.layers for e in layer.experts or () for w in (e.gate_up, e.down)]
     if any(_quantized(model, w) is not None for w in experts):
         raise ValueError(f"the model's experts are quantized as stored, and quantized experts do not split over "
@@ -102,15 +104,20 @@ def row_units(model: LlamaModel, size: int) -> tuple:
     out = []
     for which, k in (("o", model.cfg.num_heads * model.cfg.head_dim), ("down", model.cfg.intermediate_size)):
         # a routing layer has no down of its own (its experts' split as bf16 weights)
-        quantized = {_quantized(model, getattr(layer, which)) is not None for layer in model.layers
-                     if getattr(layer, which) is not None}
-        if quantized == {True, False} and any(k_slice(k, size, r, PAIR)[:2] != k_slice(k, size, r, QUANT_BLOCK)[:2]
-                                              for r in range(size)):
-            raise ValueError(f"the model's {which} projections are quantized in some layers and not in others, "
-                             f"and the two do not split alike over {size} ranks: serve it with --dequantize at "
-                             "this tensor-parallel size")
-        out.append(QUANT_BLOCK if quantized == {True} else PAIR)
+        units = {_unit(model, getattr(layer, which)) for layer in model.layers if getattr(layer, which) is not None}
+        if len({tuple(k_slice(k, size, r, u)[:2] for r in range(size)) for u in units}) > 1:
+            how = ("are quantized in some layers and not in others" if PAIR in units else
+                   f"are stored in blocks of {' and '.join(map(str, sorted(units)))} values in different layers")
+            raise ValueError(f"the model's {which} projections {how}, and these do not split alike over {size} "
+                             "ranks: serve it with --dequantize at this tensor-parallel size")
+        out.append(min(units) if units else PAIR)
     return tuple(out)
+
+
+def _unit(model: LlamaModel, w: torch.Tensor) -> int:
+    """What w's K splits in: its GGUF blocks' values where it is served quantized, else bf16 pairs."""
+    p = _quantized(model, w)
+    return PAIR if p is None else packing.of(model).quant_ops.qblock(p.data)
 
 
 def _quantized(model: LlamaModel, w: torch.Tensor):
@@ -183,9 +190,10 @@ def shard_tensors(model: LlamaModel, lays: list, release: bool = False) -> list:
             if p is None:
                 out[name] = w[:, ks.start:ks.stop].detach().clone().contiguous()
                 continue
-            ks = k_slice(p.k, lay.size, lay.rank, QUANT_BLOCK)   # its per counts blocks, not pairs
-            block = raw.shape[1] // (p.k // QUANT_BLOCK)         # bytes per stored block
-            part = raw[:, ks.start // QUANT_BLOCK * block: ks.stop // QUANT_BLOCK * block].contiguous()
+            unit = ops.qblock(p.data)                  # values per GGUF block
+            ks = k_slice(p.k, lay.size, lay.rank, unit)   # its per counts blocks, not pairs
+            block = raw.shape[1] // (p.k // unit)         # bytes per stored block
+            part = raw[:, ks.start // unit * block: ks.stop // unit * block].contiguous()
             out[name] = Packed(ops.qpack(part, ops.qtype(p.data), ks.per), p.n, ks.stop - ks.start, ks.per)
         if release:
             packing.drop_weight(model, w)
@@ -239,7 +247,8 @@ def build_shard(cfg: ModelConfig, lay: ShardLayout, tensors: dict, stored_types:
             row_parallel += [(j, "down", "expert_down", cfg.moe.intermediate_size) for j in range(len(layer.experts))]
         for j, attr, which, k in row_parallel:
             name = _shard_name(i, j, attr)
-            unit = QUANT_BLOCK if isinstance(tensors[name], Packed) else PAIR
+            t = tensors[name]
+            unit = ops.qblock(t.data) if isinstance(t, Packed) else PAIR
             ks = k_slice(k, lay.size, lay.rank, unit)
             if ks[:2] != getattr(lay, which)[:2]:
                 raise ValueError(f"{name} does not split as the layout does")

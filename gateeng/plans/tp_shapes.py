@@ -20,7 +20,7 @@ from gateeng.config import ModelConfig
 DOT_BLOCKS = 16
 # What the dot's blocks are made of (SPEC.md): a bf16 weight's K in pairs, a quantized
 # one's in GGUF blocks of 32 values (its lanes).
-PAIR, QUANT_BLOCK = 2, 32
+PAIR, QUANT_BLOCK = 2, 32   # (a K-quant's blocks are its super-blocks of 256: ref_ops.cpp qblock)
 
 
 class KSlice(NamedTuple):

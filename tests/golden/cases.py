@@ -30,7 +30,7 @@ CASES = {
              dict(prompts=[[5, 17, 200, 3], list(range(40, 80))], chat=False, params=SEEDED, seeds=[1, 2])],
 }
 CASES["smollm2-q4_1"] = CASES["smollm2"]
-CASES["tiny-q8_0"] = CASES["tiny-q4_0"] = CASES["tiny-moe"] = CASES["tiny"]
+CASES["tiny-q8_0"] = CASES["tiny-q4_0"] = CASES["tiny-moe"] = CASES["tiny-kquant"] = CASES["tiny"]
 
 
 def _smollm():
@@ -55,8 +55,9 @@ def _tiny_moe():
     return spec_tiny(moe=True)
 
 
-def _tiny_quantized(kind: str):
-    """A tiny random Llama GGUF, every matrix in `kind` (tests/tiny_gguf.py), as stored."""
+def _tiny_quantized(kind, label: str = None, **shape):
+    """A tiny random Llama GGUF, every matrix in `kind` (a type, or tests/tiny_gguf.py's
+    {pattern: type}), of the given shape, as stored."""
     def load():
         import tempfile
         from pathlib import Path
@@ -64,12 +65,19 @@ def _tiny_quantized(kind: str):
         from gateeng.model import loader
         from tests.tiny_gguf import write_tiny_gguf
         where = Path(tempfile.mkdtemp(prefix="gateeng-golden-"))
-        return loader.load(str(write_tiny_gguf(where / f"tiny-{kind}.gguf", kind, tie=False)["path"]))
+        return loader.load(str(write_tiny_gguf(where / f"tiny-{label or kind}.gguf", kind, tie=False, **shape)["path"]))
     return load
 
 
+# The K-quants, each type as stored: q, k, v, o and the embedding in Q4_K, gate and up
+# in Q5_K, down and the lm_head in Q6_K; rows of 256 values (their super-block).
+K_QUANTS = {"blk.*.ffn_down.weight": "Q6_K", "blk.*.ffn_gate.weight": "Q5_K", "blk.*.ffn_up.weight": "Q5_K",
+            "output.weight": "Q6_K", "*": "Q4_K"}
+
 MODELS = {"smollm2": _smollm, "tiny": _tiny, "smollm2-q4_1": _smollm_as_stored,
-          "tiny-q8_0": _tiny_quantized("Q8_0"), "tiny-q4_0": _tiny_quantized("Q4_0"), "tiny-moe": _tiny_moe}
+          "tiny-q8_0": _tiny_quantized("Q8_0"), "tiny-q4_0": _tiny_quantized("Q4_0"), "tiny-moe": _tiny_moe,
+          "tiny-kquant": _tiny_quantized(K_QUANTS, "kquant", hidden=256, heads=2, kv_heads=1, head_dim=128,
+                                         intermediate=512)}
 
 
 def record(completion) -> dict:

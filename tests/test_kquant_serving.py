@@ -1,0 +1,99 @@
+"""A GGUF with K-quants (Q4_K, Q5_K, Q6_K) served as stored: the weights stay in their
+blocks and the reference multiplies them (kernels/SPEC.md, "Quantized weights"); a
+stack whose parts differ in type, and every type not served as stored, is converted
+to bf16 and named in the log; VERIFIED answers are the same alone, in a batch, on
+either plan and on every CPU build."""
+import pytest
+import torch
+
+from gateeng.config import EngineConfig
+from gateeng.engine.engine import Engine
+from gateeng.model import loader
+from gateeng.plans import packing, reference_ops
+from gateeng.plans.kernel_names import ISA_ENV, REFERENCE
+from gateeng.request import DeterminismParams, Mode, SamplingParams
+from tests.tiny_gguf import write_tiny_gguf
+
+# Every projection as stored: q, k, v and o in Q4_K, gate and up in Q5_K, down and the
+# lm_head in Q6_K (a Q4_K embedding).
+K_MIX = {"blk.*.ffn_down.weight": "Q6_K", "blk.*.ffn_gate.weight": "Q5_K", "blk.*.ffn_up.weight": "Q5_K",
+         "output.weight": "Q6_K", "*": "Q4_K"}
+# llama-quantize's Q4_K_M mix in spirit: v in Q6_K beside q and k in Q4_K (a stack of two types).
+Q4_K_M = {"blk.*.attn_v.weight": "Q6_K", "blk.*.ffn_down.weight": "Q6_K", "output.weight": "Q6_K", "*": "Q4_K"}
+SHAPE = dict(hidden=256, heads=2, kv_heads=1, head_dim=128, intermediate=512, tie=False)
+VERIFIED = DeterminismParams(Mode.VERIFIED)
+PARAMS = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=1)
+PROMPT = [1, 500, 9000, 77, 4242, 31000]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    where = tmp_path_factory.mktemp("kquant")
+    return {"mix": write_tiny_gguf(where / "tiny-kmix.gguf", K_MIX, **SHAPE),
+            "q4_k_m": write_tiny_gguf(where / "tiny-q4_k_m.gguf", Q4_K_M, seed=1, **SHAPE)}
+
+
+def bits(c) -> tuple:
+    return tuple(c.token_ids), tuple(lp.logprob.hex() for lp in c.logprobs)
+
+
+def test_k_quants_are_served_as_stored_and_the_log_says_so(files, capsys):
+    loaded = loader.load(str(files["mix"]["path"]))
+    # 2 layers: q, k, v, o in Q4_K (and the embedding); gate, up in Q5_K; down (and the lm_head) in Q6_K
+    assert packing.of(loaded.model).stored_types == {"Q4_K": 9, "Q5_K": 4, "Q6_K": 3}
+    err = capsys.readouterr().err
+    assert "9 Q4_K, 4 Q5_K, 3 Q6_K tensors served as stored" in err and "dequantized" not in err, err
+    deq = loader.load(str(files["mix"]["path"]), dequantize=True)
+    assert not packing.quantized(deq.model) and deq.fingerprint != loaded.fingerprint
+    assert loader.load(str(files["mix"]["path"])).fingerprint == loaded.fingerprint
+    # the embedding's rows are the file's values rounded to bf16, as the dequantized model's
+    ids = torch.tensor([0, 7, 49151])
+    assert torch.equal(packing.embed_rows(loaded.model, ids), packing.embed_rows(deq.model, ids))
+
+
+def test_a_stack_of_two_types_is_converted_and_named(files, capsys):
+    loaded = loader.load(str(files["q4_k_m"]["path"]))
+    assert packing.of(loaded.model).stored_types == {"Q4_K": 7, "Q6_K": 3}   # embedding, o, gate, up; down, lm_head
+    err = capsys.readouterr().err
+    assert "dequantized to bf16 (not served as stored): 4 Q4_K, 2 Q6_K" in err, err   # q and k, v
+
+
+@pytest.mark.parametrize("name", ["mix", "q4_k_m"])
+def test_verified_answers_are_the_same_alone_in_a_batch_and_on_either_plan(files, name):
+    """The fast plan's VERIFIED answers (checked against the reference's by the
+    verifier) equal the invariant plan's, alone and in a batch, and follow the file."""
+    from transformers import AutoModelForCausalLM
+    path = files[name]["path"]
+    answers = {}
+    for plan in ("fast", "invariant"):
+        engine = Engine(EngineConfig(plan=plan, num_kv_blocks=64, max_model_len=128), loaded=loader.load(str(path)))
+        try:
+            alone = engine.submit(PROMPT, PARAMS, VERIFIED).result()
+            many = engine.submit_many([[5, 6, 7, 8, 9], PROMPT, PROMPT[:3]], [PARAMS] * 3, VERIFIED)
+            assert bits(many[1].result()) == bits(alone)
+            assert f"{REFERENCE} (" in alone.reproducibility.kernel_plan
+            assert "Q4_K" in alone.reproducibility.kernel_plan and "Q6_K" in alone.reproducibility.kernel_plan
+            answers[plan] = bits(alone)
+        finally:
+            engine.shutdown()
+    assert answers["fast"] == answers["invariant"]
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = hf(torch.tensor([PROMPT])).logits[0, -1]
+    assert int(want.argmax()) == answers["invariant"][0][0]
+
+
+def test_every_cpu_build_gives_the_same_verified_answers(files, monkeypatch):
+    builds = reference_ops.runnable()
+    if len(builds) < 2:
+        pytest.skip("this CPU runs only the scalar build")
+    answers = {}
+    for isa in builds:
+        monkeypatch.setenv(ISA_ENV, isa)
+        engine = Engine(EngineConfig(plan="invariant", num_kv_blocks=64, max_model_len=128),
+                        loaded=loader.load(str(files["mix"]["path"])))
+        try:
+            answers[isa] = [bits(engine.submit(p, PARAMS, VERIFIED).result()) for p in (PROMPT, [3, 1, 4, 1, 5])]
+        finally:
+            engine.shutdown()
+    assert all(a == answers["scalar"] for a in answers.values()), answers
