@@ -105,7 +105,7 @@ def row_units(model: LlamaModel, size: int) -> tuple:
     for which, k in (("o", model.cfg.num_heads * model.cfg.head_dim), ("down", model.cfg.intermediate_size)):
         # a routing layer has no down of its own (its experts' split as bf16 weights)
         units = {_unit(model, getattr(layer, which)) for layer in model.layers if getattr(layer, which) is not None}
-        if len({tuple(k_slice(k, size, r, u)[:2] for r in range(size)) for u in units}) > 1:
+        if len(units) > 1 and len({tuple(k_slice(k, size, r, u)[:2] for r in range(size)) for u in units}) > 1:
             how = ("are quantized in some layers and not in others" if PAIR in units else
                    f"are stored in blocks of {' and '.join(map(str, sorted(units)))} values in different layers")
             raise ValueError(f"the model's {which} projections {how}, and these do not split alike over {size} "
