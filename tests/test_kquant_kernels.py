@@ -135,3 +135,27 @@ def test_a_split_by_whole_super_blocks_gives_the_bits_of_one_device(kind):
         combined = ops.combine_partials(torch.stack(parts), True)
         assert torch.equal(combined.view(torch.int32), whole.view(torch.int32)), (kind, size)
 
+
+
+def _k_int8():
+    from gateeng.plans import cpu_ops
+    return getattr(cpu_ops.load(), "qavx2", False)
+
+
+@pytest.mark.skipif(not _k_int8(), reason="this CPU has no AVX2: the fast plan takes the reference's matmul")
+@pytest.mark.parametrize("kind", list(K_TYPES))
+def test_the_fast_plans_int8_matmul_on_k_quants_is_row_invariant_and_close_to_the_reference(kind):
+    """cpu_ops' qlinear_k_avx2: a row's bits do not depend on the rows beside it, within
+    2% of the reference (its inputs quantized to int8 per block of 32), its bf16 output
+    its binary32 one rounded."""
+    from gateeng.plans import cpu_ops
+    kernels, ops = cpu_ops.load(), reference_ops.load()
+    raw = torch.from_numpy(random_blocks(kind, 40, 1024, seed=3))
+    packed = ops.qpack(raw, K_TYPES[kind])
+    x = torch.randn(9, 1024, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    want = ops.qlinear(x, packed, 40, True)
+    many = kernels.qlinear_k_avx2(x, packed, 40, True)
+    for r in (0, 4, 8):
+        assert torch.equal(kernels.qlinear_k_avx2(x[r:r + 1].contiguous(), packed, 40, True)[0], many[r])
+    assert float((many - want).norm()) <= 0.02 * float(want.norm())
+    assert torch.equal(kernels.qlinear_k_avx2(x, packed, 40, False), many.to(torch.bfloat16))

@@ -613,6 +613,162 @@ torch::Tensor qlinear_avx2(torch::Tensor x, torch::Tensor packed, int64_t n, boo
   using namespace qavx2;
   return qint8::qlinear_on(x, packed, n, f32, per, {tile<1>, tile<2>, tile<3>, tile<4>});
 }
+
+// The K-quants (Q4_K, Q5_K, Q6_K; the reference's qpack records of a super-block of 256
+// values): the same int8 arithmetic per sub-block. Each row's block of 32 inputs is
+// quantized to int8 with its own scale (quantize_rows); a sub-block's integer dot is
+// exact in int32 (VPMADDUBSW on the unsigned stored integers, pairs within int16:
+// 2 x 63 x 127), then scaled in binary32: (d * sc) * (xd * dot), Q6_K less its 32 bias
+// (32 * the sub-block's int8 sum), Q4_K and Q5_K less (dmin * min) * (the sum of x).
+// A row's output depends on that row only.
+namespace kavx2 {
+using namespace qint8;
+
+constexpr int64_t REC_Q4_K = 2368, REC_Q5_K = 2880, REC_Q6_K = 3360;   // ref_ops.cpp's record sizes
+constexpr int64_t SC_OFF_45 = 64, M_OFF_45 = 192, Q_OFF_45 = 320, HI_OFF_5 = 2368;
+constexpr int64_t SC_OFF_6 = 32, Q_OFF_6 = 288, HI_OFF_6 = 2336;
+
+// KD: 4, 5 or 6 (Q4_K, Q5_K, Q6_K). xs: the rows' sums of x per 32 values; xqs: their
+// int8 sums per 16 values (Q6_K's bias).
+template <int MR, int KD>
+void tile(int64_t rec_bytes, const std::vector<int64_t>& base, const std::vector<int64_t>& live, const uint8_t* w,
+          const uint8_t* next, const int8_t* xq, const float* xd, const float* xs, const int32_t* xqs, int64_t k,
+          void* out, bool f32, int64_t n, int64_t row, int64_t col) {
+  constexpr int SUBS = KD == 6 ? 16 : 8, GROUPS = 64 / SUBS;   // sub-blocks; the groups of 4 values in each
+  const int64_t qoff = KD == 6 ? Q_OFF_6 : Q_OFF_45, sc_off = KD == 6 ? SC_OFF_6 : SC_OFF_45;
+  const int64_t k32 = k / 32, k16 = k / 16;
+  const __m256i nib = _mm256_set1_epi32(0x0F0F0F0F), ones = _mm256_set1_epi16(1);
+  const __m256i twos = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14), one = _mm256_set1_epi32(1);
+  const __m256i three = _mm256_set1_epi32(0x0303);
+  __m256 acc[MR][2];
+  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  for_each_record(rec_bytes, base, live, w, next, [&](int64_t g, const uint8_t* rec) {
+    for (int sb = 0; sb < SUBS; ++sb) {
+      __m256i dot[MR][2];
+      for (int i = 0; i < MR; ++i) dot[i][0] = dot[i][1] = _mm256_setzero_si256();
+      for (int pp = sb * GROUPS; pp < (sb + 1) * GROUPS; ++pp) {   // pairs 2pp, 2pp + 1: values 4pp .. 4pp + 3
+        __m256i wv[2];
+        for (int h = 0; h < 2; ++h) {
+          const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + qoff + pp * 32 + h * 16)));
+          // per column the dword of its 4 nibbles in K order: lo(e), lo(o), hi(e), hi(o)
+          __m256i q = _mm256_and_si256(_mm256_or_si256(v, _mm256_slli_epi32(v, 12)), nib);
+          if constexpr (KD == 5) {   // the fifth bits: pair p's u32 mask, bit 2c + e
+            uint32_t m0, m1;
+            std::memcpy(&m0, rec + HI_OFF_5 + 4 * (2 * pp), 4);
+            std::memcpy(&m1, rec + HI_OFF_5 + 4 * (2 * pp + 1), 4);
+            const __m256i a = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(m0 >> (16 * h))), twos);
+            const __m256i b = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(m1 >> (16 * h))), twos);
+            const __m256i hi = _mm256_or_si256(
+                _mm256_or_si256(_mm256_and_si256(a, one), _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(a, 1), one), 8)),
+                _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(b, one), 16),
+                                _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(b, 1), one), 24)));
+            q = _mm256_or_si256(q, _mm256_slli_epi32(hi, 4));
+          } else if constexpr (KD == 6) {   // the top two bits: pair 4j + i at bits 2i of [j][16][2]
+            const __m256i hv = _mm256_cvtepu16_epi32(
+                _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + HI_OFF_6 + (pp / 2) * 32 + h * 16)));
+            const int i0 = (2 * pp) % 4;
+            const __m256i t = _mm256_and_si256(_mm256_srli_epi32(hv, 2 * i0), three);
+            const __m256i u = _mm256_and_si256(_mm256_srli_epi32(hv, 2 * i0 + 2), three);
+            q = _mm256_or_si256(q, _mm256_slli_epi32(_mm256_or_si256(t, _mm256_slli_epi32(u, 16)), 4));
+          }
+          wv[h] = q;
+        }
+        for (int i = 0; i < MR; ++i) {
+          int32_t four;
+          std::memcpy(&four, xq + i * k + g * 256 + 4 * pp, sizeof(four));
+          const __m256i xv = _mm256_set1_epi32(four);
+          dot[i][0] = _mm256_add_epi32(dot[i][0], _mm256_madd_epi16(_mm256_maddubs_epi16(wv[0], xv), ones));
+          dot[i][1] = _mm256_add_epi32(dot[i][1], _mm256_madd_epi16(_mm256_maddubs_epi16(wv[1], xv), ones));
+        }
+      }
+      const int64_t at32 = (g * 256 + sb * (256 / SUBS)) / 32;
+      for (int h = 0; h < 2; ++h) {
+        const __m128i s = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + sc_off + sb * 16 + h * 8));
+        const __m256 d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec) + h)),
+                                       _mm256_cvtepi32_ps(KD == 6 ? _mm256_cvtepi8_epi32(s) : _mm256_cvtepu8_epi32(s)));
+        for (int i = 0; i < MR; ++i) {
+          __m256 f = _mm256_cvtepi32_ps(dot[i][h]);
+          if constexpr (KD == 6) f = _mm256_sub_ps(f, _mm256_set1_ps(32.f * static_cast<float>(xqs[i * k16 + g * 16 + sb])));
+          acc[i][h] = _mm256_fmadd_ps(f, _mm256_mul_ps(d, _mm256_set1_ps(xd[i * k32 + at32])), acc[i][h]);
+          if constexpr (KD != 6) {
+            const __m256 m = _mm256_mul_ps(
+                _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 32) + h)),
+                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                    _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + M_OFF_45 + sb * 16 + h * 8)))));
+            acc[i][h] = _mm256_fnmadd_ps(m, _mm256_set1_ps(xs[i * k32 + at32]), acc[i][h]);
+          }
+        }
+      }
+    }
+  });
+  for (int h = 0; h < 2; ++h) {
+    const int64_t c = col + 8 * h, valid = std::min<int64_t>(8, n - c);
+    for (int i = 0; i < MR && valid > 0; ++i) {
+      alignas(32) float v[8];
+      _mm256_store_ps(v, acc[i][h]);
+      for (int64_t j = 0; j < valid; ++j) {
+        if (f32) static_cast<float*>(out)[(row + i) * n + c + j] = v[j];
+        else static_cast<at::BFloat16*>(out)[(row + i) * n + c + j] = to<at::BFloat16>(v[j]);
+      }
+    }
+  }
+}
+
+}  // namespace kavx2
+
+// x @ w.T on a K-quant packed weight (the reference's qpack of Q4_K, Q5_K or Q6_K), int8 AVX2.
+torch::Tensor qlinear_k_avx2(torch::Tensor x, torch::Tensor packed, int64_t n, bool f32, int64_t whole_per) {
+  using namespace kavx2;
+  gateeng::check_qpacked(x, packed, n, 256);
+  const int64_t rec = packed.size(2);
+  TORCH_CHECK(rec == REC_Q4_K || rec == REC_Q5_K || rec == REC_Q6_K,
+              "packed must come from the reference's qpack (a Q4_K, Q5_K or Q6_K record)");
+  const int kd = rec == REC_Q4_K ? 4 : rec == REC_Q5_K ? 5 : 6;
+  const int64_t m = x.size(0), k = x.size(1), nb = packed.size(1), cbs = packed.size(0);
+  x = x.contiguous();
+  auto out = torch::empty({m, n}, x.options().dtype(f32 ? torch::kFloat : torch::kBFloat16));
+  if (m == 0 || n == 0) return out;
+  const int64_t per = whole_per > 0 ? whole_per : (nb + 15) / 16;   // the reference's QLayout
+  TORCH_CHECK(whole_per >= 0 && nb <= 16 * per, "packed weight does not match per");
+  std::vector<int64_t> base(per), live(per);
+  for (int64_t s = 0, at = 0; s < per; ++s) {
+    int64_t lanes = 0;
+    while (lanes < 16 && lanes * per + s < nb) ++lanes;
+    base[s] = at;
+    live[s] = lanes;
+    at += lanes;
+  }
+  std::vector<int8_t> xq(m * k);
+  std::vector<float> xd(m * (k / 32)), xs(m * (k / 32));
+  std::vector<int32_t> xqs32(m * (k / 32)), xqs(m * (k / 16));
+  quantize_rows(reinterpret_cast<const u16*>(x.data_ptr<at::BFloat16>()), m, k, xq.data(), xd.data(), xqs32.data(),
+                xs.data());
+  for (int64_t j = 0; j < m * (k / 16); ++j) {
+    int32_t s = 0;
+    for (int v = 0; v < 16; ++v) s += xq[j * 16 + v];
+    xqs[j] = s;
+  }
+  auto pick = [&](auto rows) -> decltype(&tile<1, 4>) {
+    constexpr int MR = decltype(rows)::value;
+    return kd == 4 ? &tile<MR, 4> : kd == 5 ? &tile<MR, 5> : &tile<MR, 6>;
+  };
+  decltype(&tile<1, 4>) tiles[4] = {pick(std::integral_constant<int, 1>{}), pick(std::integral_constant<int, 2>{}),
+                                    pick(std::integral_constant<int, 3>{}), pick(std::integral_constant<int, 4>{})};
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  void* op = f32 ? static_cast<void*>(out.data_ptr<float>()) : static_cast<void*>(out.data_ptr<at::BFloat16>());
+  const int64_t stride = nb * rec;
+  at::parallel_for(0, cbs, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const uint8_t* next = b + 1 < end ? wp + (b + 1) * stride : nullptr;
+      for (int64_t r = 0; r < m; r += 4) {
+        const int64_t rows = std::min<int64_t>(4, m - r);
+        tiles[rows - 1](rec, base, live, wp + b * stride, next, xq.data() + r * k, xd.data() + r * (k / 32),
+                        xs.data() + r * (k / 32), xqs.data() + r * (k / 16), k, op, f32, n, r, b * 16);
+      }
+    }
+  });
+  return out;
+}
 #endif
 
 #if defined(GATEENG_AVX512_BF16) && defined(__AVX512VNNI__) && defined(GATEENG_QINT8)
@@ -1002,6 +1158,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
 #ifdef GATEENG_QINT8
   m.def("qlinear_avx2", &qlinear_avx2, "x @ w.T on a quantized weight packed by the reference's qpack (int8 AVX2)",
+        py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("f32"),
+        py::arg("per") = 0);
+  m.def("qlinear_k_avx2", &qlinear_k_avx2, "x @ w.T on a K-quant weight packed by the reference's qpack (int8 AVX2)",
         py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("f32"),
         py::arg("per") = 0);
   m.attr("qavx2") = true;

@@ -253,22 +253,30 @@ def pack_fast(model, kernels=None, ref=None) -> None:
 
 
 def _pack_quantized(model, s: PackedWeights, kernels, ref) -> None:
-    """pack_fast for weights served as stored: the fast plan multiplies Q8_0, Q4_0 and
-    Q4_1 with cpu_ops' int8 kernel where the CPU has one (AVX-512 VNNI, else AVX2: its
-    own arithmetic), and every other weight (a K-quant; bf16 weights beside them) with
-    the reference's matmul, which takes every layout."""
+    """pack_fast for weights served as stored: the fast plan multiplies them with
+    cpu_ops' int8 kernels where the CPU has them (Q8_0, Q4_0, Q4_1: AVX-512 VNNI, else
+    AVX2; the K-quants: AVX2), each its own arithmetic, else with the reference's
+    matmul, the one kernel that takes every layout (bf16 weights beside them too)."""
     weights = model.projections()
     ref = ref or s.quant_ops   # the build that packed them reads them in any case
-    int8, s.fast_quantized_matmul = (
-        (kernels.qlinear_vnni, kernel_names.CPU_QVNNI) if getattr(kernels, "qvnni", False) else
-        (kernels.qlinear_avx2, kernel_names.CPU_QAVX2) if getattr(kernels, "qavx2", False) else
-        (None, kernel_names.REF_LINEAR))
-    if not any(_int8_takes(s.shared[id(w)], ref) for w in weights + [model.lm_head]):
-        int8, s.fast_quantized_matmul = None, kernel_names.REF_LINEAR   # (the K-quants)
+    avx2 = getattr(kernels, "qavx2", False)
+    int8, name = ((kernels.qlinear_vnni, kernel_names.CPU_QVNNI) if getattr(kernels, "qvnni", False) else
+                  (kernels.qlinear_avx2, kernel_names.CPU_QAVX2) if avx2 else (None, kernel_names.REF_LINEAR))
+    kint8 = kernels.qlinear_k_avx2 if avx2 else None
+
+    def kernel(data: torch.Tensor):
+        """The fast matmul of one packed weight."""
+        if data.dtype != torch.uint8:
+            return ref.linear
+        return (int8 if ref.qblock(data) == 32 else kint8) or ref.linear
+    every = [s.shared[id(w)] for w in weights + [model.lm_head]]
+    used = {kernel(p.data) for p in every}
+    s.fast_quantized_matmul = (kernel_names.REF_LINEAR if used == {ref.linear} else
+                               kernel_names.CPU_QAVX2 if int8 not in used else name)
 
     def fast(w, f32=False):
         p = s.shared[id(w)]
-        fn = int8 if int8 is not None and _int8_takes(p, ref) else ref.linear
+        fn = kernel(p.data)
         return lambda x: fn(x.contiguous(), p.data, p.n, f32, p.per)
     s.packed = {id(w): fast(w) for w in weights}
     s.lm_head_bf16 = fast(model.lm_head)
@@ -279,15 +287,10 @@ def _pack_quantized(model, s: PackedWeights, kernels, ref) -> None:
     s.plain_needed = False
     if _plain_layers(model):
         packed = [s.shared[id(w)] for w in _layer_matrices(model)]
-        every_quantized = all(_int8_takes(p, ref) for p in packed)
-        s.fused_layers = _fused_layers(model, s, packed,
-                                       int8 if int8 is not None and every_quantized else ref.linear)
-
-
-def _int8_takes(p: cpu_linear.Packed, ref) -> bool:
-    """Whether cpu_ops' int8 kernels take the packed weight p: its records' GGUF blocks
-    of 32 values (Q8_0, Q4_0, Q4_1), the inputs' int8 blocks."""
-    return p.data.dtype == torch.uint8 and ref.qblock(p.data) == 32
+        kernels_used = {kernel(p.data) for p in packed}
+        matmul = (next(iter(kernels_used)) if len(kernels_used) == 1 else
+                  lambda x, data, n, f32, per: kernel(data)(x, data, n, f32, per))
+        s.fused_layers = _fused_layers(model, s, packed, matmul)
 
 
 def _plain_layers(model) -> bool:
