@@ -464,6 +464,39 @@ void quantize_rows(const u16* x, int64_t m, int64_t k, int8_t* q, float* d, int3
   }
 }
 
+// The reference's QLayout: step s holds block l * per + s of each lane l that has one
+// (base: its first record, live: how many); per is the whole K's where this is a
+// tensor-parallel rank's slice of it.
+inline void layout_steps(int64_t nb, int64_t whole_per, std::vector<int64_t>& base, std::vector<int64_t>& live) {
+  const int64_t per = whole_per > 0 ? whole_per : (nb + 15) / 16;
+  TORCH_CHECK(whole_per >= 0 && nb <= 16 * per, "packed weight does not match per");
+  base.assign(per, 0);
+  live.assign(per, 0);
+  for (int64_t s = 0, at = 0; s < per; ++s) {
+    int64_t lanes = 0;
+    while (lanes < 16 && lanes * per + s < nb) ++lanes;
+    base[s] = at;
+    live[s] = lanes;
+    at += lanes;
+  }
+}
+
+// A tile's MR rows x 16 columns (two 8-lane halves) stored, binary32 or rounded to bf16.
+template <int MR>
+inline void store_rows(const __m256 (&acc)[MR][2], void* out, bool f32, int64_t n, int64_t row, int64_t col) {
+  for (int h = 0; h < 2; ++h) {
+    const int64_t c = col + 8 * h, valid = std::min<int64_t>(8, n - c);
+    for (int i = 0; i < MR && valid > 0; ++i) {
+      alignas(32) float v[8];
+      _mm256_store_ps(v, acc[i][h]);
+      for (int64_t j = 0; j < valid; ++j) {
+        if (f32) static_cast<float*>(out)[(row + i) * n + c + j] = v[j];
+        else static_cast<at::BFloat16*>(out)[(row + i) * n + c + j] = to<at::BFloat16>(v[j]);
+      }
+    }
+  }
+}
+
 // Each record of a column block's weights in the layout's order, as f(block g, record),
 // the next column block's same record prefetched into L2.
 template <typename F>
@@ -499,18 +532,8 @@ torch::Tensor qlinear_on(torch::Tensor x, torch::Tensor packed, int64_t n, bool 
   x = x.contiguous();
   auto out = torch::empty({m, n}, x.options().dtype(f32 ? torch::kFloat : torch::kBFloat16));
   if (m == 0 || n == 0) return out;
-  // the reference's QLayout: step s holds block l * per + s of each lane l that has one;
-  // per is the whole K's where this is a tensor-parallel rank's slice of it
-  const int64_t per = whole_per > 0 ? whole_per : (nb + 15) / 16;
-  TORCH_CHECK(whole_per >= 0 && nb <= 16 * per, "packed weight does not match per");
-  std::vector<int64_t> base(per), live(per);
-  for (int64_t s = 0, at = 0; s < per; ++s) {
-    int64_t lanes = 0;
-    while (lanes < 16 && lanes * per + s < nb) ++lanes;
-    base[s] = at;
-    live[s] = lanes;
-    at += lanes;
-  }
+  std::vector<int64_t> base, live;
+  layout_steps(nb, whole_per, base, live);
   std::vector<int8_t> xq(m * k);
   std::vector<float> xd(m * nb), xs(m * nb);
   std::vector<int32_t> xqs(m * nb);
@@ -594,17 +617,7 @@ void tile(int64_t rec_bytes, int64_t nb, const std::vector<int64_t>& base, const
       }
     }
   });
-  for (int h = 0; h < 2; ++h) {
-    const int64_t c = col + 8 * h, valid = std::min<int64_t>(8, n - c);
-    for (int i = 0; i < MR && valid > 0; ++i) {
-      alignas(32) float v[8];
-      _mm256_store_ps(v, acc[i][h]);
-      for (int64_t j = 0; j < valid; ++j) {
-        if (f32) static_cast<float*>(out)[(row + i) * n + c + j] = v[j];
-        else static_cast<at::BFloat16*>(out)[(row + i) * n + c + j] = to<at::BFloat16>(v[j]);
-      }
-    }
-  }
+  store_rows<MR>(acc, out, f32, n, row, col);
 }
 
 }  // namespace qavx2
@@ -701,17 +714,7 @@ void tile(int64_t rec_bytes, const std::vector<int64_t>& base, const std::vector
       }
     }
   });
-  for (int h = 0; h < 2; ++h) {
-    const int64_t c = col + 8 * h, valid = std::min<int64_t>(8, n - c);
-    for (int i = 0; i < MR && valid > 0; ++i) {
-      alignas(32) float v[8];
-      _mm256_store_ps(v, acc[i][h]);
-      for (int64_t j = 0; j < valid; ++j) {
-        if (f32) static_cast<float*>(out)[(row + i) * n + c + j] = v[j];
-        else static_cast<at::BFloat16*>(out)[(row + i) * n + c + j] = to<at::BFloat16>(v[j]);
-      }
-    }
-  }
+  store_rows<MR>(acc, out, f32, n, row, col);
 }
 
 }  // namespace kavx2
@@ -728,16 +731,8 @@ torch::Tensor qlinear_k_avx2(torch::Tensor x, torch::Tensor packed, int64_t n, b
   x = x.contiguous();
   auto out = torch::empty({m, n}, x.options().dtype(f32 ? torch::kFloat : torch::kBFloat16));
   if (m == 0 || n == 0) return out;
-  const int64_t per = whole_per > 0 ? whole_per : (nb + 15) / 16;   // the reference's QLayout
-  TORCH_CHECK(whole_per >= 0 && nb <= 16 * per, "packed weight does not match per");
-  std::vector<int64_t> base(per), live(per);
-  for (int64_t s = 0, at = 0; s < per; ++s) {
-    int64_t lanes = 0;
-    while (lanes < 16 && lanes * per + s < nb) ++lanes;
-    base[s] = at;
-    live[s] = lanes;
-    at += lanes;
-  }
+  std::vector<int64_t> base, live;
+  layout_steps(nb, whole_per, base, live);
   std::vector<int8_t> xq(m * k);
   std::vector<float> xd(m * (k / 32)), xs(m * (k / 32));
   std::vector<int32_t> xqs32(m * (k / 32)), xqs(m * (k / 16));
