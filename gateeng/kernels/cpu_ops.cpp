@@ -514,6 +514,19 @@ inline void for_each_record(int64_t rec_bytes, const std::vector<int64_t>& base,
   }
 }
 
+// Every tile of x @ w.T over the column blocks (cbs of them, split across threads) and
+// the rows in fours: f(column block b, first row r, rows, its records, the next block's
+// records to prefetch or nullptr).
+template <typename F>
+inline void for_each_tile(int64_t cbs, int64_t m, const uint8_t* w, int64_t stride, F&& f) {
+  at::parallel_for(0, cbs, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const uint8_t* next = b + 1 < end ? w + (b + 1) * stride : nullptr;
+      for (int64_t r = 0; r < m; r += 4) f(b, r, std::min<int64_t>(4, m - r), w + b * stride, next);
+    }
+  });
+}
+
 // A tile: 16 columns (one column block) of MR rows, over the whole K.
 using TileFn = void (*)(int64_t rec_bytes, int64_t nb, const std::vector<int64_t>& base,
                         const std::vector<int64_t>& live, const uint8_t* w, const uint8_t* next, const int8_t* xq,
@@ -545,17 +558,9 @@ torch::Tensor qlinear_on(torch::Tensor x, torch::Tensor packed, int64_t n, bool 
                 static_cast<int32_t>(static_cast<uint32_t>(static_cast<uint16_t>(static_cast<int16_t>(xq[2 * j + 1]))) << 16);
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   void* op = f32 ? static_cast<void*>(out.data_ptr<float>()) : static_cast<void*>(out.data_ptr<at::BFloat16>());
-  const int64_t stride = nb * rec;
-  at::parallel_for(0, cbs, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const uint8_t* next = b + 1 < end ? wp + (b + 1) * stride : nullptr;
-      for (int64_t r = 0; r < m; r += 4) {
-        const int64_t rows = std::min<int64_t>(4, m - r);
-        tiles[rows - 1](rec, nb, base, live, wp + b * stride, next, xq.data() + r * k,
-                        xpairs.data() + (xpairs.empty() ? 0 : r * k / 2), xd.data() + r * nb, xqs.data() + r * nb,
-                        xs.data() + r * nb, k, op, f32, n, r, b * 16);
-      }
-    }
+  for_each_tile(cbs, m, wp, nb * rec, [&](int64_t b, int64_t r, int64_t rows, const uint8_t* w, const uint8_t* next) {
+    tiles[rows - 1](rec, nb, base, live, w, next, xq.data() + r * k, xpairs.data() + (xpairs.empty() ? 0 : r * k / 2),
+                    xd.data() + r * nb, xqs.data() + r * nb, xs.data() + r * nb, k, op, f32, n, r, b * 16);
   });
   return out;
 }
@@ -751,16 +756,10 @@ torch::Tensor qlinear_k_avx2(torch::Tensor x, torch::Tensor packed, int64_t n, b
                                     pick(std::integral_constant<int, 3>{}), pick(std::integral_constant<int, 4>{})};
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   void* op = f32 ? static_cast<void*>(out.data_ptr<float>()) : static_cast<void*>(out.data_ptr<at::BFloat16>());
-  const int64_t stride = nb * rec;
-  at::parallel_for(0, cbs, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const uint8_t* next = b + 1 < end ? wp + (b + 1) * stride : nullptr;
-      for (int64_t r = 0; r < m; r += 4) {
-        const int64_t rows = std::min<int64_t>(4, m - r);
-        tiles[rows - 1](rec, base, live, wp + b * stride, next, xq.data() + r * k, xd.data() + r * (k / 32),
-                        xs.data() + r * (k / 32), xqs.data() + r * (k / 16), k, op, f32, n, r, b * 16);
-      }
-    }
+  qint8::for_each_tile(cbs, m, wp, nb * rec, [&](int64_t b, int64_t r, int64_t rows, const uint8_t* w,
+                                                 const uint8_t* next) {
+    tiles[rows - 1](rec, base, live, w, next, xq.data() + r * k, xd.data() + r * (k / 32), xs.data() + r * (k / 32),
+                    xqs.data() + r * (k / 16), k, op, f32, n, r, b * 16);
   });
   return out;
 }
