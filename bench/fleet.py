@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import queue
 import statistics
 import sys
@@ -24,9 +23,10 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"   # every node on 127.0.0.1 (before Ray loads)
 sys.path.insert(0, str(Path(__file__).parent.parent))
 sys.path.insert(0, str(Path(__file__).parent))
+
+from ray_cluster import local_cluster  # noqa: E402  (before Ray loads: every node on 127.0.0.1)
 
 import ray  # noqa: E402
 
@@ -67,16 +67,11 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--out", default=str(report_path("fleet.json")))
     args = ap.parse_args()
-    from ray.cluster_utils import Cluster
-
     from gateeng.config import EngineConfig
     print(header(), flush=True)
     root = Path(tempfile.mkdtemp(prefix="gateeng-bench-fleet-"))
     model_dir, new_dir = save_bf16_dirs(root)
-    small = dict(num_cpus=1, node_ip_address="127.0.0.1", object_store_memory=600 * 2 ** 20)
-    cluster = Cluster(initialize_head=True, head_node_args=dict(small, include_dashboard=False))
-    cluster.add_node(**small)
-    cluster.wait_for_nodes()
+    cluster = local_cluster(2)
     ray.init(address=cluster.address, _node_ip_address="127.0.0.1")
     cfg = EngineConfig(model=str(model_dir), dtype="bfloat16", max_model_len=512)
     prompts = prompt_set(args.requests, mixed=False)

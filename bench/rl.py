@@ -6,6 +6,15 @@ pushes them into the running server with `gateeng update-weights`, every step.
     python bench/rl.py                    # 10 steps on the embedded model
     python bench/rl.py --steps 3          # a short run
     python bench/rl.py --model DIR        # a Hugging Face directory (bench/models.py --shape moe-tiny)
+    python bench/rl.py --fleet 2          # rollouts from `gateeng fleet` over 2 replicas
+
+With --fleet N the rollouts come from `gateeng fleet` with N replicas of one thread
+each, on a Ray cluster of N one-CPU nodes started here (ray.cluster_utils.Cluster,
+every node on 127.0.0.1), and each step's weights are pushed to every replica through
+the fleet's update-weights (read once, shipped through Ray's object store, switched at
+its version barrier). Each rollout's reproducibility record names the replica that
+answered and the weight_version it ran on: the run reports each replica's share of the
+rollouts, and every rollout of step s must have run on weight_version s.
 
 The task: "What is A + B?" for A and B in 2..--largest, reward 1 when the last
 number in the answer is A + B. Each step draws --prompts questions and samples --group
@@ -19,7 +28,8 @@ range of the ratio exp(logp_trainer - logp_rollout):
   gateeng        VERIFIED rollouts, gateeng's trainer (must be exactly 0 and 1)
   off            the same questions sampled OFF (fast path), gateeng's trainer
   transformers   the VERIFIED rollouts, recomputed by transformers in bf16 (the usual trainer)
-Writes rl.json and rl.png into --out (default: the run's own temporary directory,
+The weight push time per step is the server's own (the fleet's: read, ship, prepare
+on every replica, swap). Writes rl.json and rl.png into --out (default: the run's own temporary directory,
 outside the tree; `--out bench` refreshes the figure bench/RESULTS.md shows); prints a
 markdown table.
 """
@@ -45,6 +55,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import command, commit, machine  # noqa: E402
+from ray_cluster import local_cluster  # noqa: E402  (before Ray loads: every node on 127.0.0.1)
 from servers import free_port  # noqa: E402
 
 from gateeng.train import Policy  # noqa: E402
@@ -65,16 +76,21 @@ def reward(text: str, answer: int) -> float:
 
 
 class Server:
-    """`gateeng serve` with its HTTP front and an admin token, on loopback."""
+    """`gateeng serve` with its HTTP front and an admin token, on loopback; with `fleet`
+    replicas, `gateeng fleet` on a local Ray cluster of that many one-CPU nodes."""
 
-    def __init__(self, workdir: Path, model: Optional[str]):
+    def __init__(self, workdir: Path, model: Optional[str], fleet: int = 0):
         self.grpc, self.http = free_port(), free_port()
         self.token = workdir / "admin-token"
         self.token.write_text(os.urandom(16).hex())
+        self.token.chmod(0o600)
         self.log = open(workdir / "server.log", "w")
         # --dequantize: the embedded GGUF as the bf16 model the policy computes and update-weights replaces
         which = ["--model", model] if model else ["--dequantize"]
-        self.proc = subprocess.Popen([sys.executable, "-m", "gateeng.tools.cli", "serve", *which, "--port", str(self.grpc),
+        self.cluster = local_cluster(fleet) if fleet else None
+        how = ["fleet", "--replicas", str(fleet), "--threads", "1", "--ray-address", self.cluster.address] \
+            if fleet else ["serve"]
+        self.proc = subprocess.Popen([sys.executable, "-m", "gateeng.tools.cli", *how, *which, "--port", str(self.grpc),
                                       "--http-port", str(self.http), "--metrics-port", "-1",
                                       "--admin-token-file", str(self.token)], stdout=self.log,
                                      stderr=subprocess.STDOUT)
@@ -89,6 +105,7 @@ class Server:
                 return
             except OSError:
                 if self.proc.poll() is not None or time.time() > deadline:
+                    self.stop()
                     raise RuntimeError(f"the server did not start (see {self.log.name})")
                 time.sleep(1)
 
@@ -97,10 +114,11 @@ class Server:
             model=self.model, messages=[{"role": "user", "content": text}],
             max_tokens=max_tokens, temperature=TEMPERATURE, seed=seed, logprobs=True,
             extra_body={"determinism": {"mode": mode}})
-        replay = res.model_extra["replay"]
+        replay, record = res.model_extra["replay"], res.model_extra["reproducibility"]
         return {"text": res.choices[0].message.content, "prompt": replay["prompt_token_ids"],
                 "tokens": replay["token_ids"], "logprobs": [c.logprob for c in res.choices[0].logprobs.content],
-                "fingerprint": res.system_fingerprint, "answer": res}
+                "fingerprint": res.system_fingerprint, "replica": record.get("replica") or "",
+                "weight_version": record["weight_version"], "answer": res}
 
     def update(self, directory: Path) -> tuple:
         """(the command's wall time, the server's own time for the update)."""
@@ -114,6 +132,8 @@ class Server:
         self.proc.terminate()
         self.proc.wait(60)
         self.log.close()
+        if self.cluster is not None:
+            self.cluster.shutdown()
 
 
 def compare(trainer: list, rollouts: list) -> dict:
@@ -149,19 +169,26 @@ def main() -> int:
     ap.add_argument("--lr", type=float, default=2e-5)
     ap.add_argument("--clip", type=float, default=0.2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--fleet", type=int, default=0, metavar="N",
+                    help="sample from `gateeng fleet` with N replicas on a local N-node Ray cluster "
+                         "(default 0: one `gateeng serve`)")
     ap.add_argument("--out", type=Path, default=None,
                     help="where rl.json and rl.png go (default: the run's temporary directory)")
     args = ap.parse_args()
+    if args.fleet < 0:
+        ap.error(f"--fleet must be 0 (one server) or a number of replicas, got {args.fleet}")
     from transformers import AutoModelForCausalLM
     rng = random.Random(args.seed)
     work = Path(tempfile.mkdtemp(prefix="gateeng-rl-"))
     out = args.out or work
     out.mkdir(parents=True, exist_ok=True)
-    print(f"rl: {args.steps} steps, {args.prompts} x {args.group} samples; {machine()}", file=sys.stderr, flush=True)
+    where = f"a fleet of {args.fleet} replicas" if args.fleet else "one server"
+    print(f"rl: {args.steps} steps, {args.prompts} x {args.group} samples from {where}; {machine()}", file=sys.stderr,
+          flush=True)
     policy = Policy.load(args.model)
     hf = AutoModelForCausalLM.from_pretrained(policy.hf_dir, dtype=torch.bfloat16).eval()
     opt = torch.optim.AdamW(policy.parameters(), lr=args.lr)
-    server = Server(work, args.model)
+    server = Server(work, args.model, args.fleet)
     steps = []
     try:
         pool = ThreadPoolExecutor(args.prompts * args.group)
@@ -206,22 +233,26 @@ def main() -> int:
             save_s = time.perf_counter() - t0
             update_s, server_update_s = server.update(work / f"step{step}")
             fingerprints = {r["fingerprint"] for r in verified}
+            every = verified + rolls["off"]
+            shares = {name: sum(r["replica"] == name for r in every) for name in sorted({r["replica"] for r in every})}
             steps.append({"step": step, "reward": sum(rewards) / len(rewards), "gateeng": ours, "off": off,
                           "transformers": tf, "rollout_s": rollout_s, "train_s": train_s,
                           "transformers_s": transformers_s, "save_s": save_s, "update_s": update_s,
                           "server_update_s": server_update_s,
-                          "fingerprints": sorted(fingerprints)})
+                          "fingerprints": sorted(fingerprints), "replicas": shares,
+                          "weight_versions": sorted({r["weight_version"] for r in every})})
             print(f"  step {step}: reward {steps[-1]['reward']:.2f}  gateeng max|d| {ours['max_abs_diff']:.3g} "
                   f"ratio [{ours['ratio_min']:.6f}, {ours['ratio_max']:.6f}]  off max|d| {off['max_abs_diff']:.3g}  "
                   f"transformers max|d| {tf['max_abs_diff']:.3g}  rollout {rollout_s:.1f} s, train {train_s:.1f} s, "
-                  f"save {save_s:.1f} s, update {update_s:.1f} s (server {server_update_s:.2f} s)", file=sys.stderr,
-                  flush=True)
+                  f"save {save_s:.1f} s, update {update_s:.1f} s (server {server_update_s:.2f} s)"
+                  + (f", rollouts by replica {shares}" if args.fleet else ""), file=sys.stderr, flush=True)
     finally:
         server.stop()
     report(args, steps, out)
     exact = all(st["gateeng"]["tokens_differing"] == 0 for st in steps)
-    # Each step's rollouts ran on the previous step's pushed weights: one new fingerprint a step.
-    pushed = all(len(st["fingerprints"]) == 1 for st in steps) and \
+    # Each step's rollouts ran on the previous step's pushed weights: one new fingerprint
+    # a step, and step s's rollouts all on weight_version s.
+    pushed = all(len(st["fingerprints"]) == 1 and st["weight_versions"] == [st["step"]] for st in steps) and \
         len({st["fingerprints"][0] for st in steps}) == len(steps)
     return 0 if exact and pushed else 1
 
@@ -251,17 +282,27 @@ def report(args, steps: list, out: Path) -> None:
     fig.suptitle(f"bench/rl.py at {at}: {machine()}", fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "rl.png", dpi=110)
+    fleet = " | rollouts by replica" if args.fleet else ""
     print("| step | reward | gateeng max abs diff | gateeng ratio | OFF max abs diff | OFF ratio "
-          "| transformers max abs diff | transformers ratio | update s (command / server) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          f"| transformers max abs diff | transformers ratio | update s (command / server){fleet} |")
+    print("| --- " * (10 if args.fleet else 9) + "|")
     for st in steps:
         g, o, t = st["gateeng"], st["off"], st["transformers"]
+        shares = " | " + ", ".join(f"{k} {v}" for k, v in st["replicas"].items()) if args.fleet else ""
         print(f"| {st['step']} | {st['reward']:.2f} | {g['max_abs_diff']:.3g} | {g['ratio_min']:.4f}-{g['ratio_max']:.4f} "
               f"| {o['max_abs_diff']:.3g} | {o['ratio_min']:.4f}-{o['ratio_max']:.4f} | {t['max_abs_diff']:.3g} "
-              f"| {t['ratio_min']:.4f}-{t['ratio_max']:.4f} | {st['update_s']:.2f} / {st['server_update_s']:.2f} |")
+              f"| {t['ratio_min']:.4f}-{t['ratio_max']:.4f} | {st['update_s']:.2f} / {st['server_update_s']:.2f}{shares} |")
     total = sum(st["gateeng"]["tokens"] for st in steps)
     differing = sum(st["gateeng"]["tokens_differing"] for st in steps)
     print(f"\ngateeng trainer vs VERIFIED rollouts: {differing} of {total} tokens differ over the run")
+    if args.fleet:
+        shares: dict = {}
+        for st in steps:
+            for name, n in st["replicas"].items():
+                shares[name] = shares.get(name, 0) + n
+        pushes = [st["server_update_s"] for st in steps]
+        print(f"rollouts by replica over the run: {shares}; weight push to every replica (the fleet's own time) "
+              f"{min(pushes):.2f}-{max(pushes):.2f} s a step")
     print(f"wrote {out / 'rl.json'} and {out / 'rl.png'}", file=sys.stderr)
 
 
