@@ -16,6 +16,7 @@ class Chunk:
     text: str
     position: int          # output index of token_ids[0]
     logprobs: list = field(default_factory=list)   # sampler.Logprobs per token, if asked for
+    weight_version: int = 0   # the weights that computed token_ids (the record's weight_version)
 
 
 @dataclass

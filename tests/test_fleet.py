@@ -1,9 +1,12 @@
 """`gateeng fleet` on a two-node Ray cluster on loopback (ray.cluster_utils.Cluster,
 every node on 127.0.0.1), on a tiny bf16 model saved as a Hugging Face directory:
 VERIFIED answers from both replicas equal one server's; an update reaches both
-replicas and a broken one neither; a replica killed with SIGKILL mid-stream loses no
-VERIFIED stream, each finishing with one server's bits; nothing started listens
-beyond loopback."""
+replicas and a broken one neither; requests that arrive while a push holds the
+version barrier wait and are answered on the new weights; a replica killed with
+SIGKILL mid-stream loses no VERIFIED stream, each finishing with one server's bits;
+health is NOT_SERVING while no replica answers and SERVING again once one does;
+nothing started listens beyond loopback. One cluster, one fleet and one single server
+serve the whole module."""
 import os
 
 # Ray's test cluster keeps every node on 127.0.0.1 only with this set before Ray loads.
@@ -16,6 +19,7 @@ import struct
 import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import psutil
@@ -23,13 +27,14 @@ import pytest
 import torch
 
 from gateeng.config import EngineConfig, ServerConfig
+from gateeng.fleet import fleet as fleet_module
 from gateeng.model import loader
 from gateeng.plans import reference_ops
 from gateeng.request import DeterminismParams, Mode, SamplingParams
 from gateeng.serving.gateway import REQUEST_ID_HEADER
 from gateeng.serving.grpc_client import Client
 from gateeng.tools import cli
-from test_server_async import SERVING, Running, wait_for
+from test_server_async import NOT_SERVING, SERVING, Running, wait_for
 from test_weight_update import broken
 from tiny import hf_family, save_family
 
@@ -123,6 +128,12 @@ def single(model_dir):
     srv.stop()
 
 
+@pytest.fixture(scope="module")
+def first_answers(single):
+    """One server's VERIFIED answers on the model's first weights (before any update)."""
+    return answers(single.target)[0]
+
+
 def bits(x: float) -> str:
     return struct.pack("<d", x).hex()
 
@@ -153,10 +164,9 @@ def answers(target, concurrent=True) -> tuple:
     return out, seen
 
 
-def test_both_replicas_answer_as_one_server(fleet, single):
-    want, _ = answers(single.target)
+def test_both_replicas_answer_as_one_server(fleet, first_answers):
     got, seen = answers(fleet.target)
-    assert got == want
+    assert got == first_answers
     assert seen == {("replica-0", 0), ("replica-1", 0)}
     ray_nodes = {ray.get(a.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()))
                  for a in fleet.fleet.actors.values()}
@@ -205,7 +215,8 @@ def replica_states(fleet) -> list:
     return [ray.get(a.state.remote()) for _, a in sorted(fleet.fleet.actors.items())]
 
 
-def test_update_reaches_both_replicas_and_a_broken_one_neither(fleet, single, new_dir, tmp_path, capsys):
+def test_update_reaches_both_replicas_and_a_broken_one_neither(fleet, single, first_answers, new_dir, tmp_path,
+                                                               capsys):
     token = tmp_path / "token"
     token.write_text(TOKEN + "\n")
     before = replica_states(fleet)
@@ -222,13 +233,46 @@ def test_update_reaches_both_replicas_and_a_broken_one_neither(fleet, single, ne
     assert after[0].fingerprint == after[1].fingerprint != before[0].fingerprint
     got, seen = answers(fleet.target)
     assert seen == {("replica-0", 1), ("replica-1", 1)}
-    fresh = Running(config(new_dir), loaded=loader.load(str(new_dir), "bfloat16"),
-                    settings=ServerConfig(port=0, metrics_port=None, http_port=None))
-    try:
-        want, _ = answers(fresh.target)
-    finally:
-        fresh.stop()
+    # One server brought to the same weights in place (which answers as a fresh start
+    # on them: test_weight_update) gives the fleet's answers.
+    assert single.server.gateway.engine.update_weights(new_dir).model_fingerprint == after[0].fingerprint
+    want, _ = answers(single.target)
     assert got == want and {a[2] for a in got.values()} == {after[0].fingerprint}
+
+
+def test_requests_arriving_during_a_push_wait_and_are_answered_on_the_new_weights(fleet, first_answers,
+                                                                                   model_dir):
+    """Long VERIFIED streams on both replicas hold the swap (each replica swaps once
+    its running requests are done), so the front's version barrier stays closed while
+    new requests arrive: they wait at the front, then run on the new weights, never
+    on the old, and answer as one server on those weights does."""
+    f = fleet.fleet
+    before = f.weight_version
+    long = SamplingParams(max_tokens=480, ignore_eos=True)
+    with Client(fleet.target) as c:
+        streams = [c.generate(p, long, VERIFIED) for p in ([3, 1, 4], [2, 7, 1])]
+        for s in streams:   # each has produced a token on the old weights
+            assert next(s).HasField("chunk")
+        pushed = []
+        push = threading.Thread(target=lambda: pushed.append((f.update_weights(model_dir), time.monotonic())))
+        push.start()
+        deadline = time.monotonic() + 60
+        while f._open.is_set():   # staged on both replicas: the barrier closes
+            assert push.is_alive() and time.monotonic() < deadline, "the barrier never closed"
+            time.sleep(0.001)
+        arrived = time.monotonic()
+        got, seen = answers(fleet.target)
+        push.join(60)
+        finals = [[ev for ev in s if ev.HasField("complete")][0].complete for s in streams]
+    (update, opened), = pushed
+    assert arrived < opened, "the push ended before the requests arrived: nothing waited"
+    assert update.weight_version == before + 1
+    assert seen == {("replica-0", before + 1), ("replica-1", before + 1)}   # never the old version
+    assert got == first_answers
+    # The streams that held the swap ended on the old weights: complete, or cut at
+    # --weight-update-wait on a slow host.
+    assert [final.reproducibility.weight_version for final in finals] == [before, before]
+    assert update.requests_ended == sum(len(final.token_ids) < long.max_tokens for final in finals)
 
 
 def test_a_replica_killed_mid_stream_loses_no_verified_stream(fleet):
@@ -240,8 +284,8 @@ def test_a_replica_killed_mid_stream_loses_no_verified_stream(fleet):
     params = SamplingParams(max_tokens=300, ignore_eos=True, temperature=0.7, seed=3)
     prompts = [[11 + i, 3, 90, 4 + i] for i in range(6)]
     off = [[31 + i, 8, 60] for i in range(4)]
-    with Client(fleet.target) as c:
-        want = [list(c.complete(p, params, VERIFIED).token_ids) for p in prompts]
+    with Client(fleet.target) as c, ThreadPoolExecutor(len(prompts)) as pool:   # at once: both replicas work
+        want = list(pool.map(lambda p: list(c.complete(p, params, VERIFIED).token_ids), prompts))
     runs = [(p, VERIFIED) for p in prompts] + [(p, DeterminismParams(Mode.OFF)) for p in off]
     received = [[] for _ in runs]
     finals, errors, ids = [None] * len(runs), [None] * len(runs), [None] * len(runs)
@@ -295,3 +339,47 @@ def test_a_replica_killed_mid_stream_loses_no_verified_stream(fleet):
         assert time.time() < deadline, "the killed replica did not come back"
         time.sleep(0.2)
     assert ray.get(actor.state.remote()).weight_version == fleet.fleet.weight_version
+
+
+def http_health(fleet) -> int:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{fleet.server.http.port}/health", timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_health_is_not_serving_while_no_replica_answers_and_serving_once_one_does(fleet, monkeypatch):
+    """Both replicas stopped (SIGSTOP: they neither answer nor die): once the fleet
+    stops hearing from them, gRPC health is NOT_SERVING and HTTP /health 503, as one
+    server whose engine died reports, and a request is refused UNAVAILABLE; one
+    replica answering again makes both SERVING again."""
+    f = fleet.fleet
+    monkeypatch.setattr(fleet_module, "STATE_TIMEOUT_S", 2.0)   # how long the watcher waits for an answer
+    pids = {n: ray.get(a.__ray_call__.remote(lambda self: os.getpid())) for n, a in sorted(f.actors.items())}
+    wait_for(fleet.target, SERVING)
+    assert http_health(fleet) == 200
+    stopped = set()
+    try:
+        for name, pid in pids.items():
+            os.kill(pid, signal.SIGSTOP)
+            stopped.add(name)
+        wait_for(fleet.target, NOT_SERVING, timeout=60)
+        assert http_health(fleet) == 503 and not f.serving
+        with Client(fleet.target) as c, pytest.raises(grpc.RpcError) as refused:
+            c.complete(PROMPTS[0], GREEDY, VERIFIED, timeout=30)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        os.kill(pids["replica-1"], signal.SIGCONT)
+        stopped.discard("replica-1")
+        wait_for(fleet.target, SERVING, timeout=60)
+        assert http_health(fleet) == 200 and f.serving == {"replica-1"}
+        with Client(fleet.target) as c:
+            r = c.complete(PROMPTS[0], GREEDY, VERIFIED, timeout=60)
+        assert (r.reproducibility.replica, r.reproducibility.weight_version) == ("replica-1", f.weight_version)
+    finally:
+        for name in stopped:
+            os.kill(pids[name], signal.SIGCONT)
+    deadline = time.time() + 60
+    while f.serving != set(f.actors):
+        assert time.time() < deadline, "the other replica did not serve again"
+        time.sleep(0.1)

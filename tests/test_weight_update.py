@@ -21,6 +21,7 @@ from gateeng.engine import weights
 from gateeng.engine.core import EngineCore
 from gateeng.engine.errors import WeightUpdateUnavailable
 from gateeng.model import loader
+from gateeng.outputs import Chunk
 from gateeng.plans import reference_ops
 from gateeng.request import DeterminismParams, FinishReason, Mode, SamplingParams
 from gateeng.serving.grpc_client import Client
@@ -315,6 +316,11 @@ def test_in_flight_requests_finish_on_the_old_weights_and_nothing_new_is_admitte
         assert h.completion.finish_reason is FinishReason.LENGTH
         assert h.completion.token_ids == reference(new, prompt, LONG)
         assert h.completion.reproducibility.model_fingerprint == new.fingerprint
+    # Every chunk names the weights that computed its tokens, as the record does.
+    for h, version in ((running, 0), (preempted, 0), (late, 1), (prefilling, 1)):
+        chunks = [ev for ev in h if isinstance(ev, Chunk) and ev.token_ids]
+        assert chunks and {c.weight_version for c in chunks} == {h.completion.reproducibility.weight_version} \
+            == {version}
 
 
 def test_requests_still_running_at_the_deadline_end_on_their_verified_tokens(new_dir):

@@ -122,7 +122,10 @@ class OutputProcessor:
         # The final call may carry only text held back for an unfinished character
         # or a possible stop string, so the chunks always add up to the completion.
         lps = req.logprobs[len(h.sent_ids):len(h.sent_ids) + len(new)] if req.params.logprobs is not None else []
-        h.put(Chunk(list(new), delta, len(h.sent_ids), lps))
+        # The weights served now computed these tokens: a swap happens between steps and
+        # ends every request whose answer holds anything the old weights computed.
+        version = self.reproducibility.weight_version if self.reproducibility is not None else 0
+        h.put(Chunk(list(new), delta, len(h.sent_ids), lps, version))
         h.sent_ids.extend(new)
         h.sent_text_len = max(h.sent_text_len, end)
 

@@ -7,8 +7,11 @@ update_weights, the gate settings). A request is tokenized here, routed
 each replica's stream of events (a Ray streaming generator) and hand them to the
 request's sink.
 
-Exact failover. When a replica dies, each request it ran goes to another replica
-serving the same weight version. A VERIFIED request (or any request where the plan
+Exact failover. When a replica dies, each request it ran goes to another replica:
+one serving the weight version its client's tokens came from (each Chunk names the
+weight_version that computed it, so a request that slipped through the version
+barrier as it closed carries the new version it ran on), or any serving replica if
+its client holds no token yet. A VERIFIED request (or any request where the plan
 is the invariant one) runs again from its prompt with the same sampling (a seeded
 request's seed is drawn here, before its first run, so every run has it): its
 tokens are the same bits on every replica, so the tokens its client already has
@@ -87,11 +90,32 @@ class _Request:
     determinism: DeterminismParams
     sink: object
     handle: Handle
-    weight_version: int
+    weight_version: Optional[int] = None   # the weights of the tokens its client holds (from their chunks)
     replica: str = ""
     aborted: bool = False
     sent: list = field(default_factory=list)   # the output tokens its client holds
     rerun: Optional[list] = None               # after a failover: the new run's tokens so far
+
+
+def pin_version(req: _Request, chunk: Chunk) -> None:
+    """The first tokens its client is sent fix the weight version a request runs on
+    (the chunk's: the replica's engine names the weights that computed them); tokens
+    from other weights (a failover's replica that swapped since) end the request."""
+    if not chunk.token_ids:
+        return
+    if not req.sent:
+        req.weight_version = chunk.weight_version
+    elif chunk.weight_version != req.weight_version:
+        raise EngineDead(f"replica {req.replica} ran request {req.request_id} on weight_version "
+                         f"{chunk.weight_version}, but the tokens already sent came from weight_version "
+                         f"{req.weight_version}: the request ends here")
+
+
+def runs_on(req: _Request, weight_version: Optional[int]) -> bool:
+    """Whether a replica serving `weight_version` may run `req`: once its client holds
+    tokens, only on the weights that computed them (a re-run continues that stream);
+    before, any (its answer then comes whole from the weights that replica serves)."""
+    return not req.sent or weight_version == req.weight_version
 
 
 def _cause(exc: BaseException) -> BaseException:
@@ -221,7 +245,7 @@ class Fleet:
         if not self._open.wait(self.config.weight_update_wait + HOLD_S):
             raise QueueFull("the fleet is swapping its weights; retry shortly")
         rid = request_id or "req-" + secrets.token_hex(16)
-        req = _Request(rid, ids, params, det, sink, Handle(rid), self.weight_version)
+        req = _Request(rid, ids, params, det, sink, Handle(rid))
         asyncio.run_coroutine_threadsafe(self._begin(req), self.loop).result()
         return req.handle
 
@@ -236,7 +260,7 @@ class Fleet:
 
     def _choose(self, req: _Request, exclude: str = "") -> Optional[str]:
         with self._lock:
-            candidates = {n for n in self.serving if n != exclude and self.versions.get(n) == req.weight_version}
+            candidates = {n for n in self.serving if n != exclude and runs_on(req, self.versions.get(n))}
             name = self.router.choose(req.ids, candidates)
             if name is not None:
                 self.router.started(name, req.ids)
@@ -259,7 +283,7 @@ class Fleet:
     async def _begin(self, req: _Request) -> None:
         name = self._choose(req)
         if name is None:
-            raise EngineDead(f"no replica serves weight_version {req.weight_version}; retry shortly")
+            raise EngineDead("no replica of the fleet is serving; retry shortly")
         gen = await self._run_on(req, name)
         with self._lock:
             self._requests[req.request_id] = req
@@ -304,8 +328,9 @@ class Fleet:
             if name is not None:
                 break
             if time.monotonic() > deadline:
-                raise EngineDead(f"replica {dead} died and no other replica serves weight_version "
-                                 f"{req.weight_version} within {FAILOVER_WAIT_S} s: retry the request")
+                on = f" weight_version {req.weight_version}" if req.sent else ""
+                raise EngineDead(f"replica {dead} died and no other replica serves{on} within "
+                                 f"{FAILOVER_WAIT_S} s: retry the request")
             await asyncio.sleep(POLL_S)
         gen = await self._run_on(req, name)
         req.rerun = [] if req.sent else None
@@ -319,6 +344,8 @@ class Fleet:
         if isinstance(ev, Completion):
             req.sink(ev)
             return True
+        if isinstance(ev, Chunk):
+            pin_version(req, ev)
         if req.rerun is None:
             if isinstance(ev, Chunk):
                 req.sent.extend(ev.token_ids)
@@ -346,7 +373,8 @@ class Fleet:
         if len(new) > len(sent):
             k = max(len(sent) - start, 0)
             text = ev.text if k == 0 else self._text(new, len(sent), len(new))
-            chunk = Chunk(list(ev.token_ids[k:]), text, len(sent), list(ev.logprobs[k:]) if ev.logprobs else [])
+            chunk = Chunk(list(ev.token_ids[k:]), text, len(sent), list(ev.logprobs[k:]) if ev.logprobs else [],
+                          ev.weight_version)
             sent.extend(chunk.token_ids)
             req.sink(chunk)
         return False
