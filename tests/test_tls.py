@@ -2,6 +2,7 @@
 for 127.0.0.1, a client certificate), a real Server on the tiny random model, the openai
 client over HTTPS and our gRPC Client over TLS; plain-text clients refused; bad files a
 clear start-up error."""
+import os
 import shutil
 import socket
 import ssl
@@ -162,4 +163,8 @@ def test_gateeng_health_takes_the_ca(served, certs):
     plain = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert plain.returncode == 1
     run = subprocess.run(cmd + ["--ca-file", str(certs / "ca.pem")], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and "SERVING" in run.stdout, run.stderr
+    # A container's HEALTHCHECK has no flags to add: the CA comes from the environment.
+    env = dict(os.environ, GATEENG_CA_FILE=str(certs / "ca.pem"))
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
     assert run.returncode == 0 and "SERVING" in run.stdout, run.stderr

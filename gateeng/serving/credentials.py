@@ -17,6 +17,11 @@ from gateeng.logs import LOGGER
 
 ADMIN_TOKEN_ENV = "GATEENG_ADMIN_TOKEN"
 API_KEY_ENV = "GATEENG_API_KEY"
+# Our clients' TLS files, where a flag does not name them: a container's HEALTHCHECK
+# cannot pass flags the operator chose later, but the operator can set these.
+CA_FILE_ENV = "GATEENG_CA_FILE"
+CLIENT_CERT_ENV = "GATEENG_CLIENT_CERT"
+CLIENT_KEY_ENV = "GATEENG_CLIENT_KEY"
 
 log = LOGGER.getChild("credentials")
 

@@ -14,6 +14,7 @@ from gateeng.plans.kernel_names import ISA_ENV, REFERENCE, REFERENCE_ISAS, TORCH
 from gateeng.request import Mode, SamplingParams
 from gateeng.serving.credentials import ADMIN_TOKEN_ENV as ADMIN_ENV
 from gateeng.serving.credentials import API_KEY_ENV, checked, from_env, read_secret_file
+from gateeng.serving.credentials import CA_FILE_ENV, CLIENT_CERT_ENV, CLIENT_KEY_ENV
 from gateeng.tools import calibrate as cal
 from gateeng.tools.prompts import BUILTIN_PROMPTS, read_prompts
 
@@ -139,16 +140,21 @@ def _api_key(args):
 def _tls_client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ca-file", default=None, metavar="FILE",
                    help="talk TLS to a server started with --ssl-certfile: the CA certificate (PEM) that signed "
-                        "its certificate (gRPC: without it, plain text; an https:// --openai URL: without it, "
-                        "the system's CAs)")
+                        f"its certificate (default ${CA_FILE_ENV}; gRPC: without either, plain text; an https:// "
+                        "--openai URL: without either, the system's CAs)")
     p.add_argument("--client-cert", default=None, metavar="FILE",
-                   help="this client's certificate (PEM), for a server started with --ssl-ca-certs")
-    p.add_argument("--client-key", default=None, metavar="FILE", help="the private key of --client-cert (PEM)")
+                   help=f"this client's certificate (PEM), for a server started with --ssl-ca-certs "
+                        f"(default ${CLIENT_CERT_ENV})")
+    p.add_argument("--client-key", default=None, metavar="FILE",
+                   help=f"the private key of --client-cert (PEM) (default ${CLIENT_KEY_ENV})")
 
 
 def _tls_client(args) -> dict:
-    """The TLS files our gRPC clients take (Client's ca_file, cert_file, key_file)."""
-    return dict(ca_file=args.ca_file, cert_file=args.client_cert, key_file=args.client_key)
+    """The TLS files our gRPC clients take (Client's ca_file, cert_file, key_file): each
+    flag, else its environment variable, else None."""
+    return dict(ca_file=args.ca_file or os.environ.get(CA_FILE_ENV) or None,
+                cert_file=args.client_cert or os.environ.get(CLIENT_CERT_ENV) or None,
+                key_file=args.client_key or os.environ.get(CLIENT_KEY_ENV) or None)
 
 
 def _server_client(args, target: str, admin: bool = False):
