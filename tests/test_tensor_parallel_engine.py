@@ -95,6 +95,11 @@ def test_attention_whole_on_every_rank_at_four_ranks_keeps_the_bits(one):
         four.shutdown()
 
 
+STACKS = {"blk.*.attn_q.weight": "Q4_K", "blk.*.attn_k.weight": "Q5_K", "blk.*.attn_v.weight": "Q6_K",
+          "blk.*.ffn_gate.weight": "Q5_K", "blk.*.ffn_up.weight": "Q4_K", "*": "Q8_0"}
+STACKS_SHAPE = dict(hidden=256, heads=4, kv_heads=4, head_dim=128, intermediate=512, layers=1)
+
+
 @pytest.mark.parametrize("qtype,size,shape", [
     # heads and o's GGUF blocks split alike: attention by head
     ("Q4_0", 2, dict(hidden=64, heads=4, kv_heads=2, head_dim=128, intermediate=512)),
@@ -109,15 +114,18 @@ def test_attention_whole_on_every_rank_at_four_ranks_keeps_the_bits(one):
                                                      intermediate=4096, layers=1, tie=False)),
     ({"blk.*.ffn_down.weight": "Q6_K", "*": "Q4_K"}, 4, dict(hidden=256, heads=2, kv_heads=1, head_dim=128,
                                                              intermediate=4096, layers=1)),
-], ids=["q4_0-by-head", "smollm2-mix-whole-attention", "k-quants-2", "k-quants-4"])
-def test_a_quantized_gguf_served_as_stored_has_the_bits_of_one_process(tmp_path, qtype, size, shape):
+    # stacks of several types (q, k, v in three; gate, up in two), split by head and by MLP
+    # columns part by part (o and down in Q8_0: 16 blocks, an even split)
+    (STACKS, 2, STACKS_SHAPE), (STACKS, 4, STACKS_SHAPE),
+], ids=["q4_0-by-head", "smollm2-mix-whole-attention", "k-quants-2", "k-quants-4", "stacks-2", "stacks-4"])
+def test_a_quantized_gguf_served_as_stored_has_the_bits_of_one_process(tmp_path, capsys, qtype, size, shape):
     path = write_tiny_gguf(tmp_path / "q.gguf", qtype, **shape)["path"]
     answers, plans = {}, {}
     for n in (1, size):
         e = Engine(EngineConfig(model=str(path), tensor_parallel_size=n, num_kv_blocks=64, max_num_seqs=8,
                                 num_threads=1))
         try:
-            assert packing.quantized(e.core.model)
+            assert packing.quantized(e.core.model) and "dequantized" not in capsys.readouterr().err
             if n > 1:
                 assert e.core.model.tp.layout.attention_split == (shape["heads"] == 4)
             done = [e.generate(p, params, VERIFIED) for p in PROMPTS[:2] for params in (GREEDY, SEEDED)]

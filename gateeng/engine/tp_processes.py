@@ -64,7 +64,7 @@ from gateeng.model import shard
 from gateeng.model.llama import KVCache
 from gateeng.model.loader import DTYPES
 from gateeng.plans import factory, packing, reference_ops, sharded
-from gateeng.plans.cpu_linear import Packed
+from gateeng.plans.cpu_linear import is_packed
 from gateeng.step import PlanKind
 
 HOST = "127.0.0.1"
@@ -438,9 +438,9 @@ def _worker_main(rank: int, port: int, secret: str, timeout: float, cfg: EngineC
     # resized), so that the plain weights the plans do not need can be freed as at size 1;
     # a quantized weight's packed copy is kept as it is, and stays where it was handed over.
     tensors = handed.pop()   # the only reference left to the shared memory: the plain copies go below
-    own = {name: t if isinstance(t, Packed) else t.clone() for name, t in tensors.items()}
+    own = {name: t if is_packed(t) else t.clone() for name, t in tensors.items()}
     del tensors
-    quantized = any(isinstance(t, Packed) for t in own.values())
+    quantized = any(is_packed(t) for t in own.values())
     model = shard.build_shard(model_cfg, lay, own, stored_types, reference_ops.load() if quantized else None)
     del own
     dtype = DTYPES[cfg.dtype]

@@ -1086,28 +1086,43 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
 // keys; no prefill chunk) in one call: the same kernels in the same order as the
 // per-op path (LlamaModel.forward over the fast plan), so the same bits, without a
 // Python call per op. h: the residual stream; x: the first layer's normed input.
-// Per layer l: packed[4l .. 4l+3] are qkv, o, gate_up and down in the reference's
-// layout with output sizes ns[4l .. 4l+3], norms[2l] the post-attention norm and
-// norms[2l+1] the norm after the MLP (the next layer's input norm, or the final one).
-// linear(x, packed, n): the matmul on that layout.
+// Per layer l: matrices 4l .. 4l+3 are qkv, o, gate_up and down in the reference's
+// layout, norms[2l] the post-attention norm and norms[2l+1] the norm after the MLP (the
+// next layer's input norm, or the final one). Matrix i is parts[i] packed weights in a
+// row, each with its output size in ns (a stack whose parts are stored in different
+// types: their outputs side by side); packed and ns hold every part of every matrix in
+// order. linear(x, packed, n): the matmul on that layout.
 template <typename Linear>
 torch::Tensor decode_layers_on(Linear linear, torch::Tensor h, torch::Tensor x, const std::vector<torch::Tensor>& packed,
-                               const std::vector<int64_t>& ns, const std::vector<torch::Tensor>& norms,
-                               torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
-                               torch::Tensor slots, torch::Tensor tables, torch::Tensor lens, int64_t hq, double eps,
-                               double scale) {
+                               const std::vector<int64_t>& ns, const std::vector<int64_t>& parts,
+                               const std::vector<torch::Tensor>& norms, torch::Tensor cos, torch::Tensor sin,
+                               torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots, torch::Tensor tables,
+                               torch::Tensor lens, int64_t hq, double eps, double scale) {
   const int64_t layers = k_cache.size(0), rows = x.size(0);
   TORCH_CHECK(k_cache.dim() == 5 && v_cache.sizes() == k_cache.sizes() && k_cache.is_contiguous() &&
                   v_cache.is_contiguous(), "the KV cache must be contiguous [layers, blocks, block_size, Hkv, D]");
-  TORCH_CHECK(static_cast<int64_t>(packed.size()) == 4 * layers && static_cast<int64_t>(ns.size()) == 4 * layers &&
-                  static_cast<int64_t>(norms.size()) == 2 * layers, "4 packed weights and 2 norms per layer");
+  TORCH_CHECK(static_cast<int64_t>(parts.size()) == 4 * layers && static_cast<int64_t>(norms.size()) == 2 * layers,
+              "4 matrices and 2 norms per layer");
+  std::vector<int64_t> first(parts.size() + 1, 0);   // matrix i's parts: [first[i], first[i + 1])
+  for (size_t i = 0; i < parts.size(); ++i) {
+    TORCH_CHECK(parts[i] >= 1, "every matrix has a part");
+    first[i + 1] = first[i] + parts[i];
+  }
+  TORCH_CHECK(static_cast<int64_t>(packed.size()) == first.back() && static_cast<int64_t>(ns.size()) == first.back(),
+              "packed and ns: one entry per part");
+  auto mm = [&](const torch::Tensor& a, int64_t i) {
+    if (parts[i] == 1) return linear(a, packed[first[i]], ns[first[i]]);
+    std::vector<torch::Tensor> outs;
+    for (int64_t j = first[i]; j < first[i + 1]; ++j) outs.push_back(linear(a, packed[j], ns[j]));
+    return torch::cat(outs, 1);
+  };
   for (int64_t l = 0; l < layers; ++l) {
     const auto kc = k_cache[l], vc = v_cache[l];
-    const auto q = rope_store(linear(x, packed[4 * l], ns[4 * l]), cos, sin, kc, vc, slots, hq);
+    const auto q = rope_store(mm(x, 4 * l), cos, sin, kc, vc, slots, hq);
     const auto attn = decode_attention(q, kc, vc, tables, lens, scale).reshape({rows, -1});
-    auto hx = add_rms_norm(h, linear(attn, packed[4 * l + 1], ns[4 * l + 1]), norms[2 * l], eps);
-    const auto gate = silu_mul(linear(hx[1], packed[4 * l + 2], ns[4 * l + 2]));
-    hx = add_rms_norm(hx[0], linear(gate, packed[4 * l + 3], ns[4 * l + 3]), norms[2 * l + 1], eps);
+    auto hx = add_rms_norm(h, mm(attn, 4 * l + 1), norms[2 * l], eps);
+    const auto gate = silu_mul(mm(hx[1], 4 * l + 2));
+    hx = add_rms_norm(hx[0], mm(gate, 4 * l + 3), norms[2 * l + 1], eps);
     h = hx[0];
     x = hx[1];
   }
@@ -1121,21 +1136,22 @@ using RefLinear = std::function<torch::Tensor(torch::Tensor, torch::Tensor, int6
 
 torch::Tensor decode_layers_with(RefLinear ref_linear, torch::Tensor h, torch::Tensor x,
                                  std::vector<torch::Tensor> packed, std::vector<int64_t> ns,
-                                 std::vector<torch::Tensor> norms, torch::Tensor cos, torch::Tensor sin,
-                                 torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
+                                 std::vector<int64_t> parts, std::vector<torch::Tensor> norms, torch::Tensor cos,
+                                 torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
                                  torch::Tensor tables, torch::Tensor lens, int64_t hq, double eps, double scale) {
   auto linear = [&](const torch::Tensor& a, const torch::Tensor& w, int64_t n) { return ref_linear(a, w, n, false, 0); };
-  return decode_layers_on(linear, h, x, packed, ns, norms, cos, sin, k_cache, v_cache, slots, tables, lens, hq, eps,
-                          scale);
+  return decode_layers_on(linear, h, x, packed, ns, parts, norms, cos, sin, k_cache, v_cache, slots, tables, lens, hq,
+                          eps, scale);
 }
 
 #ifdef GATEENG_AVX512_BF16
 torch::Tensor decode_layers(torch::Tensor h, torch::Tensor x, std::vector<torch::Tensor> packed,
-                            std::vector<int64_t> ns, std::vector<torch::Tensor> norms, torch::Tensor cos,
-                            torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
-                            torch::Tensor tables, torch::Tensor lens, int64_t hq, double eps, double scale) {
-  return decode_layers_on(linear_dpbf16, h, x, packed, ns, norms, cos, sin, k_cache, v_cache, slots, tables, lens, hq,
-                          eps, scale);
+                            std::vector<int64_t> ns, std::vector<int64_t> parts, std::vector<torch::Tensor> norms,
+                            torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
+                            torch::Tensor slots, torch::Tensor tables, torch::Tensor lens, int64_t hq, double eps,
+                            double scale) {
+  return decode_layers_on(linear_dpbf16, h, x, packed, ns, parts, norms, cos, sin, k_cache, v_cache, slots, tables,
+                          lens, hq, eps, scale);
 }
 #endif
 

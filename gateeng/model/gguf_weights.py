@@ -10,12 +10,15 @@ Q8_0, Q4_0, Q4_1 and the K-quants Q4_K, Q5_K and Q6_K stay quantized (kernels/SP
 "Quantized weights"), in the reference kernels' packed layout (ref_ops.cpp `qpack`),
 repacked once at load. F32, F16 and BF16 tensors, and every other quantized type
 (Q5_0, Q5_1, the IQ types, ...), are converted to bf16; each such quantized type is
-named in the start-up log. A stacked projection (q, k and v; gate and up) is served
-quantized only when its parts share one such type. The Triton reference (`blocks_on`)
-takes Q8_0, Q4_0 and Q4_1 as stored; it converts the K-quants to bf16.
+named in the start-up log. A stacked projection (q, k and v; gate and up) whose parts
+are stored in different such types (llama.cpp's Q4_K_M: v in Q6_K beside q and k in
+Q4_K) is served as stored too, each run of parts of one type packed on its own
+(cpu_linear.Stacked). The Triton reference (`blocks_on`) takes Q8_0, Q4_0 and Q4_1 as
+stored, a stack only where its parts share one type; it converts the K-quants to bf16.
 """
 from __future__ import annotations
 
+import itertools
 import json
 from collections import Counter
 from dataclasses import dataclass
@@ -28,7 +31,7 @@ import torch
 from gateeng.model.families import GGUF_ARCHITECTURES
 from gateeng.model.fingerprint import Fingerprint
 from gateeng.plans import packing
-from gateeng.plans.cpu_linear import Packed
+from gateeng.plans.cpu_linear import Packed, Stacked
 from gateeng.plans.packing import QuantBlocks
 
 # The types multiplied as stored, by GGML type id (ref_ops.cpp's QTYPES): on the Triton
@@ -183,23 +186,33 @@ class GGUFLoad:
         return rows
 
     def _fill(self, model, w: torch.Tensor, names: list, heads: Optional[list] = None) -> None:
-        """w from the stored tensors `names`, stacked by rows: packed as stored where they
-        share one type served quantized, else converted to bf16. `heads`: per name, the
-        rotary heads whose rows the file permuted (None: as stored)."""
+        """w from the stored tensors `names`, stacked by rows: packed as stored where each
+        is of a type served quantized (parts of different types: each run of one type
+        packed on its own, a cpu_linear.Stacked; the Triton reference's blocks take one
+        type only), else converted to bf16. `heads`: per name, the rotary heads whose
+        rows the file permuted (None: as stored)."""
         heads = heads or [None] * len(names)
-        types = {self.tensors.tensors[n].type for n in names}
-        kind = next(iter(types)) if len(types) == 1 else None
-        if self.quantized and kind in (SERVED_QUANTIZED if self.blocks_on is None else BLOCKS_QUANTIZED):
-            raw = (np.concatenate([self._rows(n, True, h) for n, h in zip(names, heads)]) if len(names) > 1
-                   else self._rows(names[0], True, heads[0]))
+        kinds = [self.tensors.tensors[n].type for n in names]
+        served = SERVED_QUANTIZED if self.blocks_on is None else BLOCKS_QUANTIZED
+        if self.quantized and all(k in served for k in kinds) and (self.blocks_on is None or len(set(kinds)) == 1):
+            runs = [(kind, [self._rows(n, True, h) for _, n, h in run])
+                    for kind, run in itertools.groupby(zip(kinds, names, heads), key=lambda entry: entry[0])]
             if self.blocks_on is not None:
+                (kind, rows), = runs
+                raw = np.concatenate(rows) if len(rows) > 1 else rows[0]
                 q, d, m = (None if a is None else torch.from_numpy(a).to(self.blocks_on)
                            for a in split_blocks(raw, kind, w.shape[1]))
                 packing.set_blocks(model, w, QuantBlocks(q, d, m))
                 return
-            packed = self.ops.qpack(torch.from_numpy(raw), SERVED_QUANTIZED[kind])
-            del raw
-            packing.set_packed(model, w, Packed(packed, w.shape[0], w.shape[1]), self.ops)
+            packed = []
+            while runs:   # each run's stored rows let go once packed
+                kind, rows = runs.pop(0)
+                raw = np.concatenate(rows) if len(rows) > 1 else rows[0]
+                del rows
+                packed.append(Packed(self.ops.qpack(torch.from_numpy(raw), SERVED_QUANTIZED[kind]), raw.shape[0],
+                                     w.shape[1]))
+                del raw
+            packing.set_packed(model, w, packed[0] if len(packed) == 1 else Stacked(tuple(packed)), self.ops)
             return
         with torch.no_grad():
             start = 0

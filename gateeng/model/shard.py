@@ -39,7 +39,8 @@ from gateeng.heap import trim_heap
 from gateeng.model import families
 from gateeng.model.llama import LlamaModel
 from gateeng.plans import collectives, packing
-from gateeng.plans.cpu_linear import Packed
+from gateeng.plans import cpu_linear
+from gateeng.plans.cpu_linear import Packed, Stacked
 from gateeng.plans.tp_shapes import PAIR, KSlice, k_slice, refusal
 
 
@@ -123,7 +124,7 @@ def _unit(model: LlamaModel, w: torch.Tensor) -> int:
 def _quantized(model: LlamaModel, w: torch.Tensor):
     """w's packed copy where it is served quantized (ref_ops.cpp qpack), else None."""
     p = packing.of(model).shared.get(id(w))
-    return p if p is not None and p.data.dtype == torch.uint8 else None
+    return p if cpu_linear.quantized(p) else None
 
 
 def local_config(cfg: ModelConfig, lay: ShardLayout) -> ModelConfig:
@@ -169,13 +170,24 @@ def shard_tensors(model: LlamaModel, lays: list, release: bool = False) -> list:
 
     def by_rows(name: str, w, pick) -> None:
         """w's rows that `pick(rows, lay)` selects for each rank (a quantized w: from its
-        GGUF rows)."""
+        GGUF rows, each from the part of a Stacked that holds it, in the same order)."""
         p = _quantized(model, w)
-        source = w if p is None else ops.qunpack(p.data, p.n, p.per)
-        for out, lay in zip(outs, lays):
-            part = pick(source, lay)
-            out[name] = (part.detach().clone().contiguous() if p is None else
-                         Packed(ops.qpack(part.contiguous(), ops.qtype(p.data)), part.shape[0], p.k))
+        if p is None:
+            for out, lay in zip(outs, lays):
+                out[name] = pick(w, lay).detach().clone().contiguous()
+        else:
+            parts = cpu_linear.parts(p)
+            raws = [ops.qunpack(q.data, q.n, q.per) for q in parts]
+            starts = list(itertools.accumulate((q.n for q in parts), initial=0))
+            for out, lay in zip(outs, lays):
+                mine = pick(torch.arange(p.n), lay)   # the rank's rows, by number
+                assert bool((mine[1:] > mine[:-1]).all()), "a rank's rows are picked in order"
+                pieces = []
+                for q, raw, start in zip(parts, raws, starts):
+                    held = mine[(mine >= start) & (mine < start + q.n)] - start
+                    if held.numel():
+                        pieces.append(Packed(ops.qpack(raw[held].contiguous(), ops.qtype(q.data)), held.numel(), q.k))
+                out[name] = pieces[0] if len(pieces) == 1 else Stacked(tuple(pieces))
         if release:
             packing.drop_weight(model, w)
 
@@ -224,9 +236,9 @@ def shard_tensors(model: LlamaModel, lays: list, release: bool = False) -> list:
 
 def build_shard(cfg: ModelConfig, lay: ShardLayout, tensors: dict, stored_types: dict = None, ops=None) -> LlamaModel:
     """The rank's LlamaModel from shard_tensors' output, its forward summing the
-    row-parallel projections over the group (`tp`). A quantized weight (Packed) is the
-    shard's one copy of it, read by `ops` (the reference kernels), the file's
-    `stored_types` named in the reference's version."""
+    row-parallel projections over the group (`tp`). A quantized weight (Packed, or a
+    Stacked one) is the shard's one copy of it, read by `ops` (the reference kernels),
+    the file's `stored_types` named in the reference's version."""
     model = LlamaModel(local_config(cfg, lay), torch.bfloat16, "cpu")
     names = {name for name, _ in model.named_parameters()}
     if names != set(tensors):
@@ -236,7 +248,7 @@ def build_shard(cfg: ModelConfig, lay: ShardLayout, tensors: dict, stored_types:
     # config's shapes.
     for name, t in tensors.items():
         owner, _, attr = name.rpartition(".")
-        plain = torch.empty(t.n, t.k, dtype=torch.bfloat16) if isinstance(t, Packed) else t
+        plain = torch.empty(t.n, t.k, dtype=torch.bfloat16) if cpu_linear.is_packed(t) else t
         setattr(model.get_submodule(owner), attr, torch.nn.Parameter(plain, requires_grad=False))
     slices = {}
     for i, layer in enumerate(model.layers):   # each row-parallel weight's own KSlice, in its units
@@ -256,7 +268,7 @@ def build_shard(cfg: ModelConfig, lay: ShardLayout, tensors: dict, stored_types:
     model.tp = RowParallel(lay, slices)
     model.finalize()
     for name, t in tensors.items():
-        if isinstance(t, Packed):
+        if cpu_linear.is_packed(t):
             owner, _, attr = name.rpartition(".")
             packing.set_packed(model, getattr(model.get_submodule(owner), attr), t, ops)
     packing.of(model).stored_types = dict(stored_types or {})

@@ -53,6 +53,48 @@ class Packed:
     per: int = 0
 
 
+@dataclass(frozen=True)
+class Stacked:
+    """A stacked projection (q, k and v; gate and up) whose parts a GGUF stores in
+    different quantized types (llama.cpp's Q4_K_M: v in Q6_K beside q and k in Q4_K):
+    each run of parts of one type is its own Packed, in row order, and x @ w.T is their
+    products side by side. Each output of the reference's dot is a function of x and
+    its own column's weights only (kernels/SPEC.md), so a stack multiplied part by part
+    has the bits of the same columns multiplied together."""
+    parts: tuple   # of Packed
+
+    @property
+    def n(self) -> int:
+        return sum(p.n for p in self.parts)
+
+    @property
+    def k(self) -> int:
+        return self.parts[0].k
+
+
+def parts(p) -> tuple:
+    """The Packed weights of a Packed or Stacked copy, in row order."""
+    return p.parts if isinstance(p, Stacked) else (p,)
+
+
+def side_by_side(p, product: Callable) -> torch.Tensor:
+    """product(part) for each part of p (Packed or Stacked), the outputs side by side
+    (along the last dimension: the weight's rows)."""
+    if not isinstance(p, Stacked):
+        return product(p)
+    return torch.cat([product(q) for q in p.parts], dim=-1)
+
+
+def is_packed(t) -> bool:
+    """Whether t is a packed copy (Packed or Stacked), not a plain tensor."""
+    return isinstance(t, (Packed, Stacked))
+
+
+def quantized(p) -> bool:
+    """Whether a packed copy (Packed or Stacked) holds a quantized weight's records."""
+    return p is not None and parts(p)[0].data.dtype == torch.uint8
+
+
 def packable(w: torch.Tensor, ref) -> bool:
     """Whether the reference takes w (ref: the reference kernels, plans.reference_ops):
     a CPU bf16 [N, K] matrix with K even."""
@@ -89,13 +131,13 @@ def rowwise(name: str, p: Packed, kernels, ref) -> Callable:
     if name == CPU_DPBF16:
         return lambda x: kernels.linear_dpbf16(x, p.data, p.n)
     assert name in (REF_AVX2, REF_LINEAR), name
-    return lambda x: ref.linear(x, p.data, p.n, False, p.per)
+    return lambda x: side_by_side(p, lambda q: ref.linear(x, q.data, q.n, False, q.per))
 
 
 def dense_head(p: Packed, ref) -> Callable:
     """hidden -> float32 logits [rows, vocab]: the reference's matmul with binary32
     output (bf16 x bf16 products, exact in binary32) on the packed lm_head."""
-    return lambda h: ref.linear(h.contiguous(), p.data, p.n, True, p.per)
+    return lambda h: side_by_side(p, lambda q: ref.linear(h.contiguous(), q.data, q.n, True, q.per))
 
 
 def onednn_available() -> bool:

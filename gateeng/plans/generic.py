@@ -175,9 +175,9 @@ class FastPlan(CpuKernelOps):
             return None
         if stored.fast_rowwise_max_rows is not None and x.shape[0] > stored.fast_rowwise_max_rows:
             return None
-        packed, ns, norms, matmul = stored.fused_layers
+        packed, ns, parts, norms, matmul = stored.fused_layers
         cfg = model.cfg
-        args = (h, x, packed, ns, norms, cos, sin, kv.k, kv.v, slots.all, meta.decode_tables, meta.decode_lens,
+        args = (h, x, packed, ns, parts, norms, cos, sin, kv.k, kv.v, slots.all, meta.decode_tables, meta.decode_lens,
                 cfg.num_heads, cfg.rms_norm_eps, 1.0 / math.sqrt(cfg.head_dim))
         if matmul is None:
             return self.kernels.decode_layers(*args)

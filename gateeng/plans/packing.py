@@ -62,7 +62,7 @@ class PackedWeights:
         # pack_shared's check of each weight's row-invariant matmul (id -> the matmul, or
         # None where it disagreed), and that matmul's name.
         self.rowwise_checked, self.rowwise_checked_name = {}, None
-        # (packed, output sizes, norms, matmul) for the one-call decode layers (pack_fast);
+        # (packed, output sizes, parts per matrix, norms, matmul) for the one-call decode layers (pack_fast);
         # matmul None: cpu_ops' own VDPBF16PS, else the reference's linear.
         self.fused_layers = None
         self.lm_head_bf16 = lambda x: torch.nn.functional.linear(x, lm_head)   # the greedy candidate search
@@ -72,7 +72,7 @@ class PackedWeights:
     @property
     def quantized(self) -> bool:
         """Whether some weights are served quantized, as stored (set_packed, set_blocks)."""
-        return bool(self.blocks) or any(p.data.dtype == torch.uint8 for p in self.shared.values())
+        return bool(self.blocks) or any(cpu_linear.quantized(p) for p in self.shared.values())
 
 
 def of(model) -> PackedWeights:
@@ -126,10 +126,11 @@ def set_blocks(model, w: torch.Tensor, blocks: QuantBlocks) -> None:
     of(model).blocks[id(w)] = blocks
 
 
-def set_packed(model, w: torch.Tensor, packed: cpu_linear.Packed, ops) -> None:
+def set_packed(model, w: torch.Tensor, packed, ops) -> None:
     """w's one copy is `packed`, a quantized weight in the reference kernels' layout
-    (`ops`: their module, which reads it): w keeps its shape, without storage. Call
-    after LlamaModel.finalize."""
+    (cpu_linear.Packed, or a Stacked of parts stored in different types; `ops`: their
+    module, which reads it): w keeps its shape, without storage. Call after
+    LlamaModel.finalize."""
     _release(w)
     s = of(model)
     s.shared[id(w)] = packed
@@ -173,8 +174,8 @@ def plain(model, w: torch.Tensor) -> torch.Tensor:
         return w
     s = of(model)
     p = s.shared[id(w)]
-    if p.data.dtype == torch.uint8:
-        return s.quant_ops.qrows(p.data, torch.arange(p.n), p.per)
+    if cpu_linear.quantized(p):
+        return torch.cat([s.quant_ops.qrows(q.data, torch.arange(q.n), q.per) for q in cpu_linear.parts(p)])
     return cpu_linear.unpack(p)
 
 
@@ -269,15 +270,19 @@ def _pack_quantized(model, s: PackedWeights, kernels, ref) -> None:
         if data.dtype != torch.uint8:
             return ref.linear
         return (int8 if ref.qblock(data) == 32 else kint8) or ref.linear
-    every = [s.shared[id(w)] for w in weights + [model.lm_head]]
+    every = [q for w in weights + [model.lm_head] for q in cpu_linear.parts(s.shared[id(w)])]
     used = {kernel(p.data) for p in every}
     s.fast_quantized_matmul = (kernel_names.REF_LINEAR if used == {ref.linear} else
                                kernel_names.CPU_QAVX2 if int8 not in used else name)
 
     def fast(w, f32=False):
         p = s.shared[id(w)]
-        fn = kernel(p.data)
-        return lambda x: fn(x.contiguous(), p.data, p.n, f32, p.per)
+        fns = {id(q): kernel(q.data) for q in cpu_linear.parts(p)}
+
+        def run(x):
+            x = x.contiguous()
+            return cpu_linear.side_by_side(p, lambda q: fns[id(q)](x, q.data, q.n, f32, q.per))
+        return run
     s.packed = {id(w): fast(w) for w in weights}
     s.lm_head_bf16 = fast(model.lm_head)
     s.dense_head = fast(model.lm_head, True)
@@ -287,7 +292,7 @@ def _pack_quantized(model, s: PackedWeights, kernels, ref) -> None:
     s.plain_needed = False
     if _plain_layers(model):
         packed = [s.shared[id(w)] for w in _layer_matrices(model)]
-        kernels_used = {kernel(p.data) for p in packed}
+        kernels_used = {kernel(q.data) for p in packed for q in cpu_linear.parts(p)}
         matmul = (next(iter(kernels_used)) if len(kernels_used) == 1 else
                   lambda x, data, n, f32, per: kernel(data)(x, data, n, f32, per))
         s.fused_layers = _fused_layers(model, s, packed, matmul)
@@ -306,8 +311,10 @@ def _layer_matrices(model) -> list:
 
 
 def _fused_layers(model, s: PackedWeights, packed: list, matmul) -> tuple:
-    """(packed data, output sizes, norms, matmul) for FastPlan.decode_layers."""
-    return ([p.data for p in packed], [p.n for p in packed],
+    """(packed data, output sizes, parts per matrix, norms, matmul) for
+    FastPlan.decode_layers: a Stacked matrix's parts one after the other."""
+    every = [q for p in packed for q in cpu_linear.parts(p)]
+    return ([q.data for q in every], [q.n for q in every], [len(cpu_linear.parts(p)) for p in packed],
             [w for lw in model.step_layers for w in (lw.post_norm, lw.next_norm)], matmul)
 
 

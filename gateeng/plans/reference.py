@@ -106,20 +106,20 @@ class ReferencePlan(ReferenceBase):
         return self._version
 
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        p = self._packed[id(w)]
-        return self.ops.linear(x, p.data, p.n, False, p.per)
+        return cpu_linear.side_by_side(self._packed[id(w)], lambda q: self.ops.linear(x, q.data, q.n, False, q.per))
 
     def router_logits(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """A router's logits: the binary32 dots x @ w.T, not rounded to bf16."""
-        p = self._packed[id(w)]
-        return self.ops.linear(x.contiguous(), p.data, p.n, True, p.per)
+        x = x.contiguous()
+        return cpu_linear.side_by_side(self._packed[id(w)], lambda q: self.ops.linear(x, q.data, q.n, True, q.per))
 
     def linear_partial(self, x: torch.Tensor, w: torch.Tensor, per: int, blocks: int) -> torch.Tensor:
         """A tensor-parallel rank's binary32 subtree sums of x @ w.T, where w is the
         rank's slice of K holding `blocks` of the whole K's blocks of `per` pairs
         (kernels/SPEC.md, "Tensor parallelism")."""
-        p = self._packed[id(w)]
-        return self.ops.linear_partial(x.contiguous(), p.data, p.n, per, blocks)
+        x = x.contiguous()
+        return cpu_linear.side_by_side(self._packed[id(w)],
+                                       lambda q: self.ops.linear_partial(x, q.data, q.n, per, blocks))
 
     def combine_partials(self, partials: torch.Tensor) -> torch.Tensor:
         """The ranks' subtree sums [size, M, N], in rank order, combined by the tree's
@@ -134,5 +134,6 @@ class ReferencePlan(ReferenceBase):
 
     @torch.inference_mode()
     def full_logits(self, model, hidden: torch.Tensor) -> torch.Tensor:
-        p = self._packed[self._lm_head]
-        return self.ops.linear(hidden.contiguous(), p.data, p.n, True, p.per)
+        hidden = hidden.contiguous()
+        return cpu_linear.side_by_side(self._packed[self._lm_head],
+                                       lambda q: self.ops.linear(hidden, q.data, q.n, True, q.per))
