@@ -34,7 +34,8 @@ OWNED = {
                                       kernel_names.ISA_ENV},
     "gateeng/config.py": {*config.ROUTE_POLICIES, *config.PLANS, *config.DTYPES, config.Mode.VERIFIED.value,
                           *(p.value for p in config.StreamPolicy)},
-    "gateeng/model/families.py": {*families.SUPPORTED, *families.GGUF_ARCHITECTURES},
+    "gateeng/model/families.py": {*families.SUPPORTED, *families.GGUF_ARCHITECTURES,
+                                  *families.GGUF_MOE_ARCHITECTURES},
 }
 CPU_FLAGS = "# cpuinfo flags"
 

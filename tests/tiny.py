@@ -57,9 +57,10 @@ FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3")
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "olmoe")
 
 
-def hf_family(family: str, seed: int = 0, tie: bool = False):
+def hf_family(family: str, seed: int = 0, tie: bool = False, **overrides):
     """A random-weight model of `family`, small enough for fast parity tests. Norm
-    weights and biases are random too, so every family-specific term matters."""
+    weights and biases are random too, so every family-specific term matters.
+    `overrides`: config fields set otherwise (vocab_size=..., mlp_only_layers=[])."""
     import transformers as tf
     torch.manual_seed(seed)
     common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -90,6 +91,8 @@ def hf_family(family: str, seed: int = 0, tie: bool = False):
                                   norm_topk_prob=False), tf.OlmoeForCausalLM
     else:
         raise ValueError(family)
+    for field, value in overrides.items():
+        setattr(cfg, field, value)
     m = cls(cfg).eval()
     with torch.no_grad():
         for name, p in m.named_parameters():

@@ -280,13 +280,10 @@ def write_tiny_gguf(path, qtype: QType, seed: int = 0, tie: bool = True, hidden=
     1-D tensors (the norms) are always F32. general.file_type is the '*' type's (else
     the commonest). Rows must be a multiple of the type's block (32; 256 for Q6_K).
     """
-    from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter, LlamaFileType, GGML_QUANT_VERSION
-
     spec = {"*": qtype} if isinstance(qtype, str) else dict(qtype)
     vocab = embedded_vocab_size()
     head_dim = head_dim or hidden // heads
     hf = tiny_llama(vocab, seed, tie, hidden, intermediate, layers, heads, kv_heads, head_dim)
-    cfg = hf.config
 
     tensors = []
     for name, t in sorted(hf.state_dict().items()):     # safetensors' order, as the converter reads it
@@ -301,30 +298,61 @@ def write_tiny_gguf(path, qtype: QType, seed: int = 0, tie: bool = True, hidden=
         tensors.append((g, w, _type_for(g, spec) if w.ndim == 2 else "F32"))
     types = {g: t for g, _, t in tensors}
 
-    base = spec.get("*", "").upper() or Counter(t for _, w, t in tensors if w.ndim == 2).most_common(1)[0][0]
+    file_type = write_file(path, "llama", "Tiny Random Llama", hf, tensors, spec)
+    return {"hf": hf, "path": Path(path), "types": types, "file_type": file_type, "vocab_size": vocab}
+
+
+def byte_tokenizer_kv() -> tuple:
+    """A 256-token byte-level BPE as tokenizer.* keys: the 253 first bytes of GPT-2's
+    alphabet, one merge of the first two, then <|im_start|> (bos, 254) and <|im_end|>
+    (eos, 255), the special ids of tests/tiny.py's models. transformers reads it in a second, where
+    the embedded 49152-token vocabulary takes a minute."""
+    from gguf import GGUFValueType as T
+    from tokenizers import pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokens = alphabet[:253] + [alphabet[0] + alphabet[1], "<|im_start|>", "<|im_end|>"]
+    return (("tokenizer.ggml.model", b"gpt2", T.STRING, None), ("tokenizer.ggml.pre", b"default", T.STRING, None),
+            ("tokenizer.ggml.tokens", [t.encode() for t in tokens], T.ARRAY, T.STRING),
+            ("tokenizer.ggml.token_type", [1] * 254 + [3, 3], T.ARRAY, T.INT32),
+            ("tokenizer.ggml.merges", [f"{alphabet[0]} {alphabet[1]}".encode()], T.ARRAY, T.STRING),
+            ("tokenizer.ggml.bos_token_id", 254, T.UINT32, None), ("tokenizer.ggml.eos_token_id", 255, T.UINT32, None))
+
+
+def write_file(path, arch: str, name: str, hf, tensors: list, spec: Mapping[str, str], extra=None,
+               tokenizer: tuple = ()) -> int:
+    """Write `tensors` [(GGUF name, float32 array, type)] of the transformers model `hf`
+    to `path` as a GGUF of `arch`, with the keys llama.cpp's converter writes (`extra`:
+    a function that adds the architecture's own to the writer) and `tokenizer`'s keys
+    (default: the embedded tokenizer's); the general.file_type written back (the '*'
+    type's, else the commonest)."""
+    from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter, LlamaFileType, GGML_QUANT_VERSION
+
+    cfg = hf.config
+    base = spec.get("*", "").upper() or Counter(t for _, w, t in tensors if w.ndim >= 2).most_common(1)[0][0]
     base = {"Q4_K": "Q4_K_M", "Q5_K": "Q5_K_M"}.get(base, base)   # llama.cpp's file types name the K mixes
     file_type = int(LlamaFileType.ALL_F32 if base == "F32" else LlamaFileType[f"MOSTLY_{base}"])
-
-    path = Path(path)
-    writer = GGUFWriter(str(path), "llama")
+    writer = GGUFWriter(str(path), arch)
     writer.add_type("model")
-    writer.add_name("Tiny Random Llama")
+    writer.add_name(name)
     writer.add_size_label(f"{sum(p.numel() for p in hf.parameters()) / 1e6:.1f}M")
-    writer.add_block_count(layers)
+    writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(hidden)
-    writer.add_feed_forward_length(intermediate)
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    if extra is not None:
+        extra(writer)
     writer.add_file_type(file_type)
-    writer.add_vocab_size(vocab)
-    writer.add_rope_dimension_count(head_dim)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_rope_dimension_count(cfg.head_dim)
     writer.add_quantization_version(GGML_QUANT_VERSION)
-    for key, value, vtype, sub in _embedded_tokenizer_kv():
+    for key, value, vtype, sub in tokenizer or _embedded_tokenizer_kv():
         writer.add_key_value(key, value, GGUFValueType(vtype), sub_type=None if sub is None else GGUFValueType(sub))
     for g, w, t in tensors:
         data = quantize(w, t)
@@ -336,4 +364,65 @@ def write_tiny_gguf(path, qtype: QType, seed: int = 0, tie: bool = True, hidden=
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return {"hf": hf, "path": path, "types": types, "file_type": file_type, "vocab_size": vocab}
+    return file_type
+
+
+# A mixture of experts as llama.cpp's converter writes it (conversion/qwen.py Qwen3MoeModel,
+# conversion/llama.py for Mixtral): the family's GGUF
+# architecture, the router as ffn_gate_inp, each projection's experts stacked in one
+# [experts, rows, columns] tensor, q/k norms as attn_q_norm/attn_k_norm.
+MOE_ARCH = {"qwen3_moe": "qwen3moe", "mixtral": "llama"}
+_MOE_LAYER_NAMES = {**_LAYER_NAMES, "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+                    "mlp.gate": "ffn_gate_inp"}
+
+
+def moe_tensors(hf, arch: str) -> list:
+    """(GGUF name, float32 array) of a transformers 5 mixture of experts (fused experts:
+    mlp.experts.gate_up_proj [experts, 2 inter, hidden], down_proj [experts, hidden,
+    inter]), in the converter's names and layout."""
+    cfg = hf.config
+    out = []
+    for name, t in sorted(hf.state_dict().items()):
+        if cfg.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        w = t.detach().to(torch.float32).numpy()
+        if ".mlp.experts." in name:
+            layer = name.split(".")[2]
+            if name.endswith("gate_up_proj"):
+                inter = w.shape[1] // 2
+                out += [(f"blk.{layer}.ffn_gate_exps.weight", np.ascontiguousarray(w[:, :inter])),
+                        (f"blk.{layer}.ffn_up_exps.weight", np.ascontiguousarray(w[:, inter:]))]
+            else:
+                out.append((f"blk.{layer}.ffn_down_exps.weight", w))
+            continue
+        base, suffix = name.rsplit(".", 1)
+        if base in _TOP_NAMES:
+            out.append((f"{_TOP_NAMES[base]}.{suffix}", w))
+            continue
+        _, _, layer, rest = base.split(".", 3)
+        g = f"blk.{layer}.{_MOE_LAYER_NAMES[rest]}.{suffix}"
+        if arch == "llama" and rest in ("self_attn.q_proj", "self_attn.k_proj"):   # LlamaModel.permute
+            w = permute(w, cfg.num_attention_heads, None if rest.endswith("q_proj") else cfg.num_key_value_heads)
+        out.append((g, w))
+    return out
+
+
+def write_tiny_moe_gguf(path, hf, qtype: QType) -> dict:
+    """Write the transformers mixture of experts `hf` (a tiny random one of tests/tiny.py,
+    vocabulary 256, bos 254 and eos 255) to `path` as llama.cpp's converter plus
+    llama-quantize would, with byte_tokenizer_kv's tokenizer; {"path", "types": {gguf
+    name: type}}. qtype as write_tiny_gguf's; the router (ffn_gate_inp) and 1-D tensors
+    stay F32, as llama-quantize keeps them."""
+    spec = {"*": qtype} if isinstance(qtype, str) else dict(qtype)
+    cfg, arch = hf.config, MOE_ARCH[hf.config.model_type]
+    tensors = [(g, w, "F32" if w.ndim == 1 or g.endswith("ffn_gate_inp.weight") else _type_for(g, spec))
+               for g, w in moe_tensors(hf, arch)]
+
+    def experts(writer):
+        writer.add_expert_count(cfg.num_local_experts if arch == "llama" else cfg.num_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        if getattr(cfg, "moe_intermediate_size", None) is not None:
+            writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+
+    write_file(path, arch, f"Tiny Random {cfg.model_type}", hf, tensors, spec, experts, byte_tokenizer_kv())
+    return {"path": Path(path), "types": {g: t for g, _, t in tensors}}

@@ -119,9 +119,9 @@ class Block:
                 for j in range(cfg.moe.num_experts) if w.experts else (None,):
                     yield i, j, w, tuple(f"{self.hf_layers}{i}.{n}" for n in w.names(j))
 
-    def gguf_weights(self, cfg: ModelConfig) -> list:
-        """The layer weights a dense `cfg` has, in the order a GGUF is read."""
-        by_attr = {w.attr: w for w in self.weights(cfg)}
+    def gguf_weights(self, cfg: ModelConfig, layer: Optional[int] = None) -> list:
+        """The weights layer `layer` of `cfg` has (weights' `layer`), in the order a GGUF is read."""
+        by_attr = {w.attr: w for w in self.weights(cfg, layer)}
         return [by_attr[a] for a in self.gguf_order if a in by_attr]
 
     def gguf_model_names(self) -> tuple:
@@ -167,7 +167,9 @@ def _moe_block(base: Block, router: str, gate_up: tuple, down: str, fused_router
         Weight("down", (down,), ("ffn_down_exps.weight",), ("hidden",), "expert_inter", kind=MOE, experts=True,
                fused="mlp.experts.down_proj"),
     )
-    return Block(layer, base.gguf_order + ("router",), base.embed, base.norm, base.lm_head)
+    # A GGUF's router is read before its experts (the fingerprint's order).
+    order = tuple(a for a in base.gguf_order if a not in ("gate_up", "down")) + ("router", "gate_up", "down")
+    return Block(layer, order, base.embed, base.norm, base.lm_head)
 
 
 QWEN_MOE = _moe_block(DECODER, "mlp.gate.weight", ("mlp.experts.{j}.gate_proj.weight", "mlp.experts.{j}.up_proj.weight"),
@@ -197,6 +199,9 @@ class Moe:
     # (field, the one value served): a config with any other value is refused (training
     # terms such as a router's jitter, or terms the engine does not compute).
     served_only: tuple = ()
+    # (field, value): what llama.cpp's graph for the family's GGUF architecture fixes
+    # whatever the file says (Qwen3-MoE's renormalized k probabilities).
+    gguf_fixed: tuple = ()
 
     def fields(self) -> tuple:
         """The config fields this reads, each a tuple of its spellings."""
@@ -223,6 +228,15 @@ class Moe:
         return MoeConfig(num_experts=int(experts), top_k=top_k, intermediate_size=int(getattr(hf, self.inter)),
                          routing=self.routing, norm_topk_prob=bool(self.norm and getattr(hf, self.norm)),
                          sparse_layers=tuple(layers))
+
+
+# llama.cpp's metadata keys (below "<architecture>.") of a mixture of experts, and the
+# value of each the engine serves where the file has the key (gguf-py's
+# ExpertGatingFuncType.SOFTMAX is 1): a file with any other value is refused by name.
+GGUF_EXPERTS, GGUF_EXPERTS_USED = "expert_count", "expert_used_count"
+GGUF_EXPERT_WIDTH, GGUF_WIDTH = "expert_feed_forward_length", "feed_forward_length"
+GGUF_SERVED_ONLY = (("expert_shared_count", 0), ("expert_gating_func", 1), ("expert_weights_scale", 1.0),
+                    ("expert_group_count", 0), ("leading_dense_block_count", 0))
 
 
 @dataclass(frozen=True)
@@ -254,6 +268,31 @@ class Family:
                                    o_bias=bias if self.o_bias is None else self.o_bias, qk_norm=self.qk_norm,
                                    **terms)
 
+    def gguf_config(self, meta: dict) -> dict:
+        """The config.json fields of a mixture of experts that llama.cpp's metadata `meta`
+        ({key below "<architecture>.": value}) gives this family: its expert count, k and
+        expert width, every layer routing and no sliding window (as llama.cpp's graph
+        computes it), and what that graph fixes (Moe.gguf_fixed). ValueError naming a
+        key whose value is not served."""
+        moe = self.moe
+        for key, served in GGUF_SERVED_ONLY:
+            if meta.get(key, served) != served:
+                raise ValueError(f"GGUF {self.gguf}.{key}={meta[key]!r} is not supported (only {served!r} is served)")
+        for key in (GGUF_EXPERTS, GGUF_EXPERTS_USED):
+            if key not in meta:
+                raise ValueError(f"GGUF metadata {self.gguf}.{key} is missing")
+        # Mixtral's experts are as wide as its MLP (llama.cpp writes only feed_forward_length).
+        width = meta.get(GGUF_EXPERT_WIDTH, meta.get(GGUF_WIDTH) if moe.inter == "intermediate_size" else None)
+        if width is None:
+            raise ValueError(f"GGUF metadata {self.gguf}.{GGUF_EXPERT_WIDTH} is missing")
+        out = {"model_type": self.model_type, moe.experts[0]: int(meta[GGUF_EXPERTS]),
+               "num_experts_per_tok": int(meta[GGUF_EXPERTS_USED]), moe.inter: int(width),
+               "sliding_window": None, "use_sliding_window": False}
+        if moe.sparse_step:
+            out.update(decoder_sparse_step=1, mlp_only_layers=[])
+        out.update(dict(moe.served_only), **dict(moe.gguf_fixed))
+        return out
+
     def required_fields(self) -> tuple:
         """The config fields its transformers class defaults differently from what the
         engine would assume, each a tuple of its spellings (hf_config reads a file that
@@ -269,19 +308,25 @@ _FAMILIES = (
     Family("qwen3", qk_norm=True, required=("head_dim", "sliding_window", "use_sliding_window"), gguf="qwen3"),
     Family("smollm"),
     # Mixtures of experts.
+    # Mixtures of experts. llama.cpp writes Mixtral as a "llama" GGUF with experts.
     Family("qwen3_moe", qk_norm=True, required=("head_dim", "sliding_window", "use_sliding_window"),
-           block=QWEN_MOE, moe=Moe(("num_experts", "num_local_experts"), "moe_intermediate_size", SOFTMAX_TOPK,
-                                   norm="norm_topk_prob", sparse_step=True)),
-    Family("mixtral", required=("sliding_window",), block=MIXTRAL,
+           block=QWEN_MOE, gguf="qwen3moe",
+           moe=Moe(("num_experts", "num_local_experts"), "moe_intermediate_size", SOFTMAX_TOPK,
+                   norm="norm_topk_prob", sparse_step=True, gguf_fixed=(("norm_topk_prob", True),))),
+    Family("mixtral", required=("sliding_window",), block=MIXTRAL, gguf="llama", gguf_permuted=True,
            moe=Moe(("num_local_experts", "num_experts"), "intermediate_size", TOPK_SOFTMAX,
                    served_only=(("router_jitter_noise", 0.0),))),
+    # (An OLMoE GGUF is not read: transformers reads neither its config nor its tokenizer.)
     Family("olmoe", qk_norm=True, qk_norm_scope=QK_NORM_PROJECTION, block=OLMOE,
            moe=Moe(("num_experts", "num_local_experts"), "intermediate_size", SOFTMAX_TOPK, norm="norm_topk_prob",
                    served_only=(("clip_qkv", None),))),
 )
 FAMILIES = {f.model_type: f for f in _FAMILIES}
 SUPPORTED = tuple(FAMILIES)                                    # the model types the engine runs
-GGUF_ARCHITECTURES = {f.gguf: f for f in _FAMILIES if f.gguf}  # GGUF architectures read natively
+# GGUF architectures read natively: a dense model's, and a mixture of experts' (a file
+# with experts, GGUF_EXPERTS).
+GGUF_ARCHITECTURES = {f.gguf: f for f in _FAMILIES if f.gguf and f.moe is None}
+GGUF_MOE_ARCHITECTURES = {f.gguf: f for f in _FAMILIES if f.gguf and f.moe is not None}
 # Model types refused by name, with what in them the engine does not compute.
 REFUSED = {
     "qwen2_moe": "its shared expert (an always-on MLP with a sigmoid gate beside the routed experts)",
@@ -300,6 +345,19 @@ def family(model_type: str) -> Family:
         raise ValueError(f"model type {model_type!r} is not a supported Llama-family decoder "
                          f"({', '.join(SUPPORTED)})")
     return FAMILIES[model_type]
+
+
+def gguf_family(architecture: str, experts: bool) -> Family:
+    """The family a GGUF of `architecture` (with `experts`, or dense) is read natively
+    as; ValueError naming what is read."""
+    table = GGUF_MOE_ARCHITECTURES if experts else GGUF_ARCHITECTURES
+    if architecture not in table:
+        if experts:
+            raise ValueError(f"a mixture-of-experts GGUF of architecture {architecture!r} is not served "
+                             f"(mixtures of experts are read from GGUF architectures {', '.join(table)})")
+        raise ValueError(f"GGUF architecture {architecture!r} is not read natively ({', '.join(table)} are); "
+                         "pass --dequantize to convert it through transformers")
+    return table[architecture]
 
 
 def of(cfg: ModelConfig) -> Family:

@@ -28,7 +28,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from gateeng.model.families import GGUF_ARCHITECTURES
+from gateeng.model import families
+from gateeng.model.families import GGUF_EXPERTS
 from gateeng.model.fingerprint import Fingerprint
 from gateeng.plans import packing
 from gateeng.plans.cpu_linear import Packed, Stacked
@@ -58,23 +59,32 @@ class StoredTensor:
 
 
 def read_table(path: Path) -> tuple:
-    """(architecture, {name: StoredTensor}) from a GGUF file's header, by the `gguf`
-    package's reader."""
+    """(architecture, {name: StoredTensor}, the architecture's metadata {key below
+    "<architecture>.": scalar value}) from a GGUF file's header, by the `gguf` package's
+    reader. A tensor's shape is numpy's: (rows, columns), (n,) for a vector, and
+    (experts, rows, columns) for a mixture of experts' stacked experts."""
     from gguf import GGUFReader
     reader = GGUFReader(str(path))
     field = reader.fields.get("general.architecture")
     architecture = field.contents() if field is not None else ""
     tensors = {t.name: StoredTensor(t.name, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape)),
                                     int(t.data_offset), int(t.n_bytes)) for t in reader.tensors}
-    return architecture, tensors   # the reader's memory map of the whole file goes with it
+    prefix = architecture + "."
+    meta = {key[len(prefix):]: f.contents() for key, f in reader.fields.items()
+            if key.startswith(prefix) and len(f.types) == 1}   # scalars and strings, not arrays
+    return architecture, tensors, meta   # the reader's memory map of the whole file goes with it
 
 
-def write_table(path: Path, out_dir: Path) -> None:
-    """Record a GGUF file's tensor table as TENSOR_TABLE in `out_dir`."""
-    architecture, tensors = read_table(path)
+def write_table(out_dir: Path, architecture: str, tensors: dict) -> None:
+    """Record a GGUF file's tensor table (read_table's) as TENSOR_TABLE in `out_dir`."""
     rows = [dict(name=t.name, type=t.type, shape=list(t.shape), offset=t.offset, nbytes=t.nbytes)
             for t in tensors.values()]
     (Path(out_dir) / TENSOR_TABLE).write_text(json.dumps({"architecture": architecture, "tensors": rows}))
+
+
+def has_experts(meta: dict) -> bool:
+    """Whether a GGUF's metadata (read_table's) says it is a mixture of experts."""
+    return int(meta.get(GGUF_EXPERTS) or 0) > 0
 
 
 class GGUFTensors:
@@ -86,7 +96,7 @@ class GGUFTensors:
     def __init__(self, path: Path, table: Optional[Path] = None):
         self.path = Path(path)
         if table is None:
-            self.architecture, self.tensors = read_table(self.path)
+            self.architecture, self.tensors, _ = read_table(self.path)
         else:
             data = json.loads(Path(table).read_text())
             self.architecture = data["architecture"]
@@ -97,15 +107,20 @@ class GGUFTensors:
         """{stored type: tensor count}."""
         return dict(sorted(Counter(t.type for t in self.tensors.values()).items()))
 
-    def raw(self, name: str) -> np.ndarray:
-        """The stored bytes, uint8 [rows, bytes per row] (a vector: [1, bytes])."""
+    def raw(self, name: str, expert: Optional[int] = None) -> np.ndarray:
+        """The stored bytes, uint8 [rows, bytes per row] (a vector: [1, bytes]); of a
+        stacked expert tensor, expert `expert`'s matrix only."""
         t = self.tensors[name]
-        buf = np.empty(t.nbytes, dtype=np.uint8)
+        nbytes, offset = t.nbytes, t.offset
+        if expert is not None:
+            nbytes //= t.shape[0]
+            offset += expert * nbytes
+        buf = np.empty(nbytes, dtype=np.uint8)
         with open(self.path, "rb", buffering=0) as f:
-            f.seek(t.offset)
-            if f.readinto(memoryview(buf)) != t.nbytes:
+            f.seek(offset)
+            if f.readinto(memoryview(buf)) != nbytes:
                 raise ValueError(f"{self.path.name} is truncated: tensor {name} ends past the end of the file")
-        rows = t.shape[0] if len(t.shape) == 2 else 1
+        rows = t.shape[-2] if len(t.shape) >= 2 else 1
         return buf.reshape(rows, -1)
 
     def values(self, name: str, raw: np.ndarray, rows_per_slice: int = 4096) -> torch.Tensor:
@@ -115,16 +130,17 @@ class GGUFTensors:
         everywhere), a slice of rows at a time, so a large tensor is never whole in
         binary32."""
         t = self.tensors[name]
+        shape = t.shape[-2:]   # a stacked expert tensor's raw is one expert's
         if t.type in PLAIN_TYPES:
             stored = torch.from_numpy(raw).view(PLAIN_TYPES[t.type])
-            return stored.to(torch.bfloat16).reshape(t.shape)
+            return stored.to(torch.bfloat16).reshape(shape)
         from gguf import GGMLQuantizationType, quants
         kind = GGMLQuantizationType[t.type]
-        out = torch.empty(raw.shape[0], int(np.prod(t.shape)) // raw.shape[0], dtype=torch.bfloat16)
+        out = torch.empty(raw.shape[0], int(np.prod(shape)) // raw.shape[0], dtype=torch.bfloat16)
         for start in range(0, raw.shape[0], rows_per_slice):
             part = quants.dequantize(raw[start:start + rows_per_slice], kind).astype(np.float32, copy=False)
             out[start:start + part.shape[0]] = torch.from_numpy(np.ascontiguousarray(part).reshape(part.shape[0], -1))
-        return out.reshape(t.shape)
+        return out.reshape(shape)
 
 
 def split_blocks(raw: np.ndarray, kind: str, k: int) -> tuple:
@@ -152,50 +168,56 @@ def unpermute(rows, heads: int):
 
 
 class GGUFLoad:
-    """Loads a GGUF file's weights into a LlamaModel, one stored tensor at a time."""
+    """Loads a GGUF file's weights into a LlamaModel, one stored tensor (one expert's
+    matrix of a stacked expert tensor) at a time."""
 
     def __init__(self, tensors: GGUFTensors, cfg, ops, quantized: bool = True, blocks_on: Optional[str] = None):
-        if tensors.architecture not in GGUF_ARCHITECTURES:
-            raise ValueError(f"{tensors.path.name}: GGUF architecture {tensors.architecture!r} is not read natively "
-                             f"({', '.join(GGUF_ARCHITECTURES)} are); pass --dequantize to convert it through "
-                             "transformers")
-        self.family = GGUF_ARCHITECTURES[tensors.architecture]
+        self.family = families.gguf_family(tensors.architecture, cfg.moe is not None)
+        if self.family.model_type != cfg.architecture:
+            raise ValueError(f"{tensors.path.name}: a GGUF of architecture {tensors.architecture!r} is read as "
+                             f"{self.family.model_type}, not {cfg.architecture}")
         self.tensors, self.cfg, self.ops, self.quantized = tensors, cfg, ops, quantized
         # Where set, weights served as stored are kept as QuantBlocks on that device (the
         # Triton reference's form), not packed by `ops` (the CPU reference kernels').
         self.blocks_on = blocks_on
         self.fingerprint = Fingerprint(cfg)
-        self.served = Counter()        # {how a stored type is served: tensor count}
-        self.converted = Counter()     # quantized types converted to bf16: {type: tensor count}
+        self.served = Counter()        # {how a stored type is served: stored tensor count}
+        self.converted = Counter()     # quantized types converted to bf16: {type: stored tensor count}
 
-    def _rows(self, name: str, as_stored: bool, heads: Optional[int] = None):
-        """(stored bytes or bf16 values) of one tensor, its rows unpermuted where `heads`
-        (the rotary heads it holds) is given; its bytes enter the fingerprint as they
-        are read."""
+    def _rows(self, name: str, as_stored: bool, heads: Optional[int] = None, expert: Optional[int] = None):
+        """(stored bytes or bf16 values) of one tensor (of a stacked expert tensor, one
+        expert's matrix), its rows unpermuted where `heads` (the rotary heads it holds) is
+        given; its bytes enter the fingerprint as they are read."""
         t = self.tensors.tensors[name]
-        raw = self.tensors.raw(name)
+        raw = self.tensors.raw(name, expert)
         how = t.type if as_stored else "bf16"
-        self.fingerprint.add(name, f"{t.type}->{how}", t.shape, raw)
-        self.served[f"{t.type} as {'stored' if as_stored else 'bf16'}"] += 1
-        if not as_stored and t.type not in PLAIN_TYPES:
-            self.converted[t.type] += 1
+        self.fingerprint.add(name if expert is None else f"{name}[{expert}]", f"{t.type}->{how}",
+                             t.shape if expert is None else t.shape[1:], raw)
+        if expert in (None, 0):        # a stacked expert tensor counts once
+            self.served[f"{t.type} as {'stored' if as_stored else 'bf16'}"] += 1
+            if not as_stored and t.type not in PLAIN_TYPES:
+                self.converted[t.type] += 1
         rows = raw if as_stored else self.tensors.values(name, raw, self.cfg.hidden_size)
         if heads is not None:
             rows = unpermute(rows, heads)
             rows = np.ascontiguousarray(rows) if isinstance(rows, np.ndarray) else rows.contiguous()
         return rows
 
-    def _fill(self, model, w: torch.Tensor, names: list, heads: Optional[list] = None) -> None:
-        """w from the stored tensors `names`, stacked by rows: packed as stored where each
-        is of a type served quantized (parts of different types: each run of one type
-        packed on its own, a cpu_linear.Stacked; the Triton reference's blocks take one
-        type only), else converted to bf16. `heads`: per name, the rotary heads whose
-        rows the file permuted (None: as stored)."""
+    def _fill(self, model, w: torch.Tensor, names: list, heads: Optional[list] = None,
+              expert: Optional[int] = None) -> None:
+        """w from the stored tensors `names` (expert `expert`'s matrix of each, for an
+        expert's weight), stacked by rows: packed as stored where each is of a type
+        served quantized (parts of different types: each run of one type packed on its
+        own, a cpu_linear.Stacked; the Triton reference's blocks take one type only), else
+        converted to bf16. `heads`: per name, the rotary heads whose rows the file
+        permuted (None: as stored). A router is always converted: its logits are a bf16
+        matrix's (kernels/SPEC.md, "Mixture of experts")."""
         heads = heads or [None] * len(names)
         kinds = [self.tensors.tensors[n].type for n in names]
         served = SERVED_QUANTIZED if self.blocks_on is None else BLOCKS_QUANTIZED
-        if self.quantized and all(k in served for k in kinds) and (self.blocks_on is None or len(set(kinds)) == 1):
-            runs = [(kind, [self._rows(n, True, h) for _, n, h in run])
+        if (self.quantized and all(k in served for k in kinds) and (self.blocks_on is None or len(set(kinds)) == 1)
+                and not any(w is r for r in model.routers())):
+            runs = [(kind, [self._rows(n, True, h, expert) for _, n, h in run])
                     for kind, run in itertools.groupby(zip(kinds, names, heads), key=lambda entry: entry[0])]
             if self.blocks_on is not None:
                 (kind, rows), = runs
@@ -217,27 +239,58 @@ class GGUFLoad:
         with torch.no_grad():
             start = 0
             for n, h in zip(names, heads):   # one part at a time, in slices of rows: never a whole one in binary32
-                part = self._rows(n, False, h)
+                part = self._rows(n, False, h, expert)
                 w[start:start + part.shape[0]].copy_(part.reshape(-1, *w.shape[1:]))
                 start += part.shape[0]
 
-    def into(self, model) -> None:
-        cfg, have, block = self.cfg, self.tensors.tensors, self.family.block
-        for name in have:
-            if not (name.startswith(block.gguf_layers) or name in block.gguf_model_names()):
-                raise ValueError(f"{self.tensors.path.name}: tensor {name} is not part of a "
-                                 f"{self.tensors.architecture} decoder gateeng serves")
-        self._fill(model, model.embed, list(block.embed.gguf))
+    def _plan(self, model) -> list:
+        """(the parameter, its parts' GGUF names, their shapes in the file, the rotary heads
+        per part or None, the expert or None) for every weight the model takes from the
+        file, in the file's reading order (the fingerprint's)."""
+        cfg, block = self.cfg, self.family.block
+
+        def whole(w, target):
+            return (target, list(w.gguf), w.shapes(cfg), None, None)
+
+        plan = [whole(block.embed, model.embed)]
         for i, layer in enumerate(model.layers):
             pre = f"{block.gguf_layers}{i}."
-            for w in block.gguf_weights(cfg):
+            for w in block.gguf_weights(cfg, i):
                 heads = None
                 if self.family.gguf_permuted and w.rotary:
                     heads = [n // cfg.head_dim if r else None for n, r in zip(w.parts(cfg), w.rotary)]
-                self._fill(model, getattr(layer, w.attr), [pre + n for n in w.gguf], heads)
-        self._fill(model, model.norm, list(block.norm.gguf))
+                names, shapes = [pre + n for n in w.gguf], w.shapes(cfg)
+                if w.experts:   # one [experts, rows, columns] tensor per part
+                    shapes = [(cfg.moe.num_experts, *shape) for shape in shapes]
+                for j in range(cfg.moe.num_experts) if w.experts else (None,):
+                    target = getattr(layer if j is None else layer.experts[j], w.attr)
+                    plan.append((target, names, shapes, heads, j))
+        plan.append(whole(block.norm, model.norm))
         if not cfg.tie_word_embeddings:
-            self._fill(model, model.lm_head, list(block.lm_head.gguf))
+            plan.append(whole(block.lm_head, model.lm_head))
+        return plan
+
+    def _check(self, plan: list) -> None:
+        """Refuse (ValueError naming the tensor) a file that lacks a tensor the model
+        takes, holds one it does not take, or holds one in another shape."""
+        file, have = self.tensors.path.name, self.tensors.tensors
+        want = {n: shape for _, names, shapes, _, _ in plan for n, shape in zip(names, shapes)}
+        for name in have:
+            if name not in want:
+                raise ValueError(f"{file}: tensor {name} is not part of a {self.tensors.architecture} "
+                                 f"{'mixture of experts' if self.cfg.moe else 'decoder'} gateeng serves")
+        for name, shape in want.items():
+            if name not in have:
+                raise ValueError(f"{file}: tensor {name} is missing")
+            if tuple(have[name].shape) != tuple(shape):
+                raise ValueError(f"{file}: tensor {name} has shape {tuple(have[name].shape)}, expected {tuple(shape)} "
+                                 "(numpy's order: the reverse of GGUF's)")
+
+    def into(self, model) -> None:
+        plan = self._plan(model)
+        self._check(plan)
+        for target, names, _, heads, expert in plan:
+            self._fill(model, target, names, heads, expert)
         packing.of(model).stored_types = {t.split(" as ")[0]: n for t, n in sorted(self.served.items())
                                           if t.endswith("stored") and t.split(" as ")[0] in SERVED_QUANTIZED}
 

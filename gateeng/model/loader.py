@@ -6,7 +6,9 @@ its config and tokenizer are converted once through transformers and cached with
 tensor table (gateeng.model.cache, a few small files). Where quantized weights are not
 served (a float32 model, CUDA) or `dequantize` asks for it, the
 file is converted once through transformers into a float32 safetensors directory and
-served in the model's dtype, as a checkpoint. Serving reads either without transformers
+served in the model's dtype, as a checkpoint; a mixture of experts' GGUF, which
+transformers does not read, is instead read natively with its quantized weights
+dequantized to bf16 (in bf16 on CPU only). Serving reads either without transformers
 (gateeng.model.hf_config, .tokenizer). Nothing touches a model hub.
 """
 from __future__ import annotations
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import torch
 
 from gateeng import config
@@ -60,16 +63,30 @@ def default_model_path() -> Path:
     return Path(files[0])
 
 
+class ExpertsNotConverted(Exception):
+    """A mixture of experts' GGUF, which convert_gguf does not convert (load reads it natively)."""
+
+
+# The exit status of a conversion child that met a mixture of experts (ExpertsNotConverted).
+_EXPERTS_EXIT = 3
+
+
 def convert_gguf(gguf: Path, out: Path) -> None:
     """Dequantize a GGUF file through transformers into a plain float32 HF directory,
-    with the file's own tensor types recorded beside it (GGUF_TYPES)."""
+    with the file's own tensor types recorded beside it (GGUF_TYPES). A mixture of
+    experts is not converted (ExpertsNotConverted): transformers reads none as llama.cpp
+    writes it."""
     from collections import Counter
 
-    from gguf import GGUFReader
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    types = Counter(t.tensor_type.name for t in GGUFReader(str(gguf)).tensors)
+    from gateeng.model.gguf_weights import has_experts, read_table
+
+    _, tensors, meta = read_table(gguf)
+    if has_experts(meta):
+        raise ExpertsNotConverted(gguf.name)
+    types = Counter(t.type for t in tensors.values())
     (out / GGUF_TYPES).write_text(json.dumps(dict(sorted(types.items()))))
     t0 = time.time()
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -94,16 +111,24 @@ def convert_gguf_header(gguf: Path, out: Path) -> None:
     tensor table (gguf_weights.TENSOR_TABLE): no weights."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from gateeng.model.gguf_weights import write_table
+    from gateeng.model.families import gguf_family
+    from gateeng.model.gguf_weights import has_experts, read_table, write_table
 
     t0 = time.time()
+    architecture, tensors, meta = read_table(gguf)
+    # A mixture of experts: its family and expert fields from llama.cpp's metadata (which
+    # transformers reads for no such file in full), refused by name before anything else.
+    experts = gguf_family(architecture, True).gguf_config(meta) if has_experts(meta) else {}
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).to_dict()
     config.pop("quantization_config", None)
+    if experts:   # llama.cpp stores floats in binary32: each as the shortest decimal that is that binary32
+        config = {k: float(str(np.float32(v))) if isinstance(v, float) else v for k, v in config.items()}
+    config.update(experts)
     config["dtype"] = BFLOAT16
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     tok.save_pretrained(out)
-    write_table(gguf, out)
+    write_table(out, architecture, tensors)
     log(f"  config and tokenizer read ({time.time() - t0:.0f}s)")
 
 
@@ -124,6 +149,8 @@ def convert_in_child(gguf: Path, out: Path, header_only: bool = False) -> None:
             child.join()
     if child.exitcode == errno.ENOSPC:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(out))
+    if child.exitcode == _EXPERTS_EXIT:
+        raise ExpertsNotConverted(gguf.name)
     if child.exitcode != 0:
         raise RuntimeError(f"converting {gguf.name} failed in its child process (exit code {child.exitcode}): "
                            "the lines above say why")
@@ -140,6 +167,8 @@ def _convert_child(gguf: str, out: str, header_only: bool) -> None:
         if is_no_space(exc):
             sys.exit(errno.ENOSPC)
         raise
+    except ExpertsNotConverted:
+        sys.exit(_EXPERTS_EXIT)
 
 
 def served_as(gguf: Path, hf_dir: Path, dtype: str) -> str:
@@ -187,7 +216,13 @@ def load(path: Optional[str], dtype: str = BFLOAT16, device: str = "cpu", dequan
     src = Path(path) if path else default_model_path()
     if src.suffix == ".gguf" and src.is_file() and serves_as_stored(dtype, device, dequantize):
         return load_gguf(src)
-    hf_dir = ensure_hf_dir(src)
+    try:
+        hf_dir = ensure_hf_dir(src)
+    except ExpertsNotConverted:   # transformers reads no mixture of experts' GGUF: read it natively
+        if dtype == BFLOAT16 and device == "cpu":
+            return load_gguf(src, quantized=False)
+        raise ValueError(f"{src.name} is a mixture of experts, read natively only: serve it in {BFLOAT16} on CPU "
+                         f"(not {dtype} on {device})") from None
     if src.is_file():
         log(served_as(src, hf_dir, dtype))
     cfg = read_model_config(hf_dir)
@@ -200,19 +235,26 @@ def load(path: Optional[str], dtype: str = BFLOAT16, device: str = "cpu", dequan
     return LoadedModel(model, tok, cfg, model_fingerprint(cfg, checkpoint), str(src))
 
 
-def load_gguf(src: Path, blocks_on: Optional[str] = None) -> LoadedModel:
-    """A GGUF file served as stored, in bf16 on CPU (model.gguf_weights). `blocks_on`: a
-    device on which the quantized weights are kept as the Triton reference reads them
+def gguf_header(src: Path) -> Path:
+    """A GGUF file's config, tokenizer and tensor table (convert_gguf_header), converted
+    once and cached."""
+    return converted(src, lambda gguf, out: convert_in_child(gguf, out, header_only=True), kind="header")
+
+
+def load_gguf(src: Path, blocks_on: Optional[str] = None, quantized: bool = True) -> LoadedModel:
+    """A GGUF file read natively in bf16 (model.gguf_weights): its quantized weights served
+    as stored, or with `quantized` False dequantized to bf16. `blocks_on`: a device on
+    which the quantized weights are kept as the Triton reference reads them
     (plans.packing.set_blocks), the model with them, instead of the CPU reference's packed
     copy."""
     from gateeng.model.gguf_weights import SERVED_QUANTIZED, TENSOR_TABLE, GGUFLoad, GGUFTensors
     from gateeng.plans import reference_ops
 
-    header = converted(src, lambda gguf, out: convert_in_child(gguf, out, header_only=True), kind="header")
+    header = gguf_header(src)
     cfg = read_model_config(header)
     tensors = GGUFTensors(src, header / TENSOR_TABLE)
     ops = None
-    if blocks_on is None and any(t.type in SERVED_QUANTIZED for t in tensors.tensors.values()):
+    if quantized and blocks_on is None and any(t.type in SERVED_QUANTIZED for t in tensors.tensors.values()):
         try:
             ops = reference_ops.load()
         except reference_ops.ReferenceUnavailable as exc:
@@ -220,7 +262,7 @@ def load_gguf(src: Path, blocks_on: Optional[str] = None) -> LoadedModel:
                              f"{exc}; pass --dequantize to serve it in bf16") from exc
     model = LlamaModel(cfg, torch.bfloat16, blocks_on or "cpu")
     model.finalize()
-    weights = GGUFLoad(tensors, cfg, ops, blocks_on=blocks_on)
+    weights = GGUFLoad(tensors, cfg, ops, quantized=quantized, blocks_on=blocks_on)
     weights.into(model)
     log(weights.describe())
     return LoadedModel(model, Tokenizer.from_dir(header), cfg, weights.fingerprint.hexdigest(), str(src))

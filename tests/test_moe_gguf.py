@@ -1,0 +1,183 @@
+"""Mixtures of experts from GGUF files as llama.cpp writes them (tests/tiny_gguf.py:
+Qwen3-MoE as qwen3moe, Mixtral as llama with experts): a bf16 file is
+the model of its Hugging Face directory (config, weights, VERIFIED answers); Q8_0, Q4_0
+and Q4_1 experts are served as stored, each expert once, and give the same VERIFIED
+answer alone and in a batch; broken or unserved files are refused by name."""
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from gateeng.config import EngineConfig
+from gateeng.engine.engine import Engine
+from gateeng.model import families, loader, shard
+from gateeng.model.gguf_weights import GGUFLoad, GGUFTensors
+from gateeng.model.llama import LlamaModel
+from gateeng.plans import packing, reference_ops
+from gateeng.request import DeterminismParams, Mode, SamplingParams
+from test_model_families import SEQS, TINY
+from tiny import hf_family
+from tiny_gguf import byte_tokenizer_kv, moe_tensors, write_file, write_tiny_moe_gguf
+
+VERIFIED = DeterminismParams(Mode.VERIFIED)
+PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
+# Each family's file, and how its weights are stored: bf16 throughout, or its experts
+# quantized beside bf16 attention (the llama-quantize mixes of a MoE keep more in 8 bits).
+FILES = {"qwen3_moe-bf16": ("qwen3_moe", "BF16"), "mixtral-bf16": ("mixtral", "BF16"),
+         "mixtral-q4": ("mixtral", {"*_exps.weight": "Q4_0", "*": "BF16"}),
+         "qwen3_moe-q8": ("qwen3_moe", {"*ffn_down_exps.weight": "Q4_1", "*_exps.weight": "Q8_0", "*": "Q8_0"})}
+
+
+def tiny_moe(family: str, seed: int = 0):
+    """A tiny random mixture of experts as llama.cpp can write it: every layer routes
+    (llama.cpp's graphs have no plain-MLP layers in these architectures), and its
+    special ids are byte_tokenizer_kv's."""
+    over = dict(bos_token_id=254, eos_token_id=255)
+    if family == "qwen3_moe":
+        over["mlp_only_layers"] = []
+    return hf_family(family, seed, **over)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    where = tmp_path_factory.mktemp("moe_gguf")
+    out = {}
+    for name, (family, qtype) in FILES.items():
+        hf = tiny_moe(family)
+        out[name] = dict(write_tiny_moe_gguf(where / f"{name}.gguf", hf, qtype), hf=hf)
+    return out
+
+
+def answers(loaded, prompt=SEQS[0]):
+    """The reference's answer, and VERIFIED answers alone and in a batch whose other rows
+    route tokens to the same experts, from a noisy fast path (rollbacks happen)."""
+    ref = Engine(EngineConfig(dtype="bfloat16", plan="invariant", **TINY), loaded=loaded)
+    try:
+        want = ref.generate(prompt, PARAMS).token_ids
+    finally:
+        ref.shutdown()
+    engine = Engine(EngineConfig(dtype="bfloat16", fast_logit_noise=0.5, **TINY), loaded=loaded)
+    try:
+        alone = engine.generate(prompt, PARAMS, VERIFIED).token_ids
+        batch = engine.generate([SEQS[1], prompt, SEQS[2]], PARAMS, [None, VERIFIED, None])[1].token_ids
+    finally:
+        engine.shutdown()
+    return want, alone, batch
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe-bf16", "mixtral-bf16"])
+def test_a_bf16_gguf_is_its_hf_directorys_model(files, name, tmp_path, capsys):
+    f = files[name]
+    hf_dir = tmp_path / "hf"
+    f["hf"].save_pretrained(hf_dir, safe_serialization=True)
+    got = loader.load(str(f["path"]))
+    err = capsys.readouterr().err
+    header = loader.gguf_header(f["path"])
+    for tok in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(header / tok, hf_dir / tok)
+    want = loader.load(str(hf_dir))
+    assert got.config == want.config and got.config.moe is not None
+    assert got.config.moe.sparse_layers == (0, 1)
+    assert "no tensor served as stored" in err and "F32/F16/BF16 tensors in bf16" in err, err
+    for (n, a), (_, b) in zip(got.model.named_parameters(), want.model.named_parameters()):
+        assert torch.equal(a, b), n
+    ours, theirs = answers(got), answers(want)
+    assert ours == theirs and len(set(map(tuple, ours))) == 1
+
+
+@pytest.mark.parametrize("name,stored", [("mixtral-q4", {"Q4_0": 6}), ("qwen3_moe-q8", {"Q4_1": 2, "Q8_0": 14})])
+def test_quantized_experts_are_served_as_stored(files, name, stored, capsys):
+    loaded = loader.load(str(files[name]["path"]))
+    err = capsys.readouterr().err
+    assert packing.of(loaded.model).stored_types == stored
+    assert "served as stored" in err and "dequantized" not in err, err
+    # Each expert's matrices are held once, in the reference's packed copy of its stored blocks.
+    held = packing.of(loaded.model).shared
+    for layer in loaded.model.layers:
+        for expert in layer.experts:
+            for w in (expert.gate_up, expert.down):
+                assert id(w) in held and w.untyped_storage().nbytes() == 0
+        assert layer.router.dtype == torch.bfloat16 and layer.router.untyped_storage().nbytes() > 0
+    want, alone, batch = answers(loaded)
+    assert alone == want and batch == want
+    # Dequantized to bf16 it is another model, named so.
+    deq = loader.load(str(files[name]["path"]), dequantize=True)
+    assert not packing.quantized(deq.model) and deq.fingerprint != loaded.fingerprint
+    assert "dequantized to bf16 (not served as stored)" in capsys.readouterr().err
+    assert loader.load(str(files[name]["path"])).fingerprint == loaded.fingerprint
+
+
+def test_quantized_experts_are_refused_across_ranks_by_reason(files):
+    loaded = loader.load(str(files["mixtral-q4"]["path"]))
+    with pytest.raises(ValueError, match="experts are quantized as stored.*--dequantize at tensor-parallel size 2"):
+        shard.row_units(loaded.model, 2)
+
+
+def broken(files, tmp_path, name: str, change) -> GGUFTensors:
+    """The file `name` written again with its tensors changed by `change` ({gguf name:
+    array} -> the same), read by the native reader."""
+    family, _ = FILES[name]
+    hf = files[name]["hf"]
+    arch = families.FAMILIES[family].gguf
+    tensors = change(dict(moe_tensors(hf, arch)))
+    path = tmp_path / f"broken-{name}.gguf"
+
+    def experts(writer):
+        writer.add_expert_count(4)
+        writer.add_expert_used_count(2)
+
+    write_file(path, arch, "broken", hf, [(g, w, "F32") for g, w in tensors.items()], {"*": "F32"}, experts,
+               byte_tokenizer_kv())
+    return GGUFTensors(path)
+
+
+def load_into(files, tensors: GGUFTensors, name: str):
+    cfg = loader.load(str(files[name]["path"])).config
+    model = LlamaModel(cfg, torch.bfloat16)
+    model.finalize()
+    GGUFLoad(tensors, cfg, reference_ops.load()).into(model)
+
+
+def test_a_broken_moe_gguf_is_refused_naming_the_tensor(files, tmp_path):
+    def no_router(t):
+        del t["blk.1.ffn_gate_inp.weight"]
+        return t
+
+    def short_expert(t):
+        t["blk.0.ffn_up_exps.weight"] = t["blk.0.ffn_up_exps.weight"][:3]   # 3 experts of 4
+        return t
+
+    def shared_expert(t):
+        t["blk.0.ffn_gate_shexp.weight"] = np.zeros((32, 64), np.float32)
+        return t
+
+    with pytest.raises(ValueError, match=r"tensor blk\.1\.ffn_gate_inp\.weight is missing"):
+        load_into(files, broken(files, tmp_path, "mixtral-bf16", no_router), "mixtral-bf16")
+    with pytest.raises(ValueError, match=r"tensor blk\.0\.ffn_up_exps\.weight has shape \(3, 32, 64\), "
+                                         r"expected \(4, 32, 64\)"):
+        load_into(files, broken(files, tmp_path, "qwen3_moe-bf16", short_expert), "qwen3_moe-bf16")
+    with pytest.raises(ValueError, match=r"tensor blk\.0\.ffn_gate_shexp\.weight is not part of a qwen3moe "
+                                         "mixture of experts"):
+        load_into(files, broken(files, tmp_path, "qwen3_moe-bf16", shared_expert), "qwen3_moe-bf16")
+
+
+def test_unserved_moe_architectures_and_metadata_are_refused_by_name():
+    with pytest.raises(ValueError, match="mixture-of-experts GGUF of architecture 'qwen2moe' is not served"):
+        families.gguf_family("qwen2moe", True)
+    with pytest.raises(ValueError, match="mixture-of-experts GGUF of architecture 'olmoe' is not served"):
+        families.gguf_family("olmoe", True)
+    with pytest.raises(ValueError, match="GGUF architecture 'qwen3moe' is not read natively"):
+        families.gguf_family("qwen3moe", False)
+    qwen = families.FAMILIES["qwen3_moe"]
+    meta = {"expert_count": 8, "expert_used_count": 2, "expert_feed_forward_length": 64}
+    assert qwen.gguf_config(meta)["norm_topk_prob"] is True   # llama.cpp's qwen3moe graph renormalizes
+    with pytest.raises(ValueError, match=r"qwen3moe\.expert_shared_count=1 is not supported"):
+        qwen.gguf_config(dict(meta, expert_shared_count=1))
+    with pytest.raises(ValueError, match=r"qwen3moe\.expert_gating_func=2 is not supported"):
+        qwen.gguf_config(dict(meta, expert_gating_func=2))
+    with pytest.raises(ValueError, match=r"qwen3moe\.expert_feed_forward_length is missing"):
+        qwen.gguf_config({"expert_count": 8, "expert_used_count": 2})
+    mixtral = families.FAMILIES["mixtral"].gguf_config({"expert_count": 8, "expert_used_count": 2,
+                                                         "feed_forward_length": 96})
+    assert (mixtral["model_type"], mixtral["num_local_experts"], mixtral["intermediate_size"]) == ("mixtral", 8, 96)
