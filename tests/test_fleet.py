@@ -2,7 +2,8 @@
 every node on 127.0.0.1), on a tiny bf16 model saved as a Hugging Face directory:
 VERIFIED answers from both replicas equal one server's; an update reaches both
 replicas and a broken one neither; requests that arrive while a push holds the
-version barrier wait and are answered on the new weights; a replica killed with
+version barrier wait and are answered on the new weights, and past the hold's bound
+are refused with a retry hint; a replica killed with
 SIGKILL mid-stream loses no VERIFIED stream, each finishing with one server's bits;
 health is NOT_SERVING while no replica answers and SERVING again once one does;
 nothing started listens beyond loopback. One cluster, one fleet and one single server
@@ -12,7 +13,8 @@ import os
 # Ray's test cluster keeps every node on 127.0.0.1 only with this set before Ray loads.
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
-import ipaddress  # noqa: E402
+import contextlib  # noqa: E402
+import ipaddress
 import json
 import signal
 import struct
@@ -244,44 +246,73 @@ def test_update_reaches_both_replicas_and_a_broken_one_neither(fleet, single, fi
     assert got == want and {a[2] for a in got.values()} == {after[0].fingerprint}
 
 
-def test_requests_arriving_during_a_push_wait_and_are_answered_on_the_new_weights(fleet, first_answers,
-                                                                                   model_dir, monkeypatch):
-    """Long VERIFIED streams on both replicas hold the swap (each replica swaps once
-    its running requests are done), so the front's version barrier stays closed while
-    new requests arrive: they wait at the front, then run on the new weights, never
-    on the old, and answer as one server on those weights does."""
-    f = fleet.fleet
-    before = f.weight_version
-    long = SamplingParams(max_tokens=480, ignore_eos=True)
-    submit, held = f.submit, []
+LONG = SamplingParams(max_tokens=480, ignore_eos=True)
 
-    def watched(*args, **kwargs):   # the gateway's call: was the barrier closed when it came?
-        held.append(not f._open.is_set())
+
+@contextlib.contextmanager
+def barrier_closed(fleet, directory):
+    """A push of `directory` whose version barrier is closed when the block starts:
+    long VERIFIED streams on both replicas hold the swap (each replica swaps once its
+    running requests are done). Yields a dict: `held`, for each request the fleet
+    takes from then on, whether the barrier was closed when it came; after the block,
+    `update` (the push's result) and `finals` (the long streams' completions)."""
+    f = fleet.fleet
+    submit, out = f.submit, {"held": []}
+
+    def watched(*args, **kwargs):   # the gateway's call
+        out["held"].append(not f._open.is_set())
         return submit(*args, **kwargs)
-    monkeypatch.setattr(f, "submit", watched)
     with Client(fleet.target) as c:
-        streams = [c.generate(p, long, VERIFIED) for p in ([3, 1, 4], [2, 7, 1])]
+        streams = [c.generate(p, LONG, VERIFIED) for p in ([3, 1, 4], [2, 7, 1])]
         for s in streams:   # each has produced a token on the old weights
             assert next(s).HasField("chunk")
-        pushed = []
-        push = threading.Thread(target=lambda: pushed.append(f.update_weights(model_dir)))
+        push = threading.Thread(target=lambda: out.setdefault("update", f.update_weights(directory)))
         push.start()
         deadline = time.monotonic() + 60
         while f._open.is_set():   # staged on both replicas: the barrier closes
             assert push.is_alive() and time.monotonic() < deadline, "the barrier never closed"
             time.sleep(0.001)
-        got, seen = answers(fleet.target)
+        f.submit = watched
+        try:
+            yield out
+        finally:
+            del f.submit   # the class's own again
         push.join(60)
-        finals = [[ev for ev in s if ev.HasField("complete")][0].complete for s in streams]
-    update, = pushed
-    assert any(held), "every request came after the push: none waited at the barrier"
-    assert update.weight_version == before + 1
-    assert seen == {("replica-0", before + 1), ("replica-1", before + 1)}   # never the old version
-    assert got == first_answers
+        out["finals"] = [[ev for ev in s if ev.HasField("complete")][0].complete for s in streams]
     # The streams that held the swap ended on the old weights: complete, or cut at
     # --weight-update-wait on a slow host.
-    assert [final.reproducibility.weight_version for final in finals] == [before, before]
-    assert update.requests_ended == sum(len(final.token_ids) < long.max_tokens for final in finals)
+    before = out["update"].weight_version - 1
+    assert [final.reproducibility.weight_version for final in out["finals"]] == [before, before]
+    assert out["update"].requests_ended == sum(len(final.token_ids) < LONG.max_tokens for final in out["finals"])
+
+
+def test_requests_arriving_during_a_push_wait_and_are_answered_on_the_new_weights(fleet, first_answers,
+                                                                                   model_dir):
+    """Requests that come while the version barrier is closed wait at the front, then
+    run on the new weights, never on the old, and answer as one server on those
+    weights does."""
+    before = fleet.fleet.weight_version
+    with barrier_closed(fleet, model_dir) as push:
+        got, seen = answers(fleet.target)
+    assert any(push["held"]), "every request came after the push: none waited at the barrier"
+    assert push["update"].weight_version == before + 1
+    assert seen == {("replica-0", before + 1), ("replica-1", before + 1)}   # never the old version
+    assert got == first_answers
+
+
+def test_a_request_held_past_the_bound_is_refused_with_a_retry_hint(fleet, new_dir, monkeypatch):
+    """The hold is bounded (--weight-update-wait plus HOLD_S): past it a request is
+    refused RESOURCE_EXHAUSTED with a retry hint, never left waiting. The bound is
+    set to nothing here, so a request that comes while the barrier is closed is
+    refused at once."""
+    monkeypatch.setattr(fleet_module, "HOLD_S", -fleet.fleet.config.weight_update_wait)
+    with barrier_closed(fleet, new_dir) as push:
+        with Client(fleet.target) as c, pytest.raises(grpc.RpcError) as refused:
+            c.complete(PROMPTS[0], GREEDY, VERIFIED, timeout=30)
+    assert push["held"] == [True]
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "swapping its weights" in refused.value.details()
+    assert "grpc-retry-pushback-ms" in dict(refused.value.trailing_metadata())
 
 
 def test_a_replica_killed_mid_stream_loses_no_verified_stream(fleet):
