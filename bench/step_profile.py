@@ -9,7 +9,7 @@ metadata, scheduling, Python) is reported as "other". Timers add about a
 microsecond per call. Prints the CPU and its ISA.
 With --plans fast,invariant both plans are profiled, the invariant one on an
 engine with plan=invariant (every request decodes on it).
-Usage: python bench/step_profile.py [--batches 1,8,32,64] [--steps 8] [--plans fast]
+Usage: python bench/step_profile.py [--batches 1,8,32,64] [--steps 8] [--plans fast] [--model FILE]
 """
 from __future__ import annotations
 
@@ -75,8 +75,10 @@ def main():
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--plans", default="fast", help="fast, invariant or fast,invariant")
+    ap.add_argument("--model", default=None, help="a model as `gateeng serve --model` takes it (default: the "
+                                                  "embedded one); a GGUF's quantized weights served as stored")
     args = ap.parse_args()
-    loaded = load(None, "bfloat16")
+    loaded = load(args.model, "bfloat16")
     plans = args.plans.split(",")
     # Batch by batch, the plans in turn: both see the same state of the host.
     rows = {(b, p): profile(loaded, b, args.steps, p) for b in (int(x) for x in args.batches.split(","))
