@@ -11,7 +11,7 @@ import torch
 
 from gateeng.config import EngineConfig
 from gateeng.engine.engine import Engine
-from gateeng.model import families, loader, shard
+from gateeng.model import families, loader
 from gateeng.model.gguf_weights import GGUFLoad, GGUFTensors
 from gateeng.model.llama import LlamaModel
 from gateeng.plans import packing, reference_ops
@@ -108,10 +108,10 @@ def test_quantized_experts_are_served_as_stored(files, name, stored, capsys):
     assert loader.load(str(files[name]["path"])).fingerprint == loaded.fingerprint
 
 
-def test_quantized_experts_are_refused_across_ranks_by_reason(files):
+def test_quantized_experts_are_refused_across_ranks_at_start_up(files):
     loaded = loader.load(str(files["mixtral-q4"]["path"]))
     with pytest.raises(ValueError, match="experts are quantized as stored.*--dequantize at tensor-parallel size 2"):
-        shard.row_units(loaded.model, 2)
+        Engine(EngineConfig(tensor_parallel_size=2, num_kv_blocks=96, num_threads=1), loaded=loaded)
 
 
 def broken(files, tmp_path, name: str, change) -> GGUFTensors:
@@ -181,3 +181,10 @@ def test_unserved_moe_architectures_and_metadata_are_refused_by_name():
     mixtral = families.FAMILIES["mixtral"].gguf_config({"expert_count": 8, "expert_used_count": 2,
                                                          "feed_forward_length": 96})
     assert (mixtral["model_type"], mixtral["num_local_experts"], mixtral["intermediate_size"]) == ("mixtral", 8, 96)
+
+
+def test_a_moe_gguf_is_refused_in_float32(files):
+    """transformers converts no mixture of experts' GGUF; the native reader serves bf16."""
+    with pytest.raises(ValueError, match=r"mixtral-q4\.gguf is a mixture of experts, read natively only: serve it "
+                                         r"in bfloat16 on CPU \(not float32 on cpu\)"):
+        loader.load(str(files["mixtral-q4"]["path"]), "float32")

@@ -368,9 +368,12 @@ def write_file(path, arch: str, name: str, hf, tensors: list, spec: Mapping[str,
 
 
 # A mixture of experts as llama.cpp's converter writes it (conversion/qwen.py Qwen3MoeModel,
-# conversion/llama.py for Mixtral): the family's GGUF
-# architecture, the router as ffn_gate_inp, each projection's experts stacked in one
-# [experts, rows, columns] tensor, q/k norms as attn_q_norm/attn_k_norm.
+# conversion/llama.py for Mixtral): the family's GGUF architecture, the router as
+# ffn_gate_inp, each projection's experts stacked in one [experts, rows, columns] tensor,
+# q/k norms as attn_q_norm/attn_k_norm. Checked once by hand against llama.cpp 11434:
+# convert_hf_to_gguf.py --outtype bf16 on tiny.py's Qwen3-MoE (every layer routing) and
+# Mixtral writes these names, shapes and expert keys (Mixtral: no
+# expert_feed_forward_length), and gateeng reads from its files the HF directory's weights.
 MOE_ARCH = {"qwen3_moe": "qwen3moe", "mixtral": "llama"}
 _MOE_LAYER_NAMES = {**_LAYER_NAMES, "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
                     "mlp.gate": "ffn_gate_inp"}
