@@ -1,7 +1,7 @@
 """Mixtures of experts from GGUF files as llama.cpp writes them (tests/tiny_gguf.py:
 Qwen3-MoE as qwen3moe, Mixtral as llama with experts): a bf16 file is
 the model of its Hugging Face directory (config, weights, VERIFIED answers); Q8_0, Q4_0
-and Q4_1 experts are served as stored, each expert once, and give the same VERIFIED
+and Q4_1 experts (and K-quant ones) are served as stored, each expert once, and give the same VERIFIED
 answer alone and in a batch; broken or unserved files are refused by name."""
 import shutil
 
@@ -24,16 +24,19 @@ VERIFIED = DeterminismParams(Mode.VERIFIED)
 PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
 # Each family's file, and how its weights are stored: bf16 throughout, or its experts
 # quantized beside bf16 attention (the llama-quantize mixes of a MoE keep more in 8 bits).
+# (K-quant rows are 256 values: that file's hidden size and expert width are 256.)
 FILES = {"qwen3_moe-bf16": ("qwen3_moe", "BF16"), "mixtral-bf16": ("mixtral", "BF16"),
          "mixtral-q4": ("mixtral", {"*_exps.weight": "Q4_0", "*": "BF16"}),
-         "qwen3_moe-q8": ("qwen3_moe", {"*ffn_down_exps.weight": "Q4_1", "*_exps.weight": "Q8_0", "*": "Q8_0"})}
+         "qwen3_moe-q8": ("qwen3_moe", {"*ffn_down_exps.weight": "Q4_1", "*_exps.weight": "Q8_0", "*": "Q8_0"}),
+         "mixtral-k": ("mixtral", {"*ffn_down_exps.weight": "Q6_K", "*_exps.weight": "Q4_K", "*": "BF16"},
+                       dict(hidden_size=256, intermediate_size=256))}
 
 
-def tiny_moe(family: str, seed: int = 0):
+def tiny_moe(family: str, seed: int = 0, **over):
     """A tiny random mixture of experts as llama.cpp can write it: every layer routes
     (llama.cpp's graphs have no plain-MLP layers in these architectures), and its
     special ids are byte_tokenizer_kv's."""
-    over = dict(bos_token_id=254, eos_token_id=255)
+    over.update(bos_token_id=254, eos_token_id=255)
     if family == "qwen3_moe":
         over["mlp_only_layers"] = []
     return hf_family(family, seed, **over)
@@ -43,8 +46,8 @@ def tiny_moe(family: str, seed: int = 0):
 def files(tmp_path_factory):
     where = tmp_path_factory.mktemp("moe_gguf")
     out = {}
-    for name, (family, qtype) in FILES.items():
-        hf = tiny_moe(family)
+    for name, (family, qtype, *over) in FILES.items():
+        hf = tiny_moe(family, **(over[0] if over else {}))
         out[name] = dict(write_tiny_moe_gguf(where / f"{name}.gguf", hf, qtype), hf=hf)
     return out
 
@@ -86,7 +89,8 @@ def test_a_bf16_gguf_is_its_hf_directorys_model(files, name, tmp_path, capsys):
     assert ours == theirs and len(set(map(tuple, ours))) == 1
 
 
-@pytest.mark.parametrize("name,stored", [("mixtral-q4", {"Q4_0": 6}), ("qwen3_moe-q8", {"Q4_1": 2, "Q8_0": 14})])
+@pytest.mark.parametrize("name,stored", [("mixtral-q4", {"Q4_0": 6}), ("qwen3_moe-q8", {"Q4_1": 2, "Q8_0": 14}),
+                                         ("mixtral-k", {"Q4_K": 4, "Q6_K": 2})])
 def test_quantized_experts_are_served_as_stored(files, name, stored, capsys):
     loaded = loader.load(str(files[name]["path"]))
     err = capsys.readouterr().err
@@ -117,7 +121,7 @@ def test_quantized_experts_are_refused_across_ranks_at_start_up(files):
 def broken(files, tmp_path, name: str, change) -> GGUFTensors:
     """The file `name` written again with its tensors changed by `change` ({gguf name:
     array} -> the same), read by the native reader."""
-    family, _ = FILES[name]
+    family = FILES[name][0]
     hf = files[name]["hf"]
     arch = families.FAMILIES[family].gguf
     tensors = change(dict(moe_tensors(hf, arch)))

@@ -225,6 +225,8 @@ def quantize(data: np.ndarray, qtype: str) -> np.ndarray:
     if data.shape[-1] % block:
         raise ValueError(f"{qtype} needs rows that are a multiple of {block} values, not {data.shape[-1]} "
                          "(llama-quantize would fall back to another type)")
+    if data.ndim > 2:   # stacked experts: each row on its own, as for a matrix
+        return quantize(data.reshape(-1, data.shape[-1]), qtype).reshape(*data.shape[:-1], -1)
     if t == GGMLQuantizationType.Q6_K:
         return quantize_q6_k(data)
     if t in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K):
