@@ -188,31 +188,48 @@ def check_reference(dev):
         ok &= same(got, want)
     row("reference", "attention (head dim 64 and 128, up to 1000 keys) == CPU build", str(ok), "ok" if ok else "FAIL")
     ok = quantized_same(ops, dev, 64, 1536, 2048)
-    row("reference", "quantized matmul and embedding rows (Q8_0, Q4_0, Q4_1; 64x2048x1536) == CPU build", str(ok),
-        "ok" if ok else "FAIL")
+    row("reference", "quantized matmul and embedding rows (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K; 64x2048x1536) "
+        "== CPU build", str(ok), "ok" if ok else "FAIL")
 
 
 def quantized_same(ops, dev, m: int, n: int, k: int) -> bool:
     """Whether the Triton reference's qmatmul (both outputs) and qrows on `dev` give the CPU
-    build's bits, for each type served as stored, on reference_ops' probe records (scales
-    from 2^-24 to 2^4) as the loader splits them (gguf_weights.split_blocks)."""
+    build's bits, for each type served as stored, as the loader splits them
+    (gguf_weights.split_blocks): Q8_0, Q4_0, Q4_1 on reference_ops' probe records (scales
+    from 2^-24 to 2^4), the K-quants on k_quant_probe's."""
     from gateeng.kernels import triton_reference as tr
-    from gateeng.model.gguf_weights import BLOCKS_QUANTIZED, split_blocks
+    from gateeng.model.gguf_weights import K_QUANT_BYTES, SERVED_QUANTIZED, split_blocks
     from gateeng.plans import reference_ops
     x = (torch.randn(m, k) * 4).to(torch.bfloat16)
+    x[m // 2:] *= 2.0 ** -118   # half the rows small enough that sub-block values and sums flush
     ids = torch.randint(0, n, (m,))
     ok = True
-    for kind, ggml in BLOCKS_QUANTIZED.items():
-        raw = reference_ops.quantized_probe(n, k, dict(reference_ops.QUANT_PROBES)[ggml], seed=ggml)
+    for kind, ggml in SERVED_QUANTIZED.items():
+        raw = (k_quant_probe(n, k, kind, seed=ggml) if kind in K_QUANT_BYTES else
+               reference_ops.quantized_probe(n, k, dict(reference_ops.QUANT_PROBES)[ggml], seed=ggml))
         packed = ops.qpack(raw, ggml)
-        q, d, mins = (None if a is None else torch.from_numpy(a).to(dev) for a in split_blocks(raw.numpy(), kind, k))
+        b = split_blocks(raw.numpy(), kind, k).to(dev)
         for f32 in (True, False):
-            got, want = tr.qmatmul(x.to(dev), q, d, mins, f32=f32), ops.linear(x, packed, n, f32)
+            got, want = tr.qmatmul(x.to(dev), b.q, b.d, b.m, f32, b.sc, b.mn), ops.linear(x, packed, n, f32)
             ok &= torch.equal(got.cpu().view(torch.int32 if f32 else torch.int16),
                               want.view(torch.int32 if f32 else torch.int16))
-        ok &= torch.equal(tr.qrows(q, d, mins, ids.to(dev)).cpu().view(torch.int16),
+        ok &= torch.equal(tr.qrows(b.q, b.d, b.m, ids.to(dev), b.sc, b.mn).cpu().view(torch.int16),
                           ops.qrows(packed, ids).view(torch.int16))
     return bool(ok)
+
+
+def k_quant_probe(n: int, k: int, kind: str, seed: int) -> torch.Tensor:
+    """GGUF rows [n, k/256 super-blocks] of a K-quant: random bytes, with binary16 d (and
+    dmin) from 2^-24 to 2^-4."""
+    from gateeng.model.gguf_weights import K_QUANT_BYTES
+    gen = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (n, k // 256, K_QUANT_BYTES[kind]), generator=gen, dtype=torch.uint8)
+    count = 1 if kind == "Q6_K" else 2
+    shape = (n, k // 256, count)
+    scales = (torch.rand(shape, generator=gen) * 2 - 1) * 2.0 ** torch.randint(-24, -3, shape, generator=gen)
+    at = 208 if kind == "Q6_K" else 0
+    raw[:, :, at:at + 2 * count] = scales.to(torch.float16).view(torch.uint8).view(n, k // 256, 2 * count)
+    return raw.view(n, -1)
 
 
 def check_moe(dev):

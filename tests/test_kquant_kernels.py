@@ -159,3 +159,54 @@ def test_the_fast_plans_int8_matmul_on_k_quants_is_row_invariant_and_close_to_th
         assert torch.equal(kernels.qlinear_k_avx2(x[r:r + 1].contiguous(), packed, 40, True)[0], many[r])
     assert float((many - want).norm()) <= 0.02 * float(want.norm())
     assert torch.equal(kernels.qlinear_k_avx2(x, packed, 40, False), many.to(torch.bfloat16))
+
+
+def kquant_case(kind: str):
+    """Raw GGUF rows of a K-quant W [21, 512] (B = 2; row 1's scales binary16 subnormals)
+    and x [3, 512]: row 0 with denormal inputs (read as zero), row 1 with a cancellation
+    across super-blocks, row 2 near 2^-120, so that sub-block values and sums flush."""
+    raw = random_blocks(kind, 21, 512, seed=7)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(7))
+    x[2] *= 2.0 ** -118
+    x = x.to(torch.bfloat16)
+    x[0, :7] = 2.0 ** -128
+    x[1, 256:512] = x[1, :256]
+    return raw, x
+
+
+@pytest.mark.kernels
+@pytest.mark.parametrize("kind", list(K_TYPES))
+def test_the_triton_reference_multiplies_k_quants_as_the_cpu_build(kind):
+    """triton_reference's qmatmul and qrows on the blocks as the loader splits them
+    (gguf_weights.split_blocks), under TRITON_INTERPRET=1: the CPU build's bits on the
+    raw GGUF rows (kquant_case; one partly masked column tile, to keep the interpreter
+    quick)."""
+    from gateeng.kernels import triton_reference as tr
+    from gateeng.model.gguf_weights import split_blocks
+    ops = reference_ops.load()
+    raw, x = kquant_case(kind)
+    n, k = raw.shape[0], x.shape[1]
+    packed = ops.qpack(torch.from_numpy(raw), K_TYPES[kind])
+    b = split_blocks(raw, kind, k).to("cpu")
+    for f32 in (True, False):
+        got, want = tr.qmatmul(x, b.q, b.d, b.m, f32, b.sc, b.mn), ops.qlinear(x, packed, n, f32)
+        view = torch.int32 if f32 else torch.int16
+        assert torch.equal(got.view(view), want.view(view)), (kind, f32)
+    ids = torch.tensor([1, 0, 20, 1])
+    assert torch.equal(tr.qrows(b.q, b.d, b.m, ids, b.sc, b.mn).view(torch.int16),
+                       ops.qrows(packed, ids).view(torch.int16))
+
+
+@pytest.mark.parametrize("kind", list(K_TYPES))
+def test_the_k_quant_case_reaches_what_it_tests(kind, monkeypatch):
+    """kquant_case's row 2 makes results below 2^-126 (flushing changes the answer)
+    beside normal ones; row 1's second super-block repeats its first's inputs."""
+    raw, x = kquant_case(kind)
+    q, scale, mins, sub = oracle.kfields(raw, kind)
+    xb = x.view(torch.int16).numpy().view(np.uint16)
+    flushed = oracle.kqlinear(xb, q, scale, mins, sub, f32=True)
+    with monkeypatch.context() as mp:
+        mp.setattr(oracle, "flush", lambda v: np.asarray(v, np.float32))
+        kept = oracle.kqlinear(xb, q, scale, mins, sub, f32=True)
+    assert (flushed[2] != kept[2]).any() and (np.abs(flushed[2]) >= 2.0 ** -126).any(), kind
+    assert (flushed[:2] != 0).all(), kind

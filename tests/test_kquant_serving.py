@@ -115,3 +115,27 @@ def test_every_cpu_build_gives_the_same_verified_answers(files, monkeypatch):
         finally:
             engine.shutdown()
     assert all(a == answers["scalar"] for a in answers.values()), answers
+
+
+@pytest.mark.kernels
+def test_the_triton_reference_keeps_k_quants_as_stored(files):
+    """load_gguf(blocks_on=...): the Triton reference's form of a K-quant file (every
+    projection of one type per stack) holds each weight's integers and scales
+    (QuantBlocks), with the fingerprint and kernel_plan of the file served by the CPU
+    reference, and looks its Q4_K embedding up as the CPU reference does. (Its matmul
+    is held to the CPU build in tests/test_kquant_kernels.py.)"""
+    from gateeng.plans.gpu import TritonReferencePlan
+    from gateeng.plans.reference import ReferencePlan
+    path = files["mix"]["path"]
+    cpu, blocks = loader.load_gguf(path), loader.load_gguf(path, blocks_on="cpu")
+    assert cpu.fingerprint == blocks.fingerprint
+    stored = packing.of(blocks.model).blocks
+    assert len(stored) == 2 * 4 + 2 and not packing.of(blocks.model).shared   # qkv, o, gate_up, down; embed, head
+    down = stored[id(blocks.model.layers[0].down)]
+    assert down.sc.shape == (256, 512 // 16) and down.m is None and down.mn is None   # Q6_K: 16 sub-blocks of 16
+    gate = stored[id(blocks.model.layers[0].gate_up)]
+    assert gate.d.shape == gate.m.shape == (1024, 1) and gate.mn.shape == (1024, 8)
+    ref, tri = ReferencePlan(cpu.model, reference_ops.load(), 4), TritonReferencePlan(4, blocks.model)
+    assert tri.describe() == ref.describe() == f"{REFERENCE} (Q4_K, Q5_K, Q6_K weights)"
+    ids = torch.tensor([0, 7, 49151, 7])
+    assert torch.equal(tri.embed(blocks.model, ids).view(torch.int16), ref.embed(cpu.model, ids).view(torch.int16))

@@ -112,7 +112,6 @@ def test_the_triton_plan_serves_a_quantized_gguf_as_the_cpu_reference(tmp_path, 
     packed copy, the quantized embedding looked up and the lm_head multiplied as stored
     (the interpreter multiplies only the lm_head's first 96 rows: each logit is its own
     row's)."""
-    from gateeng.plans.packing import QuantBlocks
     from gateeng.model.loader import load_gguf
     from gateeng.plans.gpu import TritonReferencePlan
     from gateeng.plans.reference import ReferencePlan
@@ -125,9 +124,7 @@ def test_the_triton_plan_serves_a_quantized_gguf_as_the_cpu_reference(tmp_path, 
     assert tri.describe() == ref.describe() != REFERENCE   # "gateeng-ref-1 (... weights)"
     want, got = two_steps(cpu.model, ref), two_steps(blocks.model, tri)
     stored = packing.of(blocks.model)
-    head = stored.blocks[id(blocks.model.lm_head)]
-    stored.blocks[id(blocks.model.lm_head)] = QuantBlocks(*(None if t is None else t[:96] for t in
-                                                            (head.q, head.d, head.m)))
+    stored.blocks[id(blocks.model.lm_head)] = stored.blocks[id(blocks.model.lm_head)].rows(96)
     for a, b in zip(want, got):
         assert same(b, a)
         assert same(tri.full_logits(blocks.model, b), ref.full_logits(cpu.model, a)[:, :96])

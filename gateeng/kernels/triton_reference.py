@@ -191,16 +191,33 @@ def matmul(x: torch.Tensor, w: torch.Tensor, f32: bool = False) -> torch.Tensor:
 
 
 @triton.jit
-def _qmatmul_kernel(x_ptr, q_ptr, d_ptr, m_ptr, out_ptr, M, N, K, MIN: tl.constexpr, F32: tl.constexpr,
+def _qscale(d_ptr, m_ptr, sc_ptr, mn_ptr, cols, cmask, nb, g, ns, sj, MIN: tl.constexpr, KQ: tl.constexpr):
+    """Columns' scale and minimum of sub-block sj (of block g): d and m; a K-quant's
+    D = d*sc and M = dmin*mn, one binary32 multiply each (exact)."""
+    d = _flush(tl.load(d_ptr + cols * nb + g, mask=cmask, other=0).to(tl.float32))
+    mn = d
+    if MIN:
+        mn = _flush(tl.load(m_ptr + cols * nb + g, mask=cmask, other=0).to(tl.float32))
+    if KQ:
+        d = _flush(d * tl.load(sc_ptr + cols * ns + sj, mask=cmask, other=0).to(tl.float32))
+        if MIN:
+            mn = _flush(mn * tl.load(mn_ptr + cols * ns + sj, mask=cmask, other=0).to(tl.float32))
+    return d, mn
+
+
+@triton.jit
+def _qmatmul_kernel(x_ptr, q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, out_ptr, M, N, K, MIN: tl.constexpr,
+                    KQ: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr, F32: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr):
     """out[m, n] = qdot(x[m], W[n]) of a quantized W (SPEC.md, "Quantized weights"): per
-    block of 32 the chain on the integers, odd element first, then c = d*s (MIN: plus
-    m*t, t the block's plain sum of x); 16 lanes of whole blocks, each a chain of adds
-    from +0, folded by the tree."""
+    sub-block of SUB values the chain on the integers, odd element first, then c = d*s
+    (MIN: plus m*t, t the sub-block's plain sum of x); a K-quant (KQ): c = D*s (MIN:
+    minus M*t); 16 lanes of whole blocks of BLOCK values (32; a K-quant's super-block:
+    256), each a chain of adds of their sub-blocks' c from +0, folded by the tree."""
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     rmask, cmask = rows < M, cols < N
-    nb = K // 32
+    nb, ns = K // BLOCK, K // SUB
     per = (nb + DOT_BLOCKS - 1) // DOT_BLOCKS
     zero = tl.zeros((BM, BN), dtype=tl.float32)
     lv0, lv1, lv2, lv3 = zero, zero, zero, zero
@@ -208,71 +225,93 @@ def _qmatmul_kernel(x_ptr, q_ptr, d_ptr, m_ptr, out_ptr, M, N, K, MIN: tl.conste
     for l in tl.static_range(DOT_BLOCKS):
         acc = zero
         for g in range(l * per, tl.minimum(nb, (l + 1) * per)):
-            s = zero
-            t = tl.zeros((BM,), dtype=tl.float32)
-            for p in range(16):
-                i = 32 * g + 2 * p
-                xo = _bf(tl.load(x_ptr + rows * K + i + 1, mask=rmask, other=0))
-                qo = tl.load(q_ptr + cols * K + i + 1, mask=cmask, other=0).to(tl.float32)
-                s = _flush(tl.fma(xo[:, None], qo[None, :], s))
-                xe = _bf(tl.load(x_ptr + rows * K + i, mask=rmask, other=0))
-                qe = tl.load(q_ptr + cols * K + i, mask=cmask, other=0).to(tl.float32)
-                s = _flush(tl.fma(xe[:, None], qe[None, :], s))
+            for j in range(BLOCK // SUB):
+                s = zero
+                t = tl.zeros((BM,), dtype=tl.float32)
+                for p in range(SUB // 2):
+                    i = BLOCK * g + SUB * j + 2 * p
+                    xo = _bf(tl.load(x_ptr + rows * K + i + 1, mask=rmask, other=0))
+                    qo = tl.load(q_ptr + cols * K + i + 1, mask=cmask, other=0).to(tl.float32)
+                    s = _flush(tl.fma(xo[:, None], qo[None, :], s))
+                    xe = _bf(tl.load(x_ptr + rows * K + i, mask=rmask, other=0))
+                    qe = tl.load(q_ptr + cols * K + i, mask=cmask, other=0).to(tl.float32)
+                    s = _flush(tl.fma(xe[:, None], qe[None, :], s))
+                    if MIN:
+                        t = _flush(t + xo)
+                        t = _flush(t + xe)
+                d, mn = _qscale(d_ptr, m_ptr, sc_ptr, mn_ptr, cols, cmask, nb, g, ns, g * (BLOCK // SUB) + j,
+                                MIN, KQ)
+                c = _flush(d[None, :] * s)
                 if MIN:
-                    t = _flush(t + xo)
-                    t = _flush(t + xe)
-            d = _flush(tl.load(d_ptr + cols * nb + g, mask=cmask, other=0).to(tl.float32))
-            c = _flush(d[None, :] * s)
-            if MIN:
-                mn = _flush(tl.load(m_ptr + cols * nb + g, mask=cmask, other=0).to(tl.float32))
-                c = _flush(c + _flush(mn[None, :] * t[:, None]))
-            acc = _flush(acc + c)
+                    mt = _flush(mn[None, :] * t[:, None])
+                    c = _flush(c - mt) if KQ else _flush(c + mt)
+                acc = _flush(acc + c)
         acc, lv0, lv1, lv2, lv3 = _fold(l, acc, lv0, lv1, lv2, lv3)
     _store_out(out_ptr, acc, rows, cols, rmask, cmask, N, F32)
 
 
-def qmatmul(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m=None, f32: bool = False) -> torch.Tensor:
-    """x [M, K] (bf16) @ W.T for a quantized W [N, K] (K a multiple of 32): q int8 [N, K],
-    the integers (Q4_0's n - 8); d float16 [N, K/32] the block scales; m float16
-    [N, K/32] the Q4_1 minimums, or None. bf16 out, or the binary32 qdots (f32)."""
+def _quant_args(q: torch.Tensor, d: torch.Tensor, m, sc, mn) -> tuple:
+    """A quantized weight's tensors as the kernels take them, and its constexprs (MIN,
+    KQ, BLOCK, SUB); see qmatmul."""
+    n, k = q.shape
+    kq = sc is not None
+    block = 256 if kq else 32
+    sub = k // sc.shape[1] if kq else 32
+    assert q.dtype == torch.int8 and d.dtype == torch.float16 and k % block == 0 and d.shape == (n, k // block)
+    assert m is None or (m.dtype == torch.float16 and m.shape == d.shape)
+    assert not kq or (sub in (16, 32) and sc.shape == (n, k // sub) and sc.dtype == torch.int8)
+    assert (mn is None) == (not kq or m is None) and (mn is None or (mn.shape == sc.shape and mn.dtype == torch.int8))
+    d = d.contiguous()
+    sc = sc.contiguous() if kq else d
+    tensors = (q.contiguous(), d, d if m is None else m.contiguous(), sc, sc if mn is None else mn.contiguous())
+    return tensors, dict(MIN=m is not None, KQ=kq, BLOCK=block, SUB=sub)
+
+
+def qmatmul(x: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m=None, f32: bool = False, sc=None,
+            mn=None) -> torch.Tensor:
+    """x [M, K] (bf16) @ W.T for a quantized W [N, K]: q int8 [N, K], the integers (Q4_0's
+    n - 8, Q6_K's n - 32); Q8_0, Q4_0, Q4_1 (K a multiple of 32): d float16 [N, K/32]
+    the block scales, m float16 [N, K/32] the Q4_1 minimums, or None; a K-quant (K a
+    multiple of 256): d and m float16 [N, K/256] each super-block's d and dmin (Q6_K: m
+    None), sc int8 [N, K/S] each sub-block's scale (S = 32, Q6_K's 16) and mn int8
+    [N, K/S] its minimum (Q6_K: None). bf16 out, or the binary32 qdots (f32)."""
     mm, k = x.shape
     n = q.shape[0]
-    assert x.dtype == torch.bfloat16 and q.dtype == torch.int8 and d.dtype == torch.float16
-    assert k % 32 == 0 and q.shape == (n, k) and d.shape == (n, k // 32)
-    assert m is None or (m.dtype == torch.float16 and m.shape == d.shape)
-    d = d.contiguous()
+    assert x.dtype == torch.bfloat16 and q.shape == (n, k)
+    tensors, kinds = _quant_args(q, d, m, sc, mn)
     out = torch.empty(mm, n, dtype=torch.float32 if f32 else torch.bfloat16, device=x.device)
     grid = (triton.cdiv(mm, 16), triton.cdiv(n, 32))
-    _qmatmul_kernel[grid](_bits(x), q.contiguous(), d, d if m is None else m.contiguous(),
-                          out if f32 else out.view(torch.int16), mm, n, k, MIN=m is not None, F32=f32,
-                          BM=16, BN=32, **OPTIONS)
+    _qmatmul_kernel[grid](_bits(x), *tensors, out if f32 else out.view(torch.int16), mm, n, k, F32=f32,
+                          BM=16, BN=32, **kinds, **OPTIONS)
     return out
 
 
 @triton.jit
-def _qrows_kernel(ids_ptr, q_ptr, d_ptr, m_ptr, out_ptr, K, MIN: tl.constexpr, BLOCK: tl.constexpr):
-    """One embedding row of a quantized table: bf16(d*q), or bf16((d*q) + m) (MIN)."""
+def _qrows_kernel(ids_ptr, q_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, out_ptr, K, MIN: tl.constexpr, KQ: tl.constexpr,
+                  BLOCK: tl.constexpr, SUB: tl.constexpr, WIDTH: tl.constexpr):
+    """One embedding row of a quantized table: bf16(d*q), or bf16((d*q) + m) (MIN); a
+    K-quant's bf16(D*q), or bf16((D*q) - M)."""
     row = tl.program_id(0)
     src = tl.load(ids_ptr + row).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    offs = tl.program_id(1) * WIDTH + tl.arange(0, WIDTH)
     mask = offs < K
     q = tl.load(q_ptr + src * K + offs, mask=mask, other=0).to(tl.float32)
-    d = _flush(tl.load(d_ptr + src * (K // 32) + offs // 32, mask=mask, other=0).to(tl.float32))
-    v = _flush(d * q)   # exact: 11 x 8 significant bits
+    d, mn = _qscale(d_ptr, m_ptr, sc_ptr, mn_ptr, src, mask, K // BLOCK, offs // BLOCK, K // SUB, offs // SUB,
+                    MIN, KQ)
+    v = _flush(d * q)   # exact: 18 x 8 significant bits at most
     if MIN:
-        v = _flush(v + _flush(tl.load(m_ptr + src * (K // 32) + offs // 32, mask=mask, other=0).to(tl.float32)))
+        v = _flush(v - mn) if KQ else _flush(v + mn)
     tl.store(out_ptr + row * K + offs, _to_bf(v), mask=mask)
 
 
-def qrows(q: torch.Tensor, d: torch.Tensor, m, ids: torch.Tensor) -> torch.Tensor:
-    """The rows `ids` of a quantized table (q, d, m as qmatmul takes them), as bf16
-    (SPEC.md, "Embedding rows")."""
+def qrows(q: torch.Tensor, d: torch.Tensor, m, ids: torch.Tensor, sc=None, mn=None) -> torch.Tensor:
+    """The rows `ids` of a quantized table (q, d, m, sc, mn as qmatmul takes them), as
+    bf16 (SPEC.md, "Embedding rows")."""
     k = q.shape[1]
+    tensors, kinds = _quant_args(q, d, m, sc, mn)
     out = torch.empty(ids.shape[0], k, dtype=torch.bfloat16, device=q.device)
-    d = d.contiguous()
-    _qrows_kernel[(ids.shape[0], triton.cdiv(k, 256))](ids.contiguous(), q.contiguous(), d,
-                                                      d if m is None else m.contiguous(), out.view(torch.int16),
-                                                      k, MIN=m is not None, BLOCK=256, **OPTIONS)
+    _qrows_kernel[(ids.shape[0], triton.cdiv(k, 256))](ids.contiguous(), *tensors, out.view(torch.int16), k,
+                                                      WIDTH=256, **kinds, **OPTIONS)
     return out
 
 

@@ -13,8 +13,8 @@ repacked once at load. F32, F16 and BF16 tensors, and every other quantized type
 named in the start-up log. A stacked projection (q, k and v; gate and up) whose parts
 are stored in different such types (llama.cpp's Q4_K_M: v in Q6_K beside q and k in
 Q4_K) is served as stored too, each run of parts of one type packed on its own
-(cpu_linear.Stacked). The Triton reference (`blocks_on`) takes Q8_0, Q4_0 and Q4_1 as
-stored, a stack only where its parts share one type; it converts the K-quants to bf16.
+(cpu_linear.Stacked). The Triton reference (`blocks_on`) takes the same types as
+stored, a stack only where its parts share one type (else the stack is converted to bf16).
 """
 from __future__ import annotations
 
@@ -35,10 +35,10 @@ from gateeng.plans import packing
 from gateeng.plans.cpu_linear import Packed, Stacked
 from gateeng.plans.packing import QuantBlocks
 
-# The types multiplied as stored, by GGML type id (ref_ops.cpp's QTYPES): on the Triton
-# reference (QuantBlocks), and on the CPU reference kernels.
-BLOCKS_QUANTIZED = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3}
-SERVED_QUANTIZED = {**BLOCKS_QUANTIZED, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+# The types multiplied as stored, by GGML type id (ref_ops.cpp's QTYPES), on the CPU
+# reference kernels and on the Triton reference (QuantBlocks).
+SERVED_QUANTIZED = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+K_QUANT_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}   # bytes per stored super-block of 256 values
 PLAIN_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}   # type: its bytes' dtype
 # The GGUF architectures read natively, and their tensors' names, are the families'
 # (gateeng.model.families). llama.cpp's converter permutes some families' q and k rows
@@ -143,22 +143,50 @@ class GGUFTensors:
         return out.reshape(shape)
 
 
-def split_blocks(raw: np.ndarray, kind: str, k: int) -> tuple:
-    """A Q8_0, Q4_0 or Q4_1 tensor's stored rows [N, bytes] as (q int8 [N, k], d float16
-    [N, k/32], m float16 [N, k/32] or None): the integers and scales of SPEC.md's
-    table. A block's record is its binary16 d (and, Q4_1, m), then its values: Q8_0's
-    32 int8; Q4's 16 bytes, byte j holding value j in its low nibble and value j + 16
-    in its high one (Q4_0 stores n = q + 8)."""
+def split_blocks(raw: np.ndarray, kind: str, k: int) -> QuantBlocks:
+    """A quantized tensor's stored rows [N, bytes] as the integers and scales of SPEC.md's
+    tables (numpy arrays in a QuantBlocks). Q8_0, Q4_0, Q4_1: a block's record is its
+    binary16 d (and, Q4_1, m), then its values: Q8_0's 32 int8; Q4's 16 bytes, byte j
+    holding value j in its low nibble and value j + 16 in its high one (Q4_0 stores
+    n = q + 8). The K-quants: split_k_blocks."""
+    if kind in K_QUANT_BYTES:
+        return split_k_blocks(raw, kind, k)
     rows = raw.shape[0]
     rec = raw.reshape(rows, k // 32, -1)
     d = np.ascontiguousarray(rec[:, :, 0:2]).view(np.float16)[..., 0]
     if kind == "Q8_0":
-        return np.ascontiguousarray(rec[:, :, 2:]).view(np.int8).reshape(rows, k), d, None
+        return QuantBlocks(np.ascontiguousarray(rec[:, :, 2:]).view(np.int8).reshape(rows, k), d, None)
     nibbles = rec[:, :, 4 if kind == "Q4_1" else 2:]
     q = np.concatenate([nibbles & 15, nibbles >> 4], axis=-1).astype(np.int8).reshape(rows, k)
     if kind == "Q4_0":
-        return q - np.int8(8), d, None
-    return q, d, np.ascontiguousarray(rec[:, :, 2:4]).view(np.float16)[..., 0]
+        return QuantBlocks(q - np.int8(8), d, None)
+    return QuantBlocks(q, d, np.ascontiguousarray(rec[:, :, 2:4]).view(np.float16)[..., 0])
+
+
+def split_k_blocks(raw: np.ndarray, kind: str, k: int) -> QuantBlocks:
+    """A K-quant's stored rows [N, bytes] (ggml's block_q4_K, block_q5_K, block_q6_K;
+    SPEC.md's byte layouts) as QuantBlocks: q int8 [N, k] (Q6_K's n - 32), d and dmin
+    float16 [N, k/256], the sub-blocks' sc and mn int8 [N, k/S] (S = 32; Q6_K: 16, no
+    minimum). The 6-bit scales and minimums are unpacked by the gguf package's
+    get_scale_min_k4."""
+    from gguf.quants import Q4_K
+    rows = raw.shape[0]
+    b = raw.reshape(rows, k // 256, K_QUANT_BYTES[kind])
+    half = lambda a: np.ascontiguousarray(a).view(np.float16)[..., 0]   # noqa: E731
+    if kind == "Q6_K":
+        ql, qh = b[..., :128], b[..., 128:192]
+        lo = np.concatenate([ql[..., :64] & 15, ql[..., :64] >> 4, ql[..., 64:] & 15, ql[..., 64:] >> 4], -1)
+        hi = np.concatenate([(qh[..., h * 32:(h + 1) * 32] >> (2 * i)) & 3 for h in range(2) for i in range(4)], -1)
+        q = (lo | (hi << 4)).astype(np.int8) - np.int8(32)
+        sc = np.ascontiguousarray(b[..., 192:208]).view(np.int8)
+        return QuantBlocks(q.reshape(rows, k), half(b[..., 208:210]), None, sc.reshape(rows, -1))
+    sc, mn = Q4_K.get_scale_min(np.ascontiguousarray(b[..., 4:16]).reshape(-1, 12))
+    qs = b[..., 48:176] if kind == "Q5_K" else b[..., 16:144]
+    q = np.concatenate([(qs[..., (j // 2) * 32:(j // 2 + 1) * 32] >> (4 * (j % 2))) & 15 for j in range(8)], -1)
+    if kind == "Q5_K":
+        q = q | (np.concatenate([(b[..., 16:48] >> j) & 1 for j in range(8)], -1) << 4)
+    return QuantBlocks(q.astype(np.int8).reshape(rows, k), half(b[..., 0:2]), half(b[..., 2:4]),
+                       sc.astype(np.int8).reshape(rows, -1), mn.astype(np.int8).reshape(rows, -1))
 
 
 def unpermute(rows, heads: int):
@@ -214,17 +242,15 @@ class GGUFLoad:
         matrix's (kernels/SPEC.md, "Mixture of experts")."""
         heads = heads or [None] * len(names)
         kinds = [self.tensors.tensors[n].type for n in names]
-        served = SERVED_QUANTIZED if self.blocks_on is None else BLOCKS_QUANTIZED
-        if (self.quantized and all(k in served for k in kinds) and (self.blocks_on is None or len(set(kinds)) == 1)
+        if (self.quantized and all(k in SERVED_QUANTIZED for k in kinds)
+                and (self.blocks_on is None or len(set(kinds)) == 1)
                 and not any(w is r for r in model.routers())):
             runs = [(kind, [self._rows(n, True, h, expert) for _, n, h in run])
                     for kind, run in itertools.groupby(zip(kinds, names, heads), key=lambda entry: entry[0])]
             if self.blocks_on is not None:
                 (kind, rows), = runs
                 raw = np.concatenate(rows) if len(rows) > 1 else rows[0]
-                q, d, m = (None if a is None else torch.from_numpy(a).to(self.blocks_on)
-                           for a in split_blocks(raw, kind, w.shape[1]))
-                packing.set_blocks(model, w, QuantBlocks(q, d, m))
+                packing.set_blocks(model, w, split_blocks(raw, kind, w.shape[1]).to(self.blocks_on))
                 return
             packed = []
             while runs:   # each run's stored rows let go once packed

@@ -85,11 +85,11 @@ class TritonReferencePlan(ReferenceBase):
 
     def embed(self, model, ids: torch.Tensor) -> torch.Tensor:
         b = self._blocks.get(id(model.embed))
-        return super().embed(model, ids) if b is None else self.ops.qrows(b.q, b.d, b.m, ids)
+        return super().embed(model, ids) if b is None else self.ops.qrows(b.q, b.d, b.m, ids, b.sc, b.mn)
 
     def linear(self, x, w, f32: bool = False):
         b = self._blocks.get(id(w))
-        return self.ops.matmul(x, w, f32=f32) if b is None else self.ops.qmatmul(x, b.q, b.d, b.m, f32=f32)
+        return self.ops.matmul(x, w, f32=f32) if b is None else self.ops.qmatmul(x, b.q, b.d, b.m, f32, b.sc, b.mn)
 
     def router_logits(self, x, w):
         """A router's logits: the binary32 dots x @ w.T, not rounded to bf16. (route and

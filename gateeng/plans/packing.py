@@ -21,7 +21,7 @@ to no model, and goes with the weights when new ones are loaded.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Optional
 
 import torch
@@ -32,12 +32,28 @@ from gateeng.plans import cpu_linear, kernel_names
 
 @dataclass(frozen=True)
 class QuantBlocks:
-    """A Q8_0, Q4_0 or Q4_1 weight [N, K] as its integers and block scales (kernels/SPEC.md,
-    "Quantized weights"), on any device: q int8 [N, K] (Q4_0's n - 8), d float16
-    [N, K/32], m float16 [N, K/32] for Q4_1, else None."""
+    """A quantized weight [N, K] as its integers and scales (kernels/SPEC.md, "Quantized
+    weights"), on any device (torch tensors, or numpy arrays before `to`): q int8 [N, K]
+    (Q4_0's n - 8, Q6_K's n - 32). Q8_0, Q4_0, Q4_1: d float16 [N, K/32], m float16
+    [N, K/32] for Q4_1, else None; sc and mn None. A K-quant: d and m float16 [N, K/256]
+    (each super-block's d and dmin; Q6_K: m None), sc int8 [N, K/S] the sub-blocks'
+    scales (S = 32; Q6_K: 16), mn int8 [N, K/S] their minimums (Q6_K: None)."""
     q: torch.Tensor
     d: torch.Tensor
     m: Optional[torch.Tensor]
+    sc: Optional[torch.Tensor] = None
+    mn: Optional[torch.Tensor] = None
+
+    def _parts(self) -> tuple:
+        return tuple(getattr(self, f.name) for f in fields(self))   # not astuple: it deep-copies
+
+    def to(self, device) -> "QuantBlocks":
+        """The same blocks as torch tensors on `device`."""
+        return QuantBlocks(*(None if a is None else torch.as_tensor(a).to(device) for a in self._parts()))
+
+    def rows(self, n: int) -> "QuantBlocks":
+        """The first n rows' blocks."""
+        return QuantBlocks(*(None if a is None else a[:n] for a in self._parts()))
 
 
 class PackedWeights:
