@@ -43,6 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import command, commit, machine, report_path  # noqa: E402
+from memory import MIB, PARTS, parts, served_bytes  # noqa: E402
 from models import SHAPES, quantized, random_llama, to_gguf  # noqa: E402
 from servers import Server, executable, llama_version  # noqa: E402
 from serve import pct, prompts  # noqa: E402
@@ -52,6 +53,9 @@ from gateeng.model.loader import default_model_path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA, GATEENG = "llama.cpp", "gateeng"
+# llama.cpp's slots and its whole context (-np, -c): gateeng's default KV cache holds as
+# many positions (gateeng.config.kv_blocks), so both hold the same KV cache.
+SLOTS, CONTEXT = 32, 16384
 
 
 async def stream_one(client, model: str, prompt: str, tokens: int) -> dict:
@@ -139,8 +143,9 @@ def bandwidth_share(rounds: list, gguf: Path, bandwidth: float) -> str:
     return "\n".join(lines)
 
 
-def measure(server: Server, args, texts: list) -> dict:
-    """Warm the server up, then every stream count; its RSS after the last."""
+def measure(server: Server, args, texts: list, gguf: str) -> dict:
+    """Warm the server up, then every stream count; its RSS after the last, and that
+    RSS by what holds it (bench/memory.py)."""
     asyncio.run(load(server.url, texts[:2], 2, 4))
     runs = {}
     for n in args.streams:
@@ -149,7 +154,8 @@ def measure(server: Server, args, texts: list) -> dict:
         except Exception as e:   # name the server and the run: the figure is not reported
             raise RuntimeError(f"{server.name} failed at {n} streams: {e!r}") from e
         print(f"  {server.name}, {n} streams: {runs[n]['tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
-    return {"runs": runs, "rss_bytes": server.rss_bytes(), "peak_bytes": server.rss_bytes("VmHWM")}
+    return {"runs": runs, "rss_bytes": server.rss_bytes(), "peak_bytes": server.rss_bytes("VmHWM"),
+            "parts": parts(server.proc.pid, gguf)}
 
 
 def table(rounds: list, streams: list, kind: str) -> str:
@@ -173,10 +179,24 @@ def table(rounds: list, streams: list, kind: str) -> str:
     return "\n".join(lines)
 
 
+def memory_table(rounds: list, gguf: str) -> str:
+    """Both servers' RSS after the run by what holds it (medians over rounds), and what
+    the weights and the KV cache of CONTEXT positions take as gateeng serves the file."""
+    def med(name, part):
+        return statistics.median(r[name]["parts"][part] for r in rounds) / MIB
+    lines = ["| part of the RSS after the run, MiB | llama.cpp | gateeng |", "| --- | --- | --- |"]
+    lines += [f"| {part} | {med(LLAMA, part):.0f} | {med(GATEENG, part):.0f} |" for part in PARTS]
+    model = served_bytes(gguf, CONTEXT)
+    rest = statistics.median(r[GATEENG]["rss_bytes"] for r in rounds) - sum(model.values())
+    return ("\n".join(lines) + f"\n\ngateeng: weights {model['weights'] / MIB:.0f} MiB and KV cache "
+            f"{model['KV cache'] / MIB:.0f} MiB ({CONTEXT} positions, their bytes); the rest of its RSS, the "
+            f"runtime: {rest / MIB:.0f} MiB")
+
+
 def run_rounds(args, gguf: str) -> list:
     """Per round, each server's figures on `gguf`: fresh servers, the order alternating."""
     texts = prompts(args.prompts)
-    starts = {LLAMA: lambda: Server.llama(args.llama_server, gguf, 32, LLAMA, context=512),
+    starts = {LLAMA: lambda: Server.llama(args.llama_server, gguf, SLOTS, LLAMA, context=CONTEXT // SLOTS),
               GATEENG: lambda: Server.gateeng("--model", gguf, name=GATEENG)}
     rounds = []
     for i in range(args.rounds):
@@ -185,7 +205,7 @@ def run_rounds(args, gguf: str) -> list:
         for name in order:
             print(f"round {i + 1}/{args.rounds}: {name}", file=sys.stderr, flush=True)
             with starts[name]() as server:
-                this[name] = measure(server, args, texts)
+                this[name] = measure(server, args, texts, gguf)
         rounds.append(this)
     return rounds
 
@@ -231,7 +251,8 @@ def main() -> int:
             print(f"{gguf.name}", file=sys.stderr, flush=True)
             by_type[kind] = run_rounds(args, str(gguf))
             print(f"\n{gguf.name}: {args.prompts} chat prompts x {args.tokens} tokens, greedy; medians of "
-                  f"{args.rounds} rounds (gateeng's rounds in brackets)\n\n{table(by_type[kind], args.streams, kind)}",
+                  f"{args.rounds} rounds (gateeng's rounds in brackets)\n\n{table(by_type[kind], args.streams, kind)}"
+                  f"\n\n{memory_table(by_type[kind], str(gguf))}",
                   flush=True)
             if 1 in args.streams:
                 print(f"\n{bandwidth_share(by_type[kind], gguf, bandwidth)}", flush=True)

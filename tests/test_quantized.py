@@ -116,6 +116,23 @@ def test_other_types_are_converted_to_bf16_and_named(files, capsys):
     assert "dequantized to bf16 (not served as stored): 2 Q5_0" in err, err
 
 
+def test_an_untied_quantized_embedding_is_read_from_the_file_as_stored(files):
+    """An untied embedding stays in the file, mapped: its rows are the file's values
+    (the reference's dequantization, SPEC.md), wherever a batch looks them up, and the
+    whole packed copy tensor parallelism hands its ranks holds the same values."""
+    from gateeng.model.gguf_weights import GGUFTensors
+    path = files["mixed"]["path"]
+    loaded = loader.load(str(path))
+    model, ops = loaded.model, reference_ops.load()
+    raw = GGUFTensors(path).raw("token_embd.weight")
+    want = ops.qrows(ops.qpack(torch.from_numpy(raw), TYPES["Q4_0"]), torch.arange(raw.shape[0]))
+    assert id(model.embed) in packing.of(model).stored_rows and id(model.embed) not in packing.of(model).shared
+    ids = torch.tensor([7, 0, 7, raw.shape[0] - 1, 4242])
+    assert torch.equal(packing.embed_rows(model, ids), want[ids])
+    whole = packing.quantized_embedding(model)
+    assert torch.equal(ops.qrows(whole.data, torch.arange(whole.n)), want)
+
+
 def test_quantized_weights_fail_closed(files, tmp_path):
     from gateeng.engine.weights import WeightUpdateUnavailable
     loaded = loader.load(str(files["Q8_0"]["path"]))

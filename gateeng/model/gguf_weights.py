@@ -2,9 +2,11 @@
 
 The `gguf` package's reader gives the header (names, types, shapes, offsets: read
 once, in the child process that converts the config, and cached); each
-tensor's bytes are then read from the file on their own (no memory map held, so the
-file never counts in the process's memory), converted and packed, and dropped before
-the next one is read: loading holds the model's packed weights plus one tensor.
+tensor's bytes are then read from the file on their own, converted and packed, and
+dropped before the next one is read: loading holds the model's packed weights plus one
+tensor. An untied embedding served quantized is the exception: it is looked up, never
+multiplied whole, so it stays in the file, behind a memory map, and only the rows of
+the tokens seen become resident (GGUFTensors.mapped, packing.StoredRows).
 
 Q8_0, Q4_0, Q4_1 and the K-quants Q4_K, Q5_K and Q6_K stay quantized (kernels/SPEC.md,
 "Quantized weights"), in the reference kernels' packed layout (ref_ops.cpp `qpack`),
@@ -123,6 +125,16 @@ class GGUFTensors:
         rows = t.shape[-2] if len(t.shape) >= 2 else 1
         return buf.reshape(rows, -1)
 
+    def mapped(self, name: str) -> torch.Tensor:
+        """The stored bytes, uint8 [rows, bytes per row], over a copy-on-write memory map
+        of the file (nothing is read until a row is)."""
+        t = self.tensors[name]
+        rows = t.shape[0] if len(t.shape) == 2 else 1
+        if self.path.stat().st_size < t.offset + t.nbytes:
+            raise ValueError(f"{self.path.name} is truncated: tensor {name} ends past the end of the file")
+        view = np.memmap(self.path, dtype=np.uint8, mode="c", offset=t.offset, shape=(rows, t.nbytes // rows))
+        return torch.from_numpy(view)
+
     def values(self, name: str, raw: np.ndarray, rows_per_slice: int = 4096) -> torch.Tensor:
         """The tensor's values rounded to bf16, from its stored bytes: F32, F16 and BF16
         as they are (rounded to nearest even, as every torch build rounds); other types
@@ -232,14 +244,16 @@ class GGUFLoad:
         return rows
 
     def _fill(self, model, w: torch.Tensor, names: list, heads: Optional[list] = None,
-              expert: Optional[int] = None) -> None:
+              expert: Optional[int] = None, looked_up: bool = False) -> None:
         """w from the stored tensors `names` (expert `expert`'s matrix of each, for an
         expert's weight), stacked by rows: packed as stored where each is of a type
         served quantized (parts of different types: each run of one type packed on its
         own, a cpu_linear.Stacked; the Triton reference's blocks take one type only), else
         converted to bf16. `heads`: per name, the rotary heads whose rows the file
         permuted (None: as stored). A router is always converted: its logits are a bf16
-        matrix's (kernels/SPEC.md, "Mixture of experts")."""
+        matrix's (kernels/SPEC.md, "Mixture of experts"). `looked_up`: w is only looked up
+        by rows (an untied embedding): served quantized, it stays in the file, mapped
+        (packing.StoredRows)."""
         heads = heads or [None] * len(names)
         kinds = [self.tensors.tensors[n].type for n in names]
         if (self.quantized and all(k in SERVED_QUANTIZED for k in kinds)
@@ -247,6 +261,11 @@ class GGUFLoad:
                 and not any(w is r for r in model.routers())):
             runs = [(kind, [self._rows(n, True, h, expert) for _, n, h in run])
                     for kind, run in itertools.groupby(zip(kinds, names, heads), key=lambda entry: entry[0])]
+            if looked_up and self.blocks_on is None and len(names) == 1 and heads[0] is None:
+                del runs   # read whole once, for the fingerprint
+                rows = packing.StoredRows(self.tensors.mapped(names[0]), SERVED_QUANTIZED[kinds[0]])
+                packing.set_stored_rows(model, w, rows, self.ops)
+                return
             if self.blocks_on is not None:
                 (kind, rows), = runs
                 raw = np.concatenate(rows) if len(rows) > 1 else rows[0]
@@ -316,7 +335,8 @@ class GGUFLoad:
         plan = self._plan(model)
         self._check(plan)
         for target, names, _, heads, expert in plan:
-            self._fill(model, target, names, heads, expert)
+            looked_up = target is model.embed and not self.cfg.tie_word_embeddings
+            self._fill(model, target, names, heads, expert, looked_up)
         packing.of(model).stored_types = {t.split(" as ")[0]: n for t, n in sorted(self.served.items())
                                           if t.endswith("stored") and t.split(" as ")[0] in SERVED_QUANTIZED}
 

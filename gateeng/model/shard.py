@@ -211,7 +211,7 @@ def shard_tensors(model: LlamaModel, lays: list, release: bool = False) -> list:
             packing.drop_weight(model, w)
 
     # The embedding is whole on every rank: one tensor (or packed copy) they all share.
-    embed = _quantized(model, model.embed) or packing.embed_rows(model, torch.arange(cfg.vocab_size)).contiguous()
+    embed = packing.quantized_embedding(model) or packing.embed_rows(model, torch.arange(cfg.vocab_size)).contiguous()
     for out in outs:
         out["embed"] = embed
     plain("norm", model.norm)

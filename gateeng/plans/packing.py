@@ -9,6 +9,8 @@ Per model, one PackedWeights (`of`) holds, by id of the model's weight:
   and the fast plan too where it can (`pack_shared`, `pack_fast`); a GGUF's
   quantized weight arrives as such a copy (`set_packed`);
 - `blocks`: a quantized weight as the Triton reference reads it (`set_blocks`);
+- `stored_rows`: an untied quantized embedding as the GGUF file stores it, mapped
+  (`set_stored_rows`);
 - the fast plan's matmuls (`packed`), its float32 logits head (`dense_head`), its
   bf16 candidate head (`lm_head_bf16`) and one-call decode layers (`fused_layers`),
   and the machine-specific invariant plan's matmuls (`invariant_packed`);
@@ -56,6 +58,17 @@ class QuantBlocks:
         return QuantBlocks(*(None if a is None else a[:n] for a in self._parts()))
 
 
+@dataclass(frozen=True)
+class StoredRows:
+    """A quantized embedding [N, K] as its GGUF file stores it: `rows` uint8 [N, row
+    bytes] over a copy-on-write memory map of the file, `ggml` its GGML type id. An
+    embedding is looked up, never multiplied whole, so only the rows of the tokens seen
+    become resident (llama.cpp holds it the same way); a 1.17B Llama's Q8_0 embedding
+    is 102 MiB, of which a server touches a few."""
+    rows: torch.Tensor
+    ggml: int
+
+
 class PackedWeights:
     """One model's weights as the plans hold them (see the module doc)."""
 
@@ -63,6 +76,7 @@ class PackedWeights:
         self.packed = {}   # id(weight) -> x @ weight.T for the fast plan (pack_fast)
         self.shared = {}   # id(weight) -> cpu_linear.Packed: the one packed copy (pack_shared, set_packed)
         self.blocks = {}   # id(weight) -> QuantBlocks: a quantized weight on a device (set_blocks)
+        self.stored_rows = {}   # id(weight) -> StoredRows: an untied embedding as stored (set_stored_rows)
         # Weights served as stored in a GGUF file (model.gguf_weights): {type: tensors}, and
         # the reference kernels their packed copies need (embedding rows, plain copies).
         self.stored_types, self.quant_ops = {}, None
@@ -88,7 +102,8 @@ class PackedWeights:
     @property
     def quantized(self) -> bool:
         """Whether some weights are served quantized, as stored (set_packed, set_blocks)."""
-        return bool(self.blocks) or any(cpu_linear.quantized(p) for p in self.shared.values())
+        return (bool(self.blocks) or bool(self.stored_rows)
+                or any(cpu_linear.quantized(p) for p in self.shared.values()))
 
 
 def of(model) -> PackedWeights:
@@ -150,6 +165,15 @@ def set_packed(model, w: torch.Tensor, packed, ops) -> None:
     _release(w)
     s = of(model)
     s.shared[id(w)] = packed
+    s.quant_ops = ops
+
+
+def set_stored_rows(model, w: torch.Tensor, rows: StoredRows, ops) -> None:
+    """w's one copy is `rows`, an embedding as its GGUF file stores it, read by the
+    reference kernels' module `ops` (embed_rows): w keeps its shape, without storage."""
+    _release(w)
+    s = of(model)
+    s.stored_rows[id(w)] = rows
     s.quant_ops = ops
 
 
@@ -361,6 +385,17 @@ def release_plain_weights(model) -> int:
     return s.freed_bytes
 
 
+def quantized_embedding(model) -> Optional[cpu_linear.Packed]:
+    """The embedding's whole quantized packed copy (ref_ops.cpp qpack), packed from the
+    file's rows where it is served from them; None where it is not quantized."""
+    s = of(model)
+    stored = s.stored_rows.get(id(model.embed))
+    if stored is not None:
+        return cpu_linear.Packed(s.quant_ops.qpack(stored.rows.contiguous(), stored.ggml), *model.embed.shape)
+    p = s.shared.get(id(model.embed))
+    return p if p is not None and cpu_linear.quantized(p) else None
+
+
 def embed_rows(model, ids: torch.Tensor) -> torch.Tensor:
     """The embeddings of token ids: rows of the embedding, or of the packed lm_head
     when they are tied and the plain copy was released (the pairs of a row sit at
@@ -368,6 +403,11 @@ def embed_rows(model, ids: torch.Tensor) -> torch.Tensor:
     if not _released(model.embed):
         return model.embed[ids]
     s = of(model)
+    stored = s.stored_rows.get(id(model.embed))
+    if stored is not None:   # qrows reads each row alone: the rows packed apart give the same values
+        ids = ids.to(torch.long)
+        packed = s.quant_ops.qpack(stored.rows.index_select(0, ids), stored.ggml)
+        return s.quant_ops.qrows(packed, torch.arange(ids.shape[0]), 0)
     packed = s.shared[id(model.embed)].data
     if packed.dtype == torch.uint8:
         return s.quant_ops.qrows(packed, ids, s.shared[id(model.embed)].per)
