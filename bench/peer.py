@@ -187,10 +187,11 @@ def memory_table(rounds: list, gguf: str) -> str:
     lines = ["| part of the RSS after the run, MiB | llama.cpp | gateeng |", "| --- | --- | --- |"]
     lines += [f"| {part} | {med(LLAMA, part):.0f} | {med(GATEENG, part):.0f} |" for part in PARTS]
     model = served_bytes(gguf, CONTEXT)
-    rest = statistics.median(r[GATEENG]["rss_bytes"] for r in rounds) - sum(model.values())
+    rest = statistics.median(r[GATEENG]["rss_bytes"] - r[GATEENG]["parts"][PARTS[0]] for r in rounds)
+    rest -= sum(model.values())
     return ("\n".join(lines) + f"\n\ngateeng: weights {model['weights'] / MIB:.0f} MiB and KV cache "
-            f"{model['KV cache'] / MIB:.0f} MiB ({CONTEXT} positions, their bytes); the rest of its RSS, the "
-            f"runtime: {rest / MIB:.0f} MiB")
+            f"{model['KV cache'] / MIB:.0f} MiB ({CONTEXT} positions, their bytes); the rest of its RSS but "
+            f"the file's mapped pages, the runtime: {rest / MIB:.0f} MiB")
 
 
 def run_rounds(args, gguf: str) -> list:
