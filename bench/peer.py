@@ -126,7 +126,7 @@ def token_bytes(gguf: Path) -> int:
     """The bytes one decoded token reads of the file's weights as stored: every tensor
     but the embedding (a lookup of one row), which a tied lm_head reads whole."""
     from gateeng.model.gguf_weights import read_table
-    _, tensors = read_table(gguf)
+    tensors = read_table(gguf)[1]
     tied = "output.weight" not in tensors
     return sum(t.nbytes for name, t in tensors.items() if name != "token_embd.weight" or tied)
 
