@@ -36,7 +36,7 @@ run: install
 	$(VENV)/bin/gateeng serve
 
 test: install-test proto-check lint-imports
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 lint-imports: install-test
 	$(VENV)/bin/lint-imports

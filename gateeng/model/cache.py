@@ -37,8 +37,9 @@ from gateeng.logs import log
 MANIFEST = "gateeng.json"
 # What a conversion writes; an entry written to another format is converted again.
 # 2: the conversion records the GGUF's tensor types (loader.GGUF_TYPES); 3: a header
-# conversion records the GGUF's tensor table (gguf_weights.TENSOR_TABLE).
-FORMAT = 3
+# conversion records the GGUF's tensor table (gguf_weights.TENSOR_TABLE); 4: a mixture of
+# experts' header records its family and expert fields (a format-3 entry of one lacks them).
+FORMAT = 4
 
 def hash_dir(hf_dir: Path) -> dict:
     """{file name: {size, sha256}} for every file but the manifest."""
