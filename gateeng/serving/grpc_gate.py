@@ -10,6 +10,11 @@ that only the gate reaches:
   sends nothing holds no slot a real client needs: a health probe, whose first bytes
   follow its connect at once, always gets in), else it is itself closed at once
   (no read, no task); both are counted and logged at most once a minute;
+- the gate takes at most ACCEPTS_PER_PASS connections from the kernel's queue per
+  pass of its loop and decides each one as it takes it, so a flood never holds more
+  descriptors than the limit and one pass's worth (asyncio's own servers take up to
+  the backlog at once before deciding any: a flood of 1,000 then runs out of
+  descriptors, and the splice of a probe with it);
 - a connection must send the HTTP/2 preface (with TLS: a TLS handshake record)
   within `handshake_timeout_s` of opening, or it is closed; anything else is closed
   at its first bytes. gRPC's own handshake timeout, the same value, then bounds the
@@ -37,6 +42,8 @@ log = LOGGER.getChild("grpc")
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 TLS_HANDSHAKE = b"\x16\x03"       # a TLS record: type handshake, version 3.x
 HIGH_WATER = 256 * 1024            # bytes buffered toward one side before the other is paused
+ACCEPTS_PER_PASS = 16              # connections taken from the kernel's queue per pass of the gate's loop
+ACCEPT_RETRY_S = 1.0               # after an accept that failed (out of descriptors): asyncio's own delay
 
 
 class _Upstream(asyncio.Protocol):
@@ -78,10 +85,9 @@ class _Client(asyncio.Protocol):
 
     def connection_made(self, transport):
         self.transport = transport
-        if not self.gate.admit(self):
+        if not self.admitted:        # closed to make room before its transport was made
             transport.abort()
             return
-        self.admitted = True
         transport.set_write_buffer_limits(HIGH_WATER)
         self.timer = self.gate.loop.call_later(self.gate.limits.handshake_timeout_s, transport.abort)
 
@@ -163,18 +169,58 @@ class GrpcGate:
         self.sock.bind((host, port))
         self.sock.listen(1024)
         self.port = self.sock.getsockname()[1]
+        self.sock.setblocking(False)
         self.admission = Admission("grpc", limits.max_connections)
         self.silent: collections.OrderedDict = collections.OrderedDict()   # admitted, not yet spoken; oldest first
         self.clients: set = set()
         self._named = 0
         self.loop: Optional[asyncio.AbstractEventLoop] = None
-        self._server = None
+        self._accepting = False
         self._ready = threading.Event()
         self._done: Optional[asyncio.Event] = None
         self.thread = threading.Thread(target=lambda: asyncio.run(self._main()), name="gateeng-grpc-gate",
                                        daemon=True)
 
     # ---- on the gate's loop ------------------------------------------------------
+    def _accept(self) -> None:
+        """Take up to ACCEPTS_PER_PASS connections from the kernel's queue, each admitted
+        (its transport made on a task) or closed at once."""
+        for _ in range(ACCEPTS_PER_PASS):
+            try:
+                conn, _ = self.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:         # out of descriptors: the connections wait in the kernel's queue
+                log.warning("gRPC gate: cannot accept a connection (%s); trying again in %g s", e, ACCEPT_RETRY_S)
+                self._pause_accepting()
+                self.loop.call_later(ACCEPT_RETRY_S, self._resume_accepting)
+                return
+            client = _Client(self)
+            if not self.admit(client):
+                conn.close()
+                continue
+            self.loop.create_task(self._connect(client, conn))
+
+    async def _connect(self, client: _Client, conn: socket.socket) -> None:
+        try:
+            await self.loop.connect_accepted_socket(lambda: client, conn)
+        except OSError as e:             # the client left before its transport was made
+            log.debug("gRPC gate: a connection closed as it was accepted: %s", e)
+            conn.close()
+            if client.admitted:
+                client.admitted = False
+                self.release(client)
+
+    def _pause_accepting(self) -> None:
+        if self._accepting:
+            self.loop.remove_reader(self.sock.fileno())
+            self._accepting = False
+
+    def _resume_accepting(self) -> None:
+        if not self._accepting and self._done is not None and not self._done.is_set() and self.sock.fileno() >= 0:
+            self.loop.add_reader(self.sock.fileno(), self._accept)
+            self._accepting = True
+
     def admit(self, client: _Client) -> bool:
         if not self.admission.admit():
             if not self.silent:
@@ -184,9 +230,11 @@ class GrpcGate:
             oldest.admitted = False
             self.admission.release()
             self.clients.discard(oldest)
-            oldest.transport.abort()
+            if oldest.transport is not None:     # else connection_made closes it
+                oldest.transport.abort()
             self.admission.evicted_one()
             self.admission.admit()
+        client.admitted = True
         self.silent[client] = None
         self.clients.add(client)
         return True
@@ -209,16 +257,19 @@ class GrpcGate:
     async def _main(self):
         self.loop = asyncio.get_running_loop()
         self._done = asyncio.Event()
-        self._server = await self.loop.create_server(lambda: _Client(self), sock=self.sock, backlog=1024)
+        self._resume_accepting()
         self._ready.set()
         await self._done.wait()
+        self._stop_accepting()
         for client in list(self.clients):
-            client.transport.abort()
+            if client.transport is not None:
+                client.transport.abort()
         await asyncio.sleep(0)
 
     def _stop_accepting(self):
-        if self._server is not None:
-            self._server.close()
+        """Close the listening socket: new connections are refused by the kernel."""
+        self._pause_accepting()
+        self.sock.close()
 
     # ---- from any thread -----------------------------------------------------------
     def start(self) -> None:
