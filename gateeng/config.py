@@ -360,6 +360,12 @@ METRICS_MAX_CONNECTIONS = 16
 # File descriptors kept beyond the listeners' connections: the model and kernel
 # files, logs, the tensor-parallel group, the outgoing sockets of the process.
 RESERVED_FDS = 256
+# Connections a listener takes from the kernel's queue in one pass of its event loop,
+# each admitted or closed as it is taken: a flood holds at most this many descriptors
+# beyond the listener's limit at once (the ones closed are released on the next pass),
+# inside RESERVED_FDS.
+ACCEPTS_PER_PASS = 32
+LISTEN_BACKLOG = 1024        # the kernel's queue of connections not yet taken, per listener
 # A gRPC connection holds three descriptors: the client's socket at the accept gate,
 # the gate's socket to gRPC, and gRPC's end of it (serving/grpc_gate.py).
 GRPC_FDS_PER_CONNECTION = 3

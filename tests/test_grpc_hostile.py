@@ -132,7 +132,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_1100_silent_connections_under_an_open_file_limit_of_1024_leave_the_server_serving(tmp_path):
+def test_1100_silent_connections_on_either_front_under_an_open_file_limit_of_1024_leave_the_server_serving(tmp_path):
     from tiny import save_family
     save_family("llama", tmp_path / "model")
     needed = 1100 + 64
@@ -168,6 +168,14 @@ def test_1100_silent_connections_under_an_open_file_limit_of_1024_leave_the_serv
             assert len(c.complete([5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True), timeout=20).token_ids) == 3
         assert post_completion(http_port)["choices"]
         assert time.time() - t0 < 40
+        for s in socks:
+            s.close()
+        # The same flood on the HTTP front: its refusals and silent connections must not
+        # take the descriptors gRPC needs (the output is checked below for EMFILE too).
+        socks = [socket.create_connection(("127.0.0.1", http_port), timeout=10) for _ in range(1100)]
+        assert health(target, timeout=10) == SERVING
+        with Client(target) as c:
+            assert len(c.complete([5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True), timeout=20).token_ids) == 3
     finally:
         for s in socks:
             s.close()

@@ -10,11 +10,11 @@ that only the gate reaches:
   sends nothing holds no slot a real client needs: a health probe, whose first bytes
   follow its connect at once, always gets in), else it is itself closed at once
   (no read, no task); both are counted and logged at most once a minute;
-- the gate takes at most ACCEPTS_PER_PASS connections from the kernel's queue per
-  pass of its loop and decides each one as it takes it, so a flood never holds more
-  descriptors than the limit and one pass's worth (asyncio's own servers take up to
-  the backlog at once before deciding any: a flood of 1,000 then runs out of
-  descriptors, and the splice of a probe with it);
+- the gate takes at most config.ACCEPTS_PER_PASS connections from the kernel's queue
+  per pass of its loop and decides each one as it takes it, so a flood never holds
+  more descriptors than the limit and one pass's worth (an asyncio server with the
+  listen backlog gRPC needs would take 1,024 before deciding any: under a limit of
+  1,024 open files it runs out, and the splice of a probe with it);
 - a connection must send the HTTP/2 preface (with TLS: a TLS handshake record)
   within `handshake_timeout_s` of opening, or it is closed; anything else is closed
   at its first bytes. gRPC's own handshake timeout, the same value, then bounds the
@@ -34,7 +34,7 @@ import socket
 import threading
 from typing import Optional
 
-from gateeng.config import GrpcLimits
+from gateeng.config import ACCEPTS_PER_PASS, LISTEN_BACKLOG, GrpcLimits
 from gateeng.logs import LOGGER
 from gateeng.serving.admission import Admission
 
@@ -42,7 +42,6 @@ log = LOGGER.getChild("grpc")
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 TLS_HANDSHAKE = b"\x16\x03"       # a TLS record: type handshake, version 3.x
 HIGH_WATER = 256 * 1024            # bytes buffered toward one side before the other is paused
-ACCEPTS_PER_PASS = 16              # connections taken from the kernel's queue per pass of the gate's loop
 ACCEPT_RETRY_S = 1.0               # after an accept that failed (out of descriptors): asyncio's own delay
 
 
@@ -167,7 +166,7 @@ class GrpcGate:
         self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
-        self.sock.listen(1024)
+        self.sock.listen(LISTEN_BACKLOG)
         self.port = self.sock.getsockname()[1]
         self.sock.setblocking(False)
         self.admission = Admission("grpc", limits.max_connections)

@@ -9,7 +9,11 @@ Every connection is bounded before it is held (ConnectionLimits):
 - a connection must deliver a request's headers within `header_timeout_s` of
   opening, or of starting the next request on a kept-alive connection, or it is
   closed (a client that sends nothing, or trickles its headers, holds no slot);
-- an idle kept-alive connection is closed after `keep_alive_timeout_s`.
+- an idle kept-alive connection is closed after `keep_alive_timeout_s`;
+- the loop takes at most config.ACCEPTS_PER_PASS connections from the kernel's queue
+  per pass, so a flood holds at most that many descriptors beyond the limit (asyncio
+  takes its server's `backlog` per pass, and lists the socket with it: the socket is
+  listed again with LISTEN_BACKLOG once uvicorn has started).
 The body's own deadline and size are the app's (it alone knows the limit); the
 headers' size is h11's (16 KiB by default). With TLS (the OpenAI front with
 --ssl-certfile), a connection is admitted before its handshake, which must end
@@ -29,7 +33,7 @@ from typing import Optional
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from gateeng.config import ConnectionLimits
+from gateeng.config import ACCEPTS_PER_PASS, LISTEN_BACKLOG, ConnectionLimits
 from gateeng.logs import LOGGER
 from gateeng.serving.admission import Admission
 
@@ -162,6 +166,11 @@ class HttpServer:
             def capture_signals(self):       # the gateeng Server owns SIGTERM / SIGINT
                 return contextlib.nullcontext()
 
+            async def startup(self, sockets=None):
+                await super().startup(sockets=sockets)
+                for sock in sockets or ():
+                    sock.listen(LISTEN_BACKLOG)   # the kernel's queue; asyncio still takes backlog per pass
+
         self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
@@ -169,7 +178,8 @@ class HttpServer:
         self.admission = Admission(name, limits.max_connections)
         config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=5,
                                 http=_protocol(self.admission, limits.header_timeout_s, tls),
-                                timeout_keep_alive=limits.keep_alive_timeout_s)
+                                timeout_keep_alive=limits.keep_alive_timeout_s,
+                                backlog=ACCEPTS_PER_PASS)
         self.server = _Server(config)
         self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve(sockets=[self.sock])),
                                        name=f"gateeng-{name}", daemon=True)
