@@ -45,9 +45,16 @@ class Fingerprint:
 
     def add(self, name: str, kind: str, shape, data) -> None:
         """`data`: a contiguous numpy array or CPU tensor (its bytes)."""
+        self.add_slices(name, kind, shape, (data,))
+
+    def add_slices(self, name: str, kind: str, shape, slices) -> None:
+        """A tensor whose bytes come as consecutive `slices` (contiguous numpy arrays or
+        CPU tensors, e.g. its rows a few at a time): the same hash as its bytes whole,
+        without ever holding them whole."""
         self._h.update(json.dumps([name, kind, list(shape)]).encode())
-        self._h.update(data.reshape(-1).view(torch.uint8).numpy() if isinstance(data, torch.Tensor)
-                       else data.reshape(-1).view("uint8"))
+        for data in slices:
+            self._h.update(data.reshape(-1).view(torch.uint8).numpy() if isinstance(data, torch.Tensor)
+                           else data.reshape(-1).view("uint8"))
 
     def hexdigest(self) -> str:
         return self._h.hexdigest()

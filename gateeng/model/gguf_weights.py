@@ -125,6 +125,27 @@ class GGUFTensors:
         rows = t.shape[-2] if len(t.shape) >= 2 else 1
         return buf.reshape(rows, -1)
 
+    def raw_part(self, name: str, rows: tuple, cols: Optional[tuple] = None) -> np.ndarray:
+        """Rows [start, stop) of the stored bytes, uint8 [rows, bytes per row] (a vector's
+        values as rows of one), and of each row only bytes [start, stop) where `cols`
+        is given: only those byte ranges are read from the file."""
+        t = self.tensors[name]
+        n = t.shape[0] if len(t.shape) == 2 else int(np.prod(t.shape))
+        row_bytes = t.nbytes // n
+        if t.offset + t.nbytes > self.path.stat().st_size:
+            raise ValueError(f"{self.path.name} is truncated: tensor {name} ends past the end of the file")
+        start, stop = cols or (0, row_bytes)
+        out = np.empty((rows[1] - rows[0], stop - start), dtype=np.uint8)
+        with open(self.path, "rb", buffering=0) as f:
+            if cols is None:   # one range
+                f.seek(t.offset + rows[0] * row_bytes)
+                f.readinto(memoryview(out).cast("B"))
+            else:              # a range per row
+                for i, row in enumerate(range(*rows)):
+                    f.seek(t.offset + row * row_bytes + start)
+                    f.readinto(memoryview(out[i]))
+        return out
+
     def mapped(self, name: str) -> torch.Tensor:
         """The stored bytes, uint8 [rows, bytes per row], over a copy-on-write memory map
         of the file (nothing is read until a row is)."""
@@ -135,14 +156,15 @@ class GGUFTensors:
         view = np.memmap(self.path, dtype=np.uint8, mode="c", offset=t.offset, shape=(rows, t.nbytes // rows))
         return torch.from_numpy(view)
 
-    def values(self, name: str, raw: np.ndarray, rows_per_slice: int = 4096) -> torch.Tensor:
+    def values(self, name: str, raw: np.ndarray, rows_per_slice: int = 4096, shape: Optional[tuple] = None) -> torch.Tensor:
         """The tensor's values rounded to bf16, from its stored bytes: F32, F16 and BF16
         as they are (rounded to nearest even, as every torch build rounds); other types
         by the gguf package's dequantization (numpy binary32 arithmetic, the same bits
         everywhere), a slice of rows at a time, so a large tensor is never whole in
-        binary32."""
+        binary32. `shape`: of a part of the tensor's rows and blocks (raw_part's), not
+        the whole."""
         t = self.tensors[name]
-        shape = t.shape[-2:]   # a stacked expert tensor's raw is one expert's
+        shape = shape or t.shape[-2:]   # a stacked expert tensor's raw is one expert's; a part's its own
         if t.type in PLAIN_TYPES:
             stored = torch.from_numpy(raw).view(PLAIN_TYPES[t.type])
             return stored.to(torch.bfloat16).reshape(shape)
@@ -205,6 +227,34 @@ def unpermute(rows, heads: int):
     """Undo llama.cpp's rotary permutation of q or k rows (transformers' reverse_permute_weights)."""
     shape = rows.shape
     return rows.reshape(heads, shape[0] // heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def reading_plan(family, cfg) -> list:
+    """((layer or None, expert or None, the parameter's name), its parts' GGUF names,
+    their shapes in the file, the rotary heads per part or None, its families.Weight)
+    for every weight a model of `cfg` takes from a GGUF of `family`, in the file's
+    reading order, which is the order its fingerprint hashes them: keep it so."""
+    block = family.block
+
+    def whole(w, attr):
+        return ((None, None, attr), list(w.gguf), w.shapes(cfg), None, w)
+
+    plan = [whole(block.embed, "embed")]
+    for i in range(cfg.num_layers):
+        pre = f"{block.gguf_layers}{i}."
+        for w in block.gguf_weights(cfg, i):
+            heads = None
+            if family.gguf_permuted and w.rotary:
+                heads = [n // cfg.head_dim if r else None for n, r in zip(w.parts(cfg), w.rotary)]
+            names, shapes = [pre + n for n in w.gguf], w.shapes(cfg)
+            if w.experts:   # one [experts, rows, columns] tensor per part
+                shapes = [(cfg.moe.num_experts, *shape) for shape in shapes]
+            for j in range(cfg.moe.num_experts) if w.experts else (None,):
+                plan.append(((i, j, w.attr), names, shapes, heads, w))
+    plan.append(whole(block.norm, "norm"))
+    if not cfg.tie_word_embeddings:
+        plan.append(whole(block.lm_head, "lm_head"))
+    return plan
 
 
 class GGUFLoad:
@@ -291,29 +341,12 @@ class GGUFLoad:
     def _plan(self, model) -> list:
         """(the parameter, its parts' GGUF names, their shapes in the file, the rotary heads
         per part or None, the expert or None) for every weight the model takes from the
-        file, in the file's reading order (the fingerprint's)."""
-        cfg, block = self.cfg, self.family.block
-
-        def whole(w, target):
-            return (target, list(w.gguf), w.shapes(cfg), None, None)
-
-        plan = [whole(block.embed, model.embed)]
-        for i, layer in enumerate(model.layers):
-            pre = f"{block.gguf_layers}{i}."
-            for w in block.gguf_weights(cfg, i):
-                heads = None
-                if self.family.gguf_permuted and w.rotary:
-                    heads = [n // cfg.head_dim if r else None for n, r in zip(w.parts(cfg), w.rotary)]
-                names, shapes = [pre + n for n in w.gguf], w.shapes(cfg)
-                if w.experts:   # one [experts, rows, columns] tensor per part
-                    shapes = [(cfg.moe.num_experts, *shape) for shape in shapes]
-                for j in range(cfg.moe.num_experts) if w.experts else (None,):
-                    target = getattr(layer if j is None else layer.experts[j], w.attr)
-                    plan.append((target, names, shapes, heads, j))
-        plan.append(whole(block.norm, model.norm))
-        if not cfg.tie_word_embeddings:
-            plan.append(whole(block.lm_head, model.lm_head))
-        return plan
+        file, in the file's reading order (the fingerprint's: reading_plan)."""
+        def target(layer, expert, attr):
+            owner = model if layer is None else model.layers[layer]
+            return getattr(owner if expert is None else owner.experts[expert], attr)
+        return [(target(*where), names, shapes, heads, where[1])
+                for where, names, shapes, heads, _ in reading_plan(self.family, self.cfg)]
 
     def _check(self, plan: list) -> None:
         """Refuse (ValueError naming the tensor) a file that lacks a tensor the model

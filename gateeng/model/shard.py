@@ -92,6 +92,25 @@ def layout(cfg: ModelConfig, size: int, rank: int, units: tuple = (PAIR, PAIR)) 
         expert_mlp=range(expert_down.start, expert_down.stop), expert_down=expert_down)
 
 
+# A weight whose columns are these (families.Weight.cols) is row-parallel: split by K,
+# on the layout's slice of it named here.
+ROW_PARALLEL = {"q": "o", "inter": "down", "expert_inter": "expert_down"}
+
+
+def part_rows(cfg: ModelConfig, w: families.Weight, lay: ShardLayout) -> list:
+    """The rows of w's stacked parts (q, k, v; gate, up) a rank holds, as [start, stop)
+    in w's rows, part by part: each part's by what its rows are (the rank's query
+    heads, key/value heads or MLP columns); any other part whole."""
+    d, out, offset = cfg.head_dim, [], 0
+    for kind, n in zip(w.rows, w.parts(cfg)):
+        mine = {"q": (lay.heads, d), "kv": (lay.kv_heads, d), "inter": (lay.mlp, 1),
+                "expert_inter": (lay.expert_mlp, 1)}.get(kind)
+        out.append((offset, offset + n) if mine is None else
+                   (offset + mine[0].start * mine[1], offset + mine[0].stop * mine[1]))
+        offset += n
+    return out
+
+
 def row_units(model: LlamaModel, size: int) -> tuple:
     """The units o's and down's K split in (layout's `units`): a quantized weight's GGUF
     blocks (32 values, a K-quant's 256) where every layer's is stored alike, bf16 pairs
@@ -102,16 +121,24 @@ def row_units(model: LlamaModel, size: int) -> tuple:
     if any(_quantized(model, w) is not None for w in experts):
         raise ValueError(f"the model's experts are quantized as stored, and quantized experts do not split over "
                          f"ranks: serve it with --dequantize at tensor-parallel size {size}")
+    # a routing layer has no down of its own (its experts' split as bf16 weights)
+    return common_units(model.cfg, size, {which: {_unit(model, getattr(layer, which)) for layer in model.layers
+                                                  if getattr(layer, which) is not None} for which in ("o", "down")})
+
+
+def common_units(cfg: ModelConfig, size: int, units: dict) -> tuple:
+    """layout's `units` from the units every layer's o and down split in ({"o": set,
+    "down": set}: PAIR for bf16, a quantized weight's GGUF block values): row_units'
+    rule, ValueError where the layers do not split alike."""
     out = []
-    for which, k in (("o", model.cfg.num_heads * model.cfg.head_dim), ("down", model.cfg.intermediate_size)):
-        # a routing layer has no down of its own (its experts' split as bf16 weights)
-        units = {_unit(model, getattr(layer, which)) for layer in model.layers if getattr(layer, which) is not None}
-        if len(units) > 1 and len({tuple(k_slice(k, size, r, u)[:2] for r in range(size)) for u in units}) > 1:
-            how = ("are quantized in some layers and not in others" if PAIR in units else
-                   f"are stored in blocks of {' and '.join(map(str, sorted(units)))} values in different layers")
+    for which, k in (("o", cfg.num_heads * cfg.head_dim), ("down", cfg.intermediate_size)):
+        used = units[which]
+        if len(used) > 1 and len({tuple(k_slice(k, size, r, u)[:2] for r in range(size)) for u in used}) > 1:
+            how = ("are quantized in some layers and not in others" if PAIR in used else
+                   f"are stored in blocks of {' and '.join(map(str, sorted(used)))} values in different layers")
             raise ValueError(f"the model's {which} projections {how}, and these do not split alike over {size} "
                              "ranks: serve it with --dequantize at this tensor-parallel size")
-        out.append(min(units) if units else PAIR)
+        out.append(min(used) if used else PAIR)
     return tuple(out)
 
 
@@ -143,23 +170,14 @@ def shard_tensors(model: LlamaModel, lays: list, release: bool = False) -> list:
     no one else holds): each projection and the lm_head is let go once every rank has
     its part, so the model and its shards together never hold more than one weight
     twice."""
-    cfg, d = model.cfg, model.cfg.head_dim
+    cfg = model.cfg
     ops = packing.of(model).quant_ops
     outs = [{} for _ in lays]
 
-    def rows(t, r: range, offset: int = 0, unit: int = 1):
-        return t[offset + r.start * unit: offset + r.stop * unit]
-
     def rank_rows(w: families.Weight):
-        """A pick of w's rows for a rank: each part's by what its rows are (the rank's
-        query heads, key/value heads or MLP columns; any other part whole)."""
+        """A pick of w's rows for a rank (part_rows: each part's own)."""
         def pick(t, lay):
-            out, offset = [], 0
-            for kind, n in zip(w.rows, w.parts(cfg)):
-                mine = {"q": (lay.heads, d), "kv": (lay.kv_heads, d), "inter": (lay.mlp, 1),
-                        "expert_inter": (lay.expert_mlp, 1)}.get(kind)
-                out.append(t[offset:offset + n] if mine is None else rows(t, mine[0], offset, mine[1]))
-                offset += n
+            out = [t[start:stop] for start, stop in part_rows(cfg, w, lay)]
             return out[0] if len(out) == 1 else torch.cat(out)
         return pick
 
@@ -217,20 +235,19 @@ def shard_tensors(model: LlamaModel, lays: list, release: bool = False) -> list:
     plain("norm", model.norm)
     # o, down and each expert's down: row-parallel, split by K (the layout's slice of
     # it); a bias stays whole (added once), and so does the router (its experts' rows).
-    row_parallel = {"q": "o", "inter": "down", "expert_inter": "expert_down"}
     for i, weights in itertools.groupby(families.of(cfg).block.tensors(cfg), key=lambda entry: entry[0]):
         for _, j, w, _ in weights:
             owner = model.layers[i] if j is None else model.layers[i].experts[j]
-            name, t = _shard_name(i, j, w.attr), getattr(owner, w.attr)
-            if w.cols in row_parallel:
-                by_k(name, t, row_parallel[w.cols])
+            name, t = shard_name(i, j, w.attr), getattr(owner, w.attr)
+            if w.cols in ROW_PARALLEL:
+                by_k(name, t, ROW_PARALLEL[w.cols])
             elif w.cols:
                 by_rows(name, t, rank_rows(w))
             else:
                 plain(name, t, rank_rows(w))
         if release:   # what the layer's weights held goes back to the OS, not only to malloc
             trim_heap()
-    by_rows("lm_head", model.lm_head, lambda t, lay: rows(t, lay.vocab))   # last: it may be the embedding
+    by_rows("lm_head", model.lm_head, lambda t, lay: t[lay.vocab.start:lay.vocab.stop])   # last: it may be the embedding
     return outs
 
 
@@ -258,7 +275,7 @@ def build_shard(cfg: ModelConfig, lay: ShardLayout, tensors: dict, stored_types:
         else:
             row_parallel += [(j, "down", "expert_down", cfg.moe.intermediate_size) for j in range(len(layer.experts))]
         for j, attr, which, k in row_parallel:
-            name = _shard_name(i, j, attr)
+            name = shard_name(i, j, attr)
             t = tensors[name]
             unit = ops.qblock(t.data) if isinstance(t, Packed) else PAIR
             ks = k_slice(k, lay.size, lay.rank, unit)
@@ -275,7 +292,7 @@ def build_shard(cfg: ModelConfig, lay: ShardLayout, tensors: dict, stored_types:
     return model
 
 
-def _shard_name(layer: int, expert, attr: str) -> str:
+def shard_name(layer: int, expert, attr: str) -> str:
     """A layer weight's name among the shard model's parameters (an expert's below its
     layer's `experts`)."""
     return f"layers.{layer}." + ("" if expert is None else f"experts.{expert}.") + attr

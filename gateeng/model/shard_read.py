@@ -1,0 +1,254 @@
+"""One tensor-parallel rank's shard read straight from the checkpoint's bytes.
+
+A rank on its own node has no whole model to split (model.shard.shard_tensors): it
+reads the checkpoint's header, derives its layout (model.shard.layout: a function of
+the model's shape, the size and the rank only), and then reads only the byte ranges of
+its own slices: its rows of a column-parallel weight (a contiguous range per stacked
+part), its columns of a row-parallel one (a range per row), its lm_head rows, and the
+tensors every rank holds whole (the embedding, the norms, a bias of o or down). Each
+slice is converted to bf16 as loading converts a whole tensor (torch's rounding to
+nearest even), so the rank's tensors are the ones shard_tensors gives it from the
+whole model loaded: the same names, shapes and bits. No process holds the whole
+model.
+
+The fingerprint (model.fingerprint) is the same value a single server computes:
+every tensor's bytes in name order, streamed through the hash a slice of rows at a
+time (Fingerprint.add_slices), never whole.
+
+A GGUF file is read the same way from its tensor table (gguf_weights.GGUFTensors,
+raw_part), its weights served as a single server serves them: a quantized type the
+reference multiplies kept as stored (a rank's rows, or its GGUF blocks of each row for a
+row-parallel weight, packed as model.shard packs its part), any other converted to bf16
+from the rank's bytes only (a row-parallel weight's from the whole blocks around its
+columns), llama.cpp's rotary permutation of q and k undone head by head. Its
+fingerprint streams the stored bytes in gguf_weights' order.
+
+Read this way: a Hugging Face directory's dense model (safetensors) and a dense GGUF. A
+mixture of experts is refused by name (ValueError); it is split from the whole model on
+one machine (`gateeng serve --tensor-parallel-size`).
+"""
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gateeng.config import ModelConfig
+from gateeng.model import families, shard
+from gateeng.model.fingerprint import Fingerprint
+from gateeng.model.gguf_weights import (SERVED_QUANTIZED, TENSOR_TABLE, GGUFTensors, reading_plan,
+                                        unpermute)
+from gateeng.model.loader import Checkpoint, gguf_header, read_model_config, weight_files
+from gateeng.model.shard import ROW_PARALLEL, ShardLayout, part_rows, shard_name
+from gateeng.plans import reference_ops
+from gateeng.plans.cpu_linear import Packed, Stacked
+from gateeng.plans.tp_shapes import PAIR, k_slice
+
+
+@dataclass(frozen=True)
+class RankShard:
+    config: ModelConfig     # the whole model's
+    layout: ShardLayout
+    tensors: dict           # named as the shard model's parameters (model.shard.build_shard takes them)
+    stored_types: dict = field(default_factory=dict)   # a GGUF's types served as stored: {type: tensors}
+
+
+def _is_gguf(src: Path) -> bool:
+    return src.is_file() and src.suffix == ".gguf"
+
+
+def _config(src: Path) -> ModelConfig:
+    return read_model_config(gguf_header(src) if _is_gguf(src) else src)
+
+
+def refusal(path) -> str:
+    """Why the checkpoint at `path` cannot be read by byte ranges, else ""."""
+    src = Path(path)
+    if not (src.is_dir() or _is_gguf(src)):
+        return f"{src}: a rank's shard is read from a Hugging Face directory or a .gguf file, and this is neither"
+    if _config(src).moe is not None:
+        return (f"{src.name} is a mixture of experts, which is split from the whole model on one machine only "
+                "(gateeng serve --tensor-parallel-size)")
+    return ""
+
+
+def read_shard(path, size: int, rank: int) -> RankShard:
+    """Rank `rank` of `size`'s shard of the checkpoint at `path`, read by byte ranges.
+    ValueError for a checkpoint not read so (refusal), a size the model cannot run at
+    (shard.layout), or a tensor missing or misshaped (named)."""
+    why = refusal(path)
+    if why:
+        raise ValueError(why)
+    if _is_gguf(Path(path)):
+        return _GGUFShard(Path(path)).read(size, rank)
+    cfg = read_model_config(Path(path))
+    lay = shard.layout(cfg, size, rank)
+    ckpt = Checkpoint(weight_files(Path(path)))
+    block = families.of(cfg).block
+    out = {}
+
+    def checked(name: str, shape: tuple) -> str:
+        if name not in ckpt:
+            raise ValueError(f"the checkpoint has no tensor {name}")
+        if ckpt.shape(name) != tuple(shape):
+            raise ValueError(f"tensor {name} has shape {ckpt.shape(name)}, expected {tuple(shape)}")
+        return name
+
+    def read(name: str, rows: tuple, cols=None) -> torch.Tensor:
+        return ckpt.part(name, rows, cols).to(torch.bfloat16).contiguous()
+
+    def whole(w: families.Weight) -> torch.Tensor:
+        shape = w.shapes(cfg)[0]
+        return read(checked(w.hf[0], shape), (0, shape[0]))
+
+    out["embed"] = whole(block.embed)
+    out["norm"] = whole(block.norm)
+    for i, _, w, names in block.tensors(cfg):
+        shapes = w.shapes(cfg)
+        for name, shape in zip(names, shapes):
+            checked(name, shape)
+        if w.cols in ROW_PARALLEL:   # its K slice: the layout's columns of every row
+            ks = getattr(lay, ROW_PARALLEL[w.cols])
+            t = read(names[0], (0, shapes[0][0]), (ks.start, ks.stop))
+        else:                        # each stacked part's rows the rank holds, by part
+            starts = itertools.accumulate((s[0] for s in shapes), initial=0)
+            pieces = [read(name, (start - first, stop - first))
+                      for name, first, (start, stop) in zip(names, starts, part_rows(cfg, w, lay))]
+            t = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        out[shard_name(i, None, w.attr)] = t
+    head = block.embed if cfg.tie_word_embeddings else block.lm_head
+    out["lm_head"] = read(checked(head.hf[0], head.shapes(cfg)[0]), (lay.vocab.start, lay.vocab.stop))
+    return RankShard(cfg, lay, out)
+
+
+def fingerprint(path) -> str:
+    """The checkpoint's model fingerprint (the value loader.load gives a single server),
+    each tensor streamed through the hash a slice of rows at a time."""
+    src = Path(path)
+    if _is_gguf(src):
+        return _GGUFShard(src).fingerprint()
+    cfg = read_model_config(src)
+    ckpt = Checkpoint(weight_files(src))
+    fp = Fingerprint(cfg)
+    for name in sorted(ckpt):
+        slices = ckpt.row_slices(name)
+        first = next(slices)   # its dtype names the tensor's kind
+        fp.add_slices(name, str(first.dtype), ckpt.shape(name), itertools.chain([first], slices))
+    return fp.hexdigest()
+
+
+class _GGUFShard:
+    """A dense GGUF's weights as one rank reads them: gguf_weights' rules for how each
+    is served (GGUFLoad), applied to the rank's bytes only."""
+
+    def __init__(self, src: Path):
+        header = gguf_header(src)
+        self.cfg = read_model_config(header)
+        self.file = GGUFTensors(src, header / TENSOR_TABLE)
+        self.plan = reading_plan(families.gguf_family(self.file.architecture, False), self.cfg)
+        self.types = {name: t.type for name, t in self.file.tensors.items()}
+        missing = [n for _, names, _, _, _ in self.plan for n in names if n not in self.types]
+        if missing:
+            raise ValueError(f"{src.name}: tensor {missing[0]} is missing")
+
+    def as_stored(self, names: list) -> bool:
+        """Whether a weight of these parts is served as stored (GGUFLoad's rule)."""
+        return all(self.types[n] in SERVED_QUANTIZED for n in names)
+
+    def _blocks(self, name: str) -> tuple:
+        """(values, bytes) per stored block of the tensor's type (1 value for a float type)."""
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+        return GGML_QUANT_SIZES[GGMLQuantizationType[self.types[name]]]
+
+    def fingerprint(self) -> str:
+        fp = Fingerprint(self.cfg)
+        for _, names, _, _, _ in self.plan:
+            how = self.as_stored(names)
+            for name in names:
+                t = self.file.tensors[name]
+                rows = t.shape[0] if len(t.shape) == 2 else int(np.prod(t.shape))
+                step = max(1, (16 << 20) // (t.nbytes // rows))
+                slices = (self.file.raw_part(name, (a, min(rows, a + step))) for a in range(0, rows, step))
+                fp.add_slices(name, f"{t.type}->{t.type if how else 'bf16'}", t.shape, slices)
+        return fp.hexdigest()
+
+    def read(self, size: int, rank: int) -> RankShard:
+        cfg, d = self.cfg, self.cfg.head_dim
+        ops = None
+        if any(self.as_stored(names) for _, names, _, _, _ in self.plan):
+            try:
+                ops = reference_ops.load()
+            except reference_ops.ReferenceUnavailable as exc:
+                raise ValueError(f"{self.file.path.name}'s quantized weights are multiplied only by the reference "
+                                 f"kernels, and {exc}") from exc
+        units = {"o": set(), "down": set()}
+        for _, names, _, _, w in self.plan:
+            if w.cols in ROW_PARALLEL:
+                units[ROW_PARALLEL[w.cols]].add(self._blocks(names[0])[0] if self.as_stored(names) else PAIR)
+        lay = shard.layout(cfg, size, rank, shard.common_units(cfg, size, units))
+
+        def rows(names: list, spans: list, heads: list, k: int):
+            """Each part's rows [start, stop) (rotary heads unpermuted), stacked: packed
+            as stored by runs of one type (cpu_linear.Stacked where several), else bf16."""
+            def raw(name, span, permuted):
+                got = self.file.raw_part(name, span)
+                return np.ascontiguousarray(unpermute(got, (span[1] - span[0]) // d)) if permuted else got
+            if self.as_stored(names):
+                packed = []
+                for kind, run in itertools.groupby(zip(names, spans, heads), key=lambda e: self.types[e[0]]):
+                    got = [raw(n, s, h is not None) for n, s, h in run if s[1] > s[0]]
+                    if got:
+                        stored = np.concatenate(got) if len(got) > 1 else got[0]
+                        packed.append(Packed(ops.qpack(torch.from_numpy(stored), SERVED_QUANTIZED[kind]),
+                                             stored.shape[0], k))
+                return packed[0] if len(packed) == 1 else Stacked(tuple(packed))
+            parts = []
+            for n, s, h in zip(names, spans, heads):
+                shape = (s[1] - s[0], k) if k else (s[1] - s[0],)
+                v = self.file.values(n, self.file.raw_part(n, s), cfg.hidden_size, shape)
+                parts.append(unpermute(v, (s[1] - s[0]) // d) if h is not None else v)
+            return (parts[0] if len(parts) == 1 else torch.cat(parts)).contiguous()
+
+        def by_k(name: str, shape: tuple, which: str):
+            """The rank's columns of every row: its GGUF blocks packed as stored (on the
+            blocks' own split), else the bf16 values of the whole blocks around its
+            columns (the layout's slice), cut to them."""
+            per_block, block_bytes = self._blocks(name)
+            if self.as_stored([name]):
+                ks = k_slice(shape[1], size, rank, per_block)
+                got = self.file.raw_part(name, (0, shape[0]), (ks.start // per_block * block_bytes,
+                                                               ks.stop // per_block * block_bytes))
+                return Packed(ops.qpack(torch.from_numpy(got), SERVED_QUANTIZED[self.types[name]], ks.per),
+                              shape[0], ks.stop - ks.start, ks.per)
+            ks = getattr(lay, which)
+            first, last = ks.start // per_block, -(-ks.stop // per_block)
+            got = self.file.raw_part(name, (0, shape[0]), (first * block_bytes, last * block_bytes))
+            v = self.file.values(name, got, cfg.hidden_size, (shape[0], (last - first) * per_block))
+            return v[:, ks.start - first * per_block: ks.stop - first * per_block].contiguous()
+
+        out = {}
+        for (layer, _, attr), names, shapes, heads, w in self.plan:
+            for n, shape in zip(names, shapes):
+                if tuple(self.file.tensors[n].shape) != tuple(shape):
+                    raise ValueError(f"{self.file.path.name}: tensor {n} has shape "
+                                     f"{tuple(self.file.tensors[n].shape)}, expected {tuple(shape)}")
+            k = shapes[0][1] if len(shapes[0]) == 2 else 0
+            heads = heads or [None] * len(names)
+            if layer is None:   # the embedding, the final norm, an untied lm_head
+                spans = [(lay.vocab.start, lay.vocab.stop)] if attr == "lm_head" else [(0, shapes[0][0])]
+                out[attr] = rows(names, spans, heads, k)
+            elif w.cols in ROW_PARALLEL:
+                out[shard_name(layer, None, attr)] = by_k(names[0], shapes[0], ROW_PARALLEL[w.cols])
+            else:
+                starts = itertools.accumulate((s[0] for s in shapes), initial=0)
+                spans = [(a - first, b - first) for first, (a, b) in zip(starts, part_rows(cfg, w, lay))]
+                out[shard_name(layer, None, attr)] = rows(names, spans, heads, k)
+        if cfg.tie_word_embeddings:   # the lm_head's rows are the embedding's
+            (_, names, shapes, _, _), = [entry for entry in self.plan if entry[0] == (None, None, "embed")]
+            out["lm_head"] = rows(names, [(lay.vocab.start, lay.vocab.stop)], [None], shapes[0][1])
+        stored = Counter(self.types[n] for _, names, _, _, _ in self.plan if self.as_stored(names) for n in names)
+        return RankShard(cfg, lay, out, dict(sorted(stored.items())))
