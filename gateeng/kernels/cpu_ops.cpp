@@ -633,12 +633,18 @@ torch::Tensor qlinear_avx2(torch::Tensor x, torch::Tensor packed, int64_t n, boo
 }
 
 // The K-quants (Q4_K, Q5_K, Q6_K; the reference's qpack records of a super-block of 256
-// values): the same int8 arithmetic per sub-block. Each row's block of 32 inputs is
-// quantized to int8 with its own scale (quantize_rows); a sub-block's integer dot is
-// exact in int32 (VPMADDUBSW on the unsigned stored integers, pairs within int16:
-// 2 x 63 x 127), then scaled in binary32: (d * sc) * (xd * dot), Q6_K less its 32 bias
-// (32 * the sub-block's int8 sum), Q4_K and Q5_K less (dmin * min) * (the sum of x).
-// A row's output depends on that row only.
+// values): the same int8 inputs (quantize_rows: each row's block of 32 inputs to int8
+// with its own scale). A record's 32 bytes of integers for two pairs hold all 16
+// columns side by side ([16][2] bytes), so one VPMADDUBSW (stored unsigned integer x
+// the broadcast int8 input pair) gives every column's pair product in its int16 lane.
+// Those are summed in int16 while the exact sum fits (Q4_K: 16 values, 16 x 15 x 127;
+// Q5_K: 8 values, 8 x 31 x 127; Q6_K: 8 values less its 32 bias, 8 x 32 x 127; the
+// lanes wrap mod 2^16, so only the sum must fit), then VPMADDWD multiplies them by the
+// sub-block scales into int32, even and odd columns apart (a scale vector zero in the
+// other half of each dword). Each input block's int32 sum is scaled in binary32:
+// (d * xd) * sum, Q4_K and Q5_K less (dmin * min) * (the block's sum of x). The
+// accumulators hold the even columns and the odd columns; they are interleaved once,
+// when stored. A row's output depends on that row only.
 namespace kavx2 {
 using namespace qint8;
 
@@ -646,80 +652,105 @@ constexpr int64_t REC_Q4_K = 2368, REC_Q5_K = 2880, REC_Q6_K = 3360;   // ref_op
 constexpr int64_t SC_OFF_45 = 64, M_OFF_45 = 192, Q_OFF_45 = 320, HI_OFF_5 = 2368;
 constexpr int64_t SC_OFF_6 = 32, Q_OFF_6 = 288, HI_OFF_6 = 2336;
 
-// KD: 4, 5 or 6 (Q4_K, Q5_K, Q6_K). xs: the rows' sums of x per 32 values; xqs: their
-// int8 sums per 16 values (Q6_K's bias).
+// 16 columns' binary16 values at p as binary32: even columns into e, odd into o (lanes
+// 0-3: columns 0, 2, 4, 6 (1, 3, 5, 7); lanes 4-7: 8 .. 14 (9 .. 15)), as VPMADDWD leaves them.
+inline void halves_fp16(const uint8_t* p, __m256& e, __m256& o) {
+  const __m256i split = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+  const __m256 a = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), split);
+  const __m256 b = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p) + 1)), split);
+  e = _mm256_permute2f128_ps(a, b, 0x20);
+  o = _mm256_permute2f128_ps(a, b, 0x31);
+}
+
+// KD: 4, 5 or 6 (Q4_K, Q5_K, Q6_K). xpair: each input pair's int8s twice in a dword
+// (the broadcast operand); xbias: Q6_K's 32 x (the sum of 4 inputs) twice as int16;
+// xd, xs: each block of 32 inputs' scale and sum of x.
 template <int MR, int KD>
 void tile(int64_t rec_bytes, const std::vector<int64_t>& base, const std::vector<int64_t>& live, const uint8_t* w,
-          const uint8_t* next, const int8_t* xq, const float* xd, const float* xs, const int32_t* xqs, int64_t k,
+          const uint8_t* next, const int32_t* xpair, const int32_t* xbias, const float* xd, const float* xs, int64_t k,
           void* out, bool f32, int64_t n, int64_t row, int64_t col) {
-  constexpr int SUBS = KD == 6 ? 16 : 8, GROUPS = 64 / SUBS;   // sub-blocks; the groups of 4 values in each
-  const int64_t qoff = KD == 6 ? Q_OFF_6 : Q_OFF_45, sc_off = KD == 6 ? SC_OFF_6 : SC_OFF_45;
-  const int64_t k32 = k / 32, k16 = k / 16;
-  const __m256i nib = _mm256_set1_epi32(0x0F0F0F0F), ones = _mm256_set1_epi16(1);
-  const __m256i twos = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14), one = _mm256_set1_epi32(1);
-  const __m256i three = _mm256_set1_epi32(0x0303);
+  constexpr int SUBS = KD == 6 ? 16 : 8, SUB_PP = 64 / SUBS;   // sub-blocks; the pair pairs (4 values) in each
+  constexpr int RUN = KD == 4 ? 4 : 2;                          // pair pairs summed in int16
+  constexpr int64_t qoff = KD == 6 ? Q_OFF_6 : Q_OFF_45, sc_off = KD == 6 ? SC_OFF_6 : SC_OFF_45;
+  const int64_t k2 = k / 2, k4 = k / 4, k32 = k / 32;
+  const __m256i low = _mm256_set1_epi8(0x0F), even = _mm256_set1_epi32(0xFFFF);
+  const __m256i top = _mm256_set1_epi8(0x30), fifth = _mm256_set1_epi8(0x10);
+  const __m256i spread = _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303);
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));
   __m256 acc[MR][2];
   for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
   for_each_record(rec_bytes, base, live, w, next, [&](int64_t g, const uint8_t* rec) {
-    for (int sb = 0; sb < SUBS; ++sb) {
-      __m256i dot[MR][2];
-      for (int i = 0; i < MR; ++i) dot[i][0] = dot[i][1] = _mm256_setzero_si256();
-      for (int pp = sb * GROUPS; pp < (sb + 1) * GROUPS; ++pp) {   // pairs 2pp, 2pp + 1: values 4pp .. 4pp + 3
-        __m256i wv[2];
-        for (int h = 0; h < 2; ++h) {
-          const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + qoff + pp * 32 + h * 16)));
-          // per column the dword of its 4 nibbles in K order: lo(e), lo(o), hi(e), hi(o)
-          __m256i q = _mm256_and_si256(_mm256_or_si256(v, _mm256_slli_epi32(v, 12)), nib);
-          if constexpr (KD == 5) {   // the fifth bits: pair p's u32 mask, bit 2c + e
-            uint32_t m0, m1;
-            std::memcpy(&m0, rec + HI_OFF_5 + 4 * (2 * pp), 4);
-            std::memcpy(&m1, rec + HI_OFF_5 + 4 * (2 * pp + 1), 4);
-            const __m256i a = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(m0 >> (16 * h))), twos);
-            const __m256i b = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(m1 >> (16 * h))), twos);
-            const __m256i hi = _mm256_or_si256(
-                _mm256_or_si256(_mm256_and_si256(a, one), _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(a, 1), one), 8)),
-                _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(b, one), 16),
-                                _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(b, 1), one), 24)));
-            q = _mm256_or_si256(q, _mm256_slli_epi32(hi, 4));
-          } else if constexpr (KD == 6) {   // the top two bits: pair 4j + i at bits 2i of [j][16][2]
-            const __m256i hv = _mm256_cvtepu16_epi32(
-                _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + HI_OFF_6 + (pp / 2) * 32 + h * 16)));
-            const int i0 = (2 * pp) % 4;
-            const __m256i t = _mm256_and_si256(_mm256_srli_epi32(hv, 2 * i0), three);
-            const __m256i u = _mm256_and_si256(_mm256_srli_epi32(hv, 2 * i0 + 2), three);
-            q = _mm256_or_si256(q, _mm256_slli_epi32(_mm256_or_si256(t, _mm256_slli_epi32(u, 16)), 4));
+    __m256 d[2], dm[2];
+    halves_fp16(rec, d[0], d[1]);
+    if constexpr (KD != 6) halves_fp16(rec + 32, dm[0], dm[1]);
+    const uint8_t* q = rec + qoff;
+    for (int xb = 0; xb < 8; ++xb) {   // the inputs' blocks of 32
+      __m256i isum[MR][2];
+      for (int i = 0; i < MR; ++i) isum[i][0] = isum[i][1] = _mm256_setzero_si256();
+      for (int sb = xb * SUBS / 8; sb < (xb + 1) * SUBS / 8; ++sb) {
+        const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + sc_off + sb * 16));
+        const __m256i sc = KD == 6 ? _mm256_cvtepi8_epi16(s8) : _mm256_cvtepu8_epi16(s8);
+        const __m256i sc_e = _mm256_and_si256(sc, even), sc_o = _mm256_andnot_si256(even, sc);
+        for (int r0 = sb * SUB_PP; r0 < (sb + 1) * SUB_PP; r0 += RUN) {
+          __m256i p[MR];
+          for (int i = 0; i < MR; ++i) p[i] = _mm256_setzero_si256();
+          for (int pp = r0; pp < r0 + RUN; ++pp) {   // pairs 2pp (low nibbles), 2pp + 1 (high)
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + pp * 32));
+            __m256i w0 = _mm256_and_si256(v, low), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            if constexpr (KD == 5) {   // the fifth bits: pair p's u32 mask, bit 2c + e (byte 2c + e's)
+              for (int t = 0; t < 2; ++t) {
+                uint32_t m;
+                std::memcpy(&m, rec + HI_OFF_5 + 4 * (2 * pp + t), 4);
+                const __m256i b = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(m)), spread), bit);
+                const __m256i hi = _mm256_and_si256(_mm256_cmpeq_epi8(b, bit), fifth);
+                (t == 0 ? w0 : w1) = _mm256_or_si256(t == 0 ? w0 : w1, hi);
+              }
+            } else if constexpr (KD == 6) {   // the top two bits: pair 4j + i at bits 2i of [j][16][2]
+              const __m256i hv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + HI_OFF_6 + (pp / 2) * 32));
+              if (pp % 2 == 0) {
+                w0 = _mm256_or_si256(w0, _mm256_and_si256(_mm256_slli_epi16(hv, 4), top));
+                w1 = _mm256_or_si256(w1, _mm256_and_si256(_mm256_slli_epi16(hv, 2), top));
+              } else {
+                w0 = _mm256_or_si256(w0, _mm256_and_si256(hv, top));
+                w1 = _mm256_or_si256(w1, _mm256_and_si256(_mm256_srli_epi16(hv, 2), top));
+              }
+            }
+            for (int i = 0; i < MR; ++i) {
+              const int32_t* xp = xpair + i * k2 + g * 128 + 2 * pp;
+              p[i] = _mm256_add_epi16(p[i], _mm256_add_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi32(xp[0])),
+                                                             _mm256_maddubs_epi16(w1, _mm256_set1_epi32(xp[1]))));
+              if constexpr (KD == 6) p[i] = _mm256_sub_epi16(p[i], _mm256_set1_epi32(xbias[i * k4 + g * 64 + pp]));
+            }
           }
-          wv[h] = q;
-        }
-        for (int i = 0; i < MR; ++i) {
-          int32_t four;
-          std::memcpy(&four, xq + i * k + g * 256 + 4 * pp, sizeof(four));
-          const __m256i xv = _mm256_set1_epi32(four);
-          dot[i][0] = _mm256_add_epi32(dot[i][0], _mm256_madd_epi16(_mm256_maddubs_epi16(wv[0], xv), ones));
-          dot[i][1] = _mm256_add_epi32(dot[i][1], _mm256_madd_epi16(_mm256_maddubs_epi16(wv[1], xv), ones));
+          for (int i = 0; i < MR; ++i) {
+            isum[i][0] = _mm256_add_epi32(isum[i][0], _mm256_madd_epi16(p[i], sc_e));
+            isum[i][1] = _mm256_add_epi32(isum[i][1], _mm256_madd_epi16(p[i], sc_o));
+          }
         }
       }
-      const int64_t at32 = (g * 256 + sb * (256 / SUBS)) / 32;
-      for (int h = 0; h < 2; ++h) {
-        const __m128i s = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + sc_off + sb * 16 + h * 8));
-        const __m256 d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec) + h)),
-                                       _mm256_cvtepi32_ps(KD == 6 ? _mm256_cvtepi8_epi32(s) : _mm256_cvtepu8_epi32(s)));
-        for (int i = 0; i < MR; ++i) {
-          __m256 f = _mm256_cvtepi32_ps(dot[i][h]);
-          if constexpr (KD == 6) f = _mm256_sub_ps(f, _mm256_set1_ps(32.f * static_cast<float>(xqs[i * k16 + g * 16 + sb])));
-          acc[i][h] = _mm256_fmadd_ps(f, _mm256_mul_ps(d, _mm256_set1_ps(xd[i * k32 + at32])), acc[i][h]);
-          if constexpr (KD != 6) {
-            const __m256 m = _mm256_mul_ps(
-                _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 32) + h)),
-                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-                    _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + M_OFF_45 + sb * 16 + h * 8)))));
-            acc[i][h] = _mm256_fnmadd_ps(m, _mm256_set1_ps(xs[i * k32 + at32]), acc[i][h]);
-          }
+      __m256 mins[2];
+      if constexpr (KD != 6) {   // sub-block xb's minimums
+        const __m256i m = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + M_OFF_45 + xb * 16)));
+        mins[0] = _mm256_mul_ps(dm[0], _mm256_cvtepi32_ps(_mm256_and_si256(m, even)));
+        mins[1] = _mm256_mul_ps(dm[1], _mm256_cvtepi32_ps(_mm256_srli_epi32(m, 16)));
+      }
+      const int64_t at32 = g * 8 + xb;
+      for (int i = 0; i < MR; ++i) {
+        const __m256 scale = _mm256_set1_ps(xd[i * k32 + at32]);
+        for (int h = 0; h < 2; ++h) {
+          acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i][h]), _mm256_mul_ps(d[h], scale), acc[i][h]);
+          if constexpr (KD != 6) acc[i][h] = _mm256_fnmadd_ps(mins[h], _mm256_set1_ps(xs[i * k32 + at32]), acc[i][h]);
         }
       }
     }
   });
-  store_rows<MR>(acc, out, f32, n, row, col);
+  __m256 cols[MR][2];   // columns 0-7, 8-15
+  for (int i = 0; i < MR; ++i) {
+    const __m256 lo = _mm256_unpacklo_ps(acc[i][0], acc[i][1]), hi = _mm256_unpackhi_ps(acc[i][0], acc[i][1]);
+    cols[i][0] = _mm256_permute2f128_ps(lo, hi, 0x20);
+    cols[i][1] = _mm256_permute2f128_ps(lo, hi, 0x31);
+  }
+  store_rows<MR>(cols, out, f32, n, row, col);
 }
 
 }  // namespace kavx2
@@ -740,13 +771,16 @@ torch::Tensor qlinear_k_avx2(torch::Tensor x, torch::Tensor packed, int64_t n, b
   layout_steps(nb, whole_per, base, live);
   std::vector<int8_t> xq(m * k);
   std::vector<float> xd(m * (k / 32)), xs(m * (k / 32));
-  std::vector<int32_t> xqs32(m * (k / 32)), xqs(m * (k / 16));
-  quantize_rows(reinterpret_cast<const u16*>(x.data_ptr<at::BFloat16>()), m, k, xq.data(), xd.data(), xqs32.data(),
+  std::vector<int32_t> xqs(m * (k / 32)), xpair(m * k / 2), xbias(kd == 6 ? m * k / 4 : 0);
+  quantize_rows(reinterpret_cast<const u16*>(x.data_ptr<at::BFloat16>()), m, k, xq.data(), xd.data(), xqs.data(),
                 xs.data());
-  for (int64_t j = 0; j < m * (k / 16); ++j) {
-    int32_t s = 0;
-    for (int v = 0; v < 16; ++v) s += xq[j * 16 + v];
-    xqs[j] = s;
+  for (int64_t j = 0; j < m * k / 2; ++j) {
+    const uint32_t two = static_cast<uint8_t>(xq[2 * j]) | static_cast<uint32_t>(static_cast<uint8_t>(xq[2 * j + 1])) << 8;
+    xpair[j] = static_cast<int32_t>(two | two << 16);
+  }
+  for (size_t j = 0; j < xbias.size(); ++j) {
+    const uint32_t b = static_cast<uint16_t>(static_cast<int16_t>(32 * (xq[4 * j] + xq[4 * j + 1] + xq[4 * j + 2] + xq[4 * j + 3])));
+    xbias[j] = static_cast<int32_t>(b | b << 16);
   }
   auto pick = [&](auto rows) -> decltype(&tile<1, 4>) {
     constexpr int MR = decltype(rows)::value;
@@ -758,8 +792,8 @@ torch::Tensor qlinear_k_avx2(torch::Tensor x, torch::Tensor packed, int64_t n, b
   void* op = f32 ? static_cast<void*>(out.data_ptr<float>()) : static_cast<void*>(out.data_ptr<at::BFloat16>());
   qint8::for_each_tile(cbs, m, wp, nb * rec, [&](int64_t b, int64_t r, int64_t rows, const uint8_t* w,
                                                  const uint8_t* next) {
-    tiles[rows - 1](rec, base, live, w, next, xq.data() + r * k, xd.data() + r * (k / 32), xs.data() + r * (k / 32),
-                    xqs.data() + r * (k / 16), k, op, f32, n, r, b * 16);
+    tiles[rows - 1](rec, base, live, w, next, xpair.data() + r * (k / 2), xbias.data() + (xbias.empty() ? 0 : r * (k / 4)),
+                    xd.data() + r * (k / 32), xs.data() + r * (k / 32), k, op, f32, n, r, b * 16);
   });
   return out;
 }
