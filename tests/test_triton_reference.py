@@ -97,7 +97,7 @@ def test_the_triton_plan_gives_the_cpu_references_bits():
     from gateeng.plans.gpu import TritonReferencePlan
     from gateeng.plans.reference import ReferencePlan
     from tests.tiny import spec_tiny
-    model = spec_tiny(head_dim=16).model
+    model = spec_tiny(head_dim=16, layers=1).model      # every kernel runs in one layer
     outs = []
     for plan in (ReferencePlan(model, reference_ops.load(), 4), TritonReferencePlan(4)):
         outs.append([out for hidden in two_steps(model, plan) for out in (hidden, plan.full_logits(model, hidden))])
@@ -116,7 +116,7 @@ def test_the_triton_plan_serves_a_quantized_gguf_as_the_cpu_reference(tmp_path, 
     from gateeng.plans.gpu import TritonReferencePlan
     from gateeng.plans.reference import ReferencePlan
     from tests.tiny_gguf import write_tiny_gguf
-    path = write_tiny_gguf(tmp_path / "tiny.gguf", qtype, tie=tie)["path"]
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", qtype, tie=tie, layers=1)["path"]
     cpu, blocks = load_gguf(path), load_gguf(path, blocks_on="cpu")
     assert packing.quantized(blocks.model) and not packing.of(blocks.model).shared
     assert cpu.fingerprint == blocks.fingerprint

@@ -124,13 +124,14 @@ def save_family(family: str, path, tie: bool = False) -> None:
     fast.save_pretrained(path)
 
 
-def spec_tiny(seed=0, head_dim=32, max_positions=256, device="cpu", moe=False) -> LoadedModel:
+def spec_tiny(seed=0, head_dim=32, max_positions=256, device="cpu", moe=False, layers=2) -> LoadedModel:
     """A tiny bf16 Llama whose weights come from integers (numpy's PCG64), so they have
     the same bits on every machine: the golden file's tiny model. head_dim 32 takes the
     vector attention scores of the reference builds; 16 their portable ones. `device`:
     where the weights live (bench/gpu_check.py decodes the golden answers on CUDA).
     `moe`: a Qwen3-MoE instead (q/k norms; layer 0 routes to 2 of 8 experts with
-    renormalized weights, layer 1 is a plain MLP)."""
+    renormalized weights, layer 1 is a plain MLP). `layers`: 2 for the golden file; 1
+    where the Triton interpreter, slow per layer, checks the kernels (not with moe)."""
     import numpy as np
 
     from gateeng.config import SOFTMAX_TOPK, MoeConfig
@@ -141,7 +142,7 @@ def spec_tiny(seed=0, head_dim=32, max_positions=256, device="cpu", moe=False) -
         terms = dict(architecture="qwen3_moe", qk_norm=True,
                      moe=MoeConfig(num_experts=8, top_k=2, intermediate_size=64, routing=SOFTMAX_TOPK,
                                    norm_topk_prob=True, sparse_layers=(0,)))
-    cfg = ModelConfig(vocab_size=256, hidden_size=heads * head_dim, intermediate_size=192, num_layers=2,
+    cfg = ModelConfig(vocab_size=256, hidden_size=heads * head_dim, intermediate_size=192, num_layers=layers,
                       num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, rms_norm_eps=1e-5,
                       rope_theta=10000.0, max_position=max_positions, tie_word_embeddings=True,
                       eos_token_ids=(255,), **terms)
