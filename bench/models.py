@@ -98,20 +98,26 @@ def _copy_tokenizer(src: Path, out: Path) -> None:
             shutil.copy(src / name, out / name)
 
 
+def _written(out: Path, command, quiet: bool = False) -> Path:
+    """`out`, written by `command(partial path)` unless it exists: the file takes its
+    name only once the command has succeeded, so a run killed half-way is not reused."""
+    if not out.is_file():
+        part = out.with_name(out.name + ".part")
+        subprocess.run(command(part), check=True, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL if quiet else None)
+        part.replace(out)
+    return out
+
+
 def to_gguf(converter: str, hf_dir: Path, out: Path) -> Path:
     """The BF16 GGUF llama.cpp's converter (convert_hf_to_gguf.py) writes from hf_dir."""
-    if not out.is_file():
-        subprocess.run([sys.executable, converter, str(hf_dir), "--outtype", "bf16", "--outfile", str(out)],
-                       check=True, stdout=subprocess.DEVNULL)
-    return out
+    return _written(out, lambda part: [sys.executable, converter, str(hf_dir), "--outtype", "bf16",
+                                       "--outfile", str(part)])
 
 
 def quantized(quantize: str, gguf: Path, kind: str, out: Path) -> Path:
     """llama-quantize's copy of `gguf` in `kind` (BF16, Q8_0, Q4_0, ...)."""
-    if not out.is_file():
-        subprocess.run([quantize, "--allow-requantize", str(gguf), str(out), kind], check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return out
+    return _written(out, lambda part: [quantize, "--allow-requantize", str(gguf), str(part), kind], quiet=True)
 
 
 def main() -> int:
