@@ -66,13 +66,14 @@ def served_bytes(gguf: str, positions: int) -> dict:
     cache of `positions` (an untied quantized embedding stays in the file, mapped: not
     counted); reads the tensor table and config its first start cached."""
     from gateeng.model.cache import converted
-    from gateeng.model.families import GGUF_ARCHITECTURES
+    from gateeng.model.families import gguf_family
     from gateeng.model.gguf_weights import SERVED_QUANTIZED, TENSOR_TABLE, GGUFTensors
     from gateeng.model.loader import convert_in_child, read_model_config
     header = converted(Path(gguf), lambda g, out: convert_in_child(g, out, header_only=True), kind="header")
     cfg = read_model_config(header)
     tensors = GGUFTensors(Path(gguf), header / TENSOR_TABLE)
-    mapped = () if cfg.tie_word_embeddings else GGUF_ARCHITECTURES[tensors.architecture].block.embed.gguf
+    family = gguf_family(tensors.architecture, cfg.moe is not None)
+    mapped = () if cfg.tie_word_embeddings else family.block.embed.gguf
     weights = 0
     for t in tensors.tensors.values():
         values = 1
@@ -153,7 +154,7 @@ def stages(model) -> None:
     model_bytes = served_bytes(path, kv_blocks(cfg) * cfg.block_size)
     total = rss()["VmRSS"]
     print(f"\n{Path(path).name}, the whole process by what holds it:\n")
-    print(table(parts(), total))
+    print(table(parts(model_file=path), total))
     rest = total - sum(model_bytes.values())
     print("\n" + " + ".join(f"{k} {v / MIB:.0f}" for k, v in model_bytes.items())
           + f" MiB (their bytes); the rest, the runtime: {rest / MIB:.0f} MiB")
