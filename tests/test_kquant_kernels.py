@@ -157,6 +157,8 @@ def test_the_fast_plans_int8_matmul_on_k_quants_is_row_invariant_and_close_to_th
     many = kernels.qlinear_k_avx2(x, packed, 40, True)
     for r in (0, 4, 8):
         assert torch.equal(kernels.qlinear_k_avx2(x[r:r + 1].contiguous(), packed, 40, True)[0], many[r])
+    for rows in (6, 7):   # the tiles of 2 and 3 rows after one of 4
+        assert torch.equal(kernels.qlinear_k_avx2(x[:rows].contiguous(), packed, 40, True), many[:rows])
     assert float((many - want).norm()) <= 0.02 * float(want.norm())
     assert torch.equal(kernels.qlinear_k_avx2(x, packed, 40, False), many.to(torch.bfloat16))
 
