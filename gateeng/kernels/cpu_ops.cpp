@@ -1049,6 +1049,86 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   return out;
 }
 
+#ifdef GATEENG_QINT8
+// A routing layer's experts on the fast plan, in one call: the (row, slot) pairs grouped
+// by expert (a counting sort, so each expert's rows keep their order), each active
+// expert's gate_up, SiLU gate and down once over its rows on the int8 kernels above
+// (qlinear_vnni where `vnni`, else qlinear_avx2; qlinear_k_avx2 for K-quant records),
+// then each row's weighted sum of its k outputs in binary32 in slot order, rounded to
+// bf16. x [M, H] bf16, chosen [M, k] int64 (ids < the experts), weights [M, k] float32;
+// gate_up and down: every expert's packed weight (the reference's qpack, whole K).
+// Each matmul is row-invariant, so a row's output depends on that row only.
+torch::Tensor moe_experts(torch::Tensor x, torch::Tensor chosen, torch::Tensor weights,
+                          const std::vector<torch::Tensor>& gate_up, const std::vector<torch::Tensor>& down,
+                          int64_t gate_up_n, int64_t down_n, bool vnni) {
+  check_dtype(x, "x");
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2, "x must be bf16 [rows, hidden]");
+  TORCH_CHECK(chosen.dim() == 2 && chosen.size(0) == x.size(0) && chosen.scalar_type() == torch::kLong,
+              "chosen must be int64 [rows, k]");
+  TORCH_CHECK(weights.sizes() == chosen.sizes() && weights.scalar_type() == torch::kFloat,
+              "weights must be float32 [rows, k]");
+  const int64_t experts = static_cast<int64_t>(gate_up.size());
+  TORCH_CHECK(experts > 0 && static_cast<int64_t>(down.size()) == experts, "one gate_up and one down per expert");
+  TORCH_CHECK(down_n == x.size(1), "down must give hidden outputs");
+  x = x.contiguous();
+  chosen = chosen.contiguous();
+  weights = weights.contiguous();
+  const int64_t m = x.size(0), k = chosen.size(1), h = x.size(1), pairs = m * k;
+  const int64_t* ids = chosen.data_ptr<int64_t>();
+  std::vector<int64_t> start(experts + 1, 0), order(pairs);
+  for (int64_t p = 0; p < pairs; ++p) {
+    TORCH_CHECK(ids[p] >= 0 && ids[p] < experts, "expert id out of range");
+    ++start[ids[p] + 1];
+  }
+  for (int64_t e = 0; e < experts; ++e) start[e + 1] += start[e];
+  {
+    std::vector<int64_t> at(start.begin(), start.end() - 1);
+    for (int64_t p = 0; p < pairs; ++p) order[at[ids[p]]++] = p;
+  }
+  auto linear = [&](const torch::Tensor& in, const torch::Tensor& packed, int64_t n) {
+    const int64_t rec = packed.size(2);
+    if (rec == qint8::REC_Q8_0 || rec == qint8::REC_Q4_0 || rec == qint8::REC_Q4_1) {
+#ifdef GATEENG_AVX512_VNNI
+      if (vnni) return qlinear_vnni(in, packed, n, false, 0);
+#endif
+      return qlinear_avx2(in, packed, n, false, 0);
+    }
+    return qlinear_k_avx2(in, packed, n, false, 0);
+  };
+  const u16* xs = reinterpret_cast<const u16*>(x.data_ptr<at::BFloat16>());
+  std::vector<u16> y(pairs * h);   // each pair's expert output, bf16 bits
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t n = start[e + 1] - start[e];
+    if (n == 0) continue;
+    auto rows = torch::empty({n, h}, x.options());
+    u16* rp = reinterpret_cast<u16*>(rows.data_ptr<at::BFloat16>());
+    for (int64_t i = 0; i < n; ++i) std::memcpy(rp + i * h, xs + order[start[e] + i] / k * h, h * sizeof(u16));
+    auto gu = linear(rows, gate_up[e], gate_up_n);
+    auto act = torch::empty({n, gate_up_n / 2}, x.options());
+    silu_mul_rows<at::BFloat16>(gu.data_ptr<at::BFloat16>(), act.data_ptr<at::BFloat16>(), n, gate_up_n / 2);
+    auto out = linear(act, down[e], down_n);
+    const u16* op = reinterpret_cast<const u16*>(out.data_ptr<at::BFloat16>());
+    for (int64_t i = 0; i < n; ++i) std::memcpy(y.data() + order[start[e] + i] * h, op + i * h, h * sizeof(u16));
+  }
+  auto result = torch::empty({m, h}, x.options());
+  at::BFloat16* rp = result.data_ptr<at::BFloat16>();
+  const float* wp = weights.data_ptr<float>();
+  at::parallel_for(0, m, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(h);
+    for (int64_t r = begin; r < end; ++r) {
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t i = 0; i < k; ++i) {
+        const float w = wp[r * k + i];
+        const u16* yr = y.data() + (r * k + i) * h;
+        for (int64_t j = 0; j < h; ++j) acc[j] += w * c10::bit_cast<float>(static_cast<uint32_t>(yr[j]) << 16);
+      }
+      for (int64_t j = 0; j < h; ++j) rp[r * h + j] = to<at::BFloat16>(acc[j]);
+    }
+  });
+  return result;
+}
+#endif
+
 torch::Tensor rope_store(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
                          torch::Tensor v_cache, torch::Tensor slots, int64_t hq) {
   check_dtype(qkv, "qkv");
@@ -1207,6 +1287,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("qlinear_k_avx2", &qlinear_k_avx2, "x @ w.T on a K-quant weight packed by the reference's qpack (int8 AVX2)",
         py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("f32"),
         py::arg("per") = 0);
+  m.def("moe_experts", &moe_experts, "a routing layer's experts on the int8 kernels, combined (the fast plan)",
+        py::call_guard<py::gil_scoped_release>());
   m.attr("qavx2") = true;
 #else
   m.attr("qavx2") = false;

@@ -233,6 +233,9 @@ class LlamaModel(torch.nn.Module):
             chosen, weights = tp.same_routing(plan, chosen, weights)
         old = getattr(meta, "router_margin", None)
         meta.router_margin = margins if old is None else torch.minimum(old, margins)
+        fused = plan.moe_experts(self, x, chosen, weights, layer.experts) if tp is None else None
+        if fused is not None:
+            return fused
         flat = chosen.reshape(-1)
         order = torch.argsort(flat, stable=True)   # (row, slot) pairs grouped by expert
         counts = torch.bincount(flat, minlength=moe.num_experts).tolist()

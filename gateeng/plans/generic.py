@@ -77,6 +77,11 @@ class CpuKernelOps:
         step (the final normed hidden states), else None: the forward runs op by op."""
         return None
 
+    def moe_experts(self, model, x, chosen, weights, experts):
+        """A routing layer's combined expert outputs in one call, where the plan has
+        such a path for these experts, else None: the forward runs expert by expert."""
+        return None
+
     def rope_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv, layer: int, slots,
                    num_heads: int) -> torch.Tensor:
         """RoPE on the query and key heads of qkv [rows, (Hq + 2 Hkv) D] (cos, sin:
@@ -182,6 +187,18 @@ class FastPlan(CpuKernelOps):
         if matmul is None:
             return self.kernels.decode_layers(*args)
         return self.kernels.decode_layers_with(matmul, *args)
+
+    def moe_experts(self, model, x, chosen, weights, experts):
+        """Each row's weighted sum of its experts' MLPs (combine's rule) in one C++ call
+        (cpu_ops.cpp moe_experts): the rows grouped per expert, one int8 matmul per
+        active expert and projection over its rows, no Python per expert; where
+        packing found every expert of the layer on the int8 kernels."""
+        layer = packing.of(model).expert_layers.get(id(experts[0][0]))
+        if layer is None or self.kernels is None or x.dtype != torch.bfloat16:
+            return None
+        gate_up, down, gate_up_n, down_n = layer
+        return self.kernels.moe_experts(x, chosen, weights.float(), gate_up, down, gate_up_n, down_n,
+                                        bool(getattr(self.kernels, "qvnni", False)))
 
     def _meta(self, rows: Rows, block_size: int, dev) -> FastAttnMeta:
         # With the C++ kernels, a prefill chunk whose queries x keys stay within

@@ -12,7 +12,8 @@ Per model, one PackedWeights (`of`) holds, by id of the model's weight:
 - `stored_rows`: an untied quantized embedding as the GGUF file stores it, mapped
   (`set_stored_rows`);
 - the fast plan's matmuls (`packed`), its float32 logits head (`dense_head`), its
-  bf16 candidate head (`lm_head_bf16`) and one-call decode layers (`fused_layers`),
+  bf16 candidate head (`lm_head_bf16`), one-call decode layers (`fused_layers`) and
+  one-call routing layers' experts (`expert_layers`),
   and the machine-specific invariant plan's matmuls (`invariant_packed`);
 - what `pack_fast`'s probe chose, and the cached float32 lm_head.
 A weight whose one copy is packed keeps its shape and dtype, its storage emptied, so
@@ -95,6 +96,9 @@ class PackedWeights:
         # (packed, output sizes, parts per matrix, norms, matmul) for the one-call decode layers (pack_fast);
         # matmul None: cpu_ops' own VDPBF16PS, else the reference's linear.
         self.fused_layers = None
+        # id(expert 0's gate_up) -> (every expert's gate_up data, down data, gate_up's and
+        # down's output sizes) for FastPlan.moe_experts (pack_fast, quantized experts).
+        self.expert_layers = {}
         self.lm_head_bf16 = lambda x: torch.nn.functional.linear(x, lm_head)   # the greedy candidate search
         self.lm_head_f32 = None       # the float32 lm_head, made on first use (lm_head_f32)
         self.lm_head_max_norm = None  # its largest row norm, made on first use (lm_head_max_norm)
@@ -330,12 +334,30 @@ def _pack_quantized(model, s: PackedWeights, kernels, ref) -> None:
                           for w in weights}
     s.invariant_matmul = kernel_names.REF_LINEAR
     s.plain_needed = False
+    if avx2 and model.tp is None:
+        s.expert_layers = _expert_layers(model, s, lambda data: kernel(data) is not ref.linear)
     if _plain_layers(model):
         packed = [s.shared[id(w)] for w in _layer_matrices(model)]
         kernels_used = {kernel(q.data) for p in packed for q in cpu_linear.parts(p)}
         matmul = (next(iter(kernels_used)) if len(kernels_used) == 1 else
                   lambda x, data, n, f32, per: kernel(data)(x, data, n, f32, per))
         s.fused_layers = _fused_layers(model, s, packed, matmul)
+
+
+def _expert_layers(model, s: PackedWeights, int8) -> dict:
+    """The routing layers whose experts cpu_ops' moe_experts runs in one call: each
+    expert's gate_up and down one packed weight (not a Stacked), of K's own lanes, that
+    an int8 kernel takes (`int8(data)`); keyed by id of expert 0's gate_up."""
+    out = {}
+    for layer in model.step_layers:
+        if layer.experts is None:
+            continue
+        copies = [[s.shared.get(id(w)) for w in pair] for pair in layer.experts]
+        if all(isinstance(p, cpu_linear.Packed) and p.per == 0 and p.data.dtype == torch.uint8 and int8(p.data)
+               for pair in copies for p in pair):
+            out[id(layer.experts[0][0])] = ([g.data for g, _ in copies], [d.data for _, d in copies],
+                                            copies[0][0].n, copies[0][1].n)
+    return out
 
 
 def _plain_layers(model) -> bool:
