@@ -35,6 +35,9 @@ sys.path.append(str(ROOT))   # after site-packages: the tests package, nothing i
 SHAPE = dict(hidden=2048, layers=48, heads=32, kv_heads=4, head_dim=128, experts=128, expert_ffn=768,
              experts_used=8, vocab=151936)
 ARCH = "qwen3moe"
+HELP = dict(hidden="hidden size", layers="decoder layers", heads="attention heads", kv_heads="KV heads",
+            head_dim="head dimension", experts="experts per layer", expert_ffn="each expert's intermediate size",
+            experts_used="experts per token", vocab="vocabulary size (at least 256)")
 SLICE = 32 * 2 ** 20
 # GGML type: (values per block, bytes per block)
 BLOCKS = {"Q4_0": (32, 18), "Q6_K": (256, 210), "F32": (1, 4)}
@@ -159,8 +162,8 @@ def main() -> int:
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("out", type=Path, help="the GGUF file to write")
     for key, value in SHAPE.items():
-        ap.add_argument(f"--{key.replace('_', '-')}", type=int, default=value)
-    ap.add_argument("--seed", type=int, default=0)
+        ap.add_argument(f"--{key.replace('_', '-')}", type=int, default=value, help=HELP[key])
+    ap.add_argument("--seed", type=int, default=0, help="the random weights' seed")
     args = ap.parse_args()
     size = write(args.out, {k: getattr(args, k) for k in SHAPE}, args.seed)
     print(f"{args.out}: {size / 2 ** 30:.2f} GiB")
