@@ -1097,19 +1097,29 @@ torch::Tensor moe_experts(torch::Tensor x, torch::Tensor chosen, torch::Tensor w
   };
   const u16* xs = reinterpret_cast<const u16*>(x.data_ptr<at::BFloat16>());
   std::vector<u16> y(pairs * h);   // each pair's expert output, bf16 bits
-  for (int64_t e = 0; e < experts; ++e) {
-    const int64_t n = start[e + 1] - start[e];
-    if (n == 0) continue;
-    auto rows = torch::empty({n, h}, x.options());
-    u16* rp = reinterpret_cast<u16*>(rows.data_ptr<at::BFloat16>());
-    for (int64_t i = 0; i < n; ++i) std::memcpy(rp + i * h, xs + order[start[e] + i] / k * h, h * sizeof(u16));
-    auto gu = linear(rows, gate_up[e], gate_up_n);
-    auto act = torch::empty({n, gate_up_n / 2}, x.options());
-    silu_mul_rows<at::BFloat16>(gu.data_ptr<at::BFloat16>(), act.data_ptr<at::BFloat16>(), n, gate_up_n / 2);
-    auto out = linear(act, down[e], down_n);
-    const u16* op = reinterpret_cast<const u16*>(out.data_ptr<at::BFloat16>());
-    for (int64_t i = 0; i < n; ++i) std::memcpy(y.data() + order[start[e] + i] * h, op + i * h, h * sizeof(u16));
-  }
+  std::vector<int64_t> active;
+  for (int64_t e = 0; e < experts; ++e)
+    if (start[e + 1] > start[e]) active.push_back(e);
+  auto run = [&](int64_t begin, int64_t end) {
+    for (int64_t a = begin; a < end; ++a) {
+      const int64_t e = active[a], n = start[e + 1] - start[e];
+      auto rows = torch::empty({n, h}, x.options());
+      u16* rp = reinterpret_cast<u16*>(rows.data_ptr<at::BFloat16>());
+      for (int64_t i = 0; i < n; ++i) std::memcpy(rp + i * h, xs + order[start[e] + i] / k * h, h * sizeof(u16));
+      auto gu = linear(rows, gate_up[e], gate_up_n);
+      auto act = torch::empty({n, gate_up_n / 2}, x.options());
+      silu_mul_rows<at::BFloat16>(gu.data_ptr<at::BFloat16>(), act.data_ptr<at::BFloat16>(), n, gate_up_n / 2);
+      auto out = linear(act, down[e], down_n);
+      const u16* op = reinterpret_cast<const u16*>(out.data_ptr<at::BFloat16>());
+      for (int64_t i = 0; i < n; ++i) std::memcpy(y.data() + order[start[e] + i] * h, op + i * h, h * sizeof(u16));
+    }
+  };
+  // With at least two active experts per thread, the experts split across the threads,
+  // each expert's matmuls on one (a parallel_for inside a parallel region runs inline):
+  // one fork and join per layer, not two per expert. Fewer: each matmul's columns split.
+  const int64_t count = static_cast<int64_t>(active.size());
+  if (count >= 2 * at::get_num_threads()) at::parallel_for(0, count, 1, run);
+  else run(0, count);
   auto result = torch::empty({m, h}, x.options());
   at::BFloat16* rp = result.data_ptr<at::BFloat16>();
   const float* wp = weights.data_ptr<float>();
