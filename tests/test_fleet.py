@@ -102,9 +102,9 @@ def cluster(tmp_path_factory):
 class FleetRunning(Running):
     """`gateeng fleet` on its own thread and loop, over the test cluster."""
 
-    def __init__(self, cfg, address):
+    def __init__(self, cfg, address, replicas=2):
         from gateeng.fleet import serve
-        self.server = serve.fleet_server(cfg, ServerConfig(port=0, metrics_port=0, http_port=0), 2, address,
+        self.server = serve.fleet_server(cfg, ServerConfig(port=0, metrics_port=0, http_port=0), replicas, address,
                                          admin_token=TOKEN)
         self.exit_code, self.loop, self.credentials = None, None, None
         self.thread = threading.Thread(target=self._main, daemon=True)

@@ -101,16 +101,18 @@ BIG = dict(vocab_size=256, hidden_size=1024, intermediate_size=5632, num_hidden_
            num_attention_heads=16, num_key_value_heads=8, head_dim=64)
 
 
-def _write_big(path) -> int:
-    """A random bf16 Llama of BIG's shape as a safetensors directory; its weights' bytes."""
+def _write_big(path, layers: int = BIG["num_hidden_layers"]) -> int:
+    """A random bf16 Llama of BIG's shape (with `layers` layers) as a safetensors
+    directory; its weights' bytes."""
     from safetensors.torch import save_file
     from transformers import LlamaConfig
-    LlamaConfig(**BIG, max_position_embeddings=256, tie_word_embeddings=True).save_pretrained(path)
+    LlamaConfig(**dict(BIG, num_hidden_layers=layers), max_position_embeddings=256,
+                tie_word_embeddings=True).save_pretrained(path)
     h, i, d = BIG["hidden_size"], BIG["intermediate_size"], BIG["head_dim"]
     q, kv = BIG["num_attention_heads"] * d, BIG["num_key_value_heads"] * d
     gen = torch.Generator().manual_seed(0)
     sd = {"model.embed_tokens.weight": (BIG["vocab_size"], h), "model.norm.weight": (h,)}
-    for n in range(BIG["num_hidden_layers"]):
+    for n in range(layers):
         pre = f"model.layers.{n}."
         sd.update({pre + "input_layernorm.weight": (h,), pre + "post_attention_layernorm.weight": (h,),
                    pre + "self_attn.q_proj.weight": (q, h), pre + "self_attn.k_proj.weight": (kv, h),

@@ -50,15 +50,16 @@ class Served:
 
 def assemble(cfg: EngineConfig, loaded: LoadedModel, max_model_len: int, owned: bool = False,
              model: Optional[LlamaModel] = None, plans: Optional[factory.Plans] = None,
-             before: Optional[Served] = None) -> Served:
+             before: Optional[Served] = None, ranks=None) -> Served:
     """The served parts of `loaded` under `cfg` (see the module doc). At start-up
     (`before` None) the model's plans are built here, and `owned` says the engine
     loaded the model for itself alone, so whatever no plan needs of it is let go
     (plain weights once packed, the whole model once sharded). Otherwise `model`
     and `plans` replace those of `before`, the parts served until now: a weight
-    swap's, built aside, or another fast plan."""
+    swap's, built aside, or another fast plan. `ranks`: tensor-parallel ranks that read
+    their own shards (tp_processes.start_ranks), `loaded` then holding no weights."""
     if before is None:
-        loaded, model, plans, tp_group = _model_and_plans(cfg, loaded, owned)
+        loaded, model, plans, tp_group = _model_and_plans(cfg, loaded, owned, ranks)
         shape = model.cfg   # the shard's heads and columns at sizes > 1
         blocks = kv_blocks(cfg)
         kv = KVCache(shape, blocks, cfg.block_size, DTYPES[cfg.dtype], cfg.device)
@@ -81,8 +82,11 @@ def assemble(cfg: EngineConfig, loaded: LoadedModel, max_model_len: int, owned: 
     return Served(loaded, model, plans, kv, block_manager, runner, route, selfcheck, record, tp_group)
 
 
-def _model_and_plans(cfg: EngineConfig, loaded: LoadedModel, owned: bool) -> tuple:
+def _model_and_plans(cfg: EngineConfig, loaded: LoadedModel, owned: bool, ranks=None) -> tuple:
     """(loaded, the model the runner runs, its plans, the tensor-parallel group or None)."""
+    if ranks is not None:   # every rank, this one too, reads its own shard
+        shard, plans, group = tp_processes.start_ranks(cfg, ranks, cfg.tensor_parallel_timeout)
+        return dataclasses.replace(loaded, model=shard), shard, plans, group
     if cfg.tensor_parallel_size <= 1:
         plans = factory.build(cfg, loaded.model, loaded.config, DTYPES[cfg.dtype], owned=owned)
         return loaded, loaded.model, plans, None

@@ -36,6 +36,7 @@ from gateeng.engine.verification import VerificationStage, discard_speculation
 from gateeng.heap import trim_heap
 from gateeng.logs import log
 from gateeng.model.chat import encode_prompt
+from gateeng.model import shard_read
 from gateeng.model.loader import LoadedModel, load
 from gateeng.outputs import Completion
 from gateeng.plans import packing
@@ -80,7 +81,10 @@ class Observer:
 
 class EngineCore:
     def __init__(self, config: Optional[EngineConfig] = None, loaded: Optional[LoadedModel] = None,
-                 observer: Optional[Observer] = None):
+                 observer: Optional[Observer] = None, ranks=None):
+        """`ranks`: tensor-parallel ranks 1..N-1 that read their own shards of cfg.model
+        (fleet.ranks, tp_processes.start_ranks): this process then reads only its own
+        too, never the whole model."""
         self.config = cfg = config or EngineConfig()
         cfg.validate()
         # Compute threads: --threads, else what the affinity mask and the CPU quota allow
@@ -96,8 +100,10 @@ class EngineCore:
             log(f"compute threads: {cpu.describe()}"
                 + ("; fewer while neighbours hold cores" if cpu.threads > 1 else ""))
             self._neighbours = cpus.Neighbours(cpu.threads)
+        if ranks is not None:
+            self.loaded = loaded = shard_read.unloaded(cfg.model)
         self.loaded = loaded or load(cfg.model, cfg.dtype, cfg.device, dequantize=cfg.dequantize)
-        if packing.quantized(self.loaded.model) and cfg.device != "cpu":
+        if ranks is None and packing.quantized(self.loaded.model) and cfg.device != "cpu":
             raise ValueError("quantized weights are served on CPU: load the model with dequantize=True "
                              "(--dequantize)")
         self.tokenizer = self.loaded.tokenizer
@@ -107,7 +113,7 @@ class EngineCore:
         if getattr(self.tokenizer, "eos_token_id", None) is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.stop = StopChecker(eos, self.max_model_len, text_of=self._text_of)
-        served = assembly.assemble(cfg, self.loaded, self.max_model_len, owned=loaded is None)
+        served = assembly.assemble(cfg, self.loaded, self.max_model_len, owned=loaded is None, ranks=ranks)
         self.tp_group = served.tp_group   # the tensor-parallel group (engine.tp_processes), at sizes > 1
         self.blocks, self.route = served.blocks, served.route
         self.scheduler = Scheduler(self.blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens, self.route,

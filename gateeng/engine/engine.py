@@ -28,8 +28,8 @@ from gateeng.request import DeterminismParams, SamplingParams
 
 class Engine:
     def __init__(self, config: Optional[EngineConfig] = None, loaded: Optional[LoadedModel] = None,
-                 observer: Optional[Observer] = None):
-        self.core = EngineCore(config, loaded, observer)
+                 observer: Optional[Observer] = None, ranks=None):
+        self.core = EngineCore(config, loaded, observer, ranks)
         self.failure: Optional[BaseException] = None   # set if the step loop died
         self.on_death: list = []   # callables(exc), called on the engine thread when it dies
         self.accepting = True

@@ -19,8 +19,13 @@ whole, and the workers' shards are made one at a time beside it. A worker builds
 plans and KV cache (waiting for a kernel build another process runs), reports on the
 group's TCPStore that it is up, and joins the group.
 
-Loopback and the secret: every rank is a process on this machine, so the store and
-gloo listen on 127.0.0.1 only. The store is open to any local process, so the
+Across nodes (start_ranks): ranks 1..N-1 are started by the caller's `ranks`
+(fleet.ranks: Ray actors), and every rank, rank 0 too, reads its own shard by byte
+ranges (model.shard_read); the store and gloo listen on rank 0's node address, with
+the same signed store and handshake as below.
+
+Loopback and the secret: with LocalRanks every rank is a process on this machine, so
+the store and gloo listen on 127.0.0.1 only. The store is open to any local process, so the
 driver makes a random secret per engine and hands it to the workers in their spawn
 arguments (a pickle over a pipe to the child: not on a command line or in an
 environment). Every value the ranks exchange through the store carries an HMAC
@@ -60,7 +65,7 @@ import torch.multiprocessing as mp
 from gateeng import cpus
 from gateeng.config import BFLOAT16, EngineConfig, kv_blocks
 from gateeng.logs import log
-from gateeng.model import shard
+from gateeng.model import shard, shard_read
 from gateeng.model.llama import KVCache
 from gateeng.model.loader import DTYPES
 from gateeng.plans import factory, packing, reference_ops, sharded
@@ -144,14 +149,14 @@ class SignedStore(dist.Store):
         self._store.set_timeout(timeout)
 
 
-def _loopback_listener() -> int:
-    """A listening socket on 127.0.0.1 at a free port, as a file descriptor for the
-    TCPStore to own (it closes it when it goes). TCPStore's own listener binds to
-    every interface (`::`) whatever host it is given, with and without libuv; one it
-    is handed (master_listen_fd) keeps its address."""
+def _listener(host: str) -> int:
+    """A listening socket on `host` (the ranks' address: 127.0.0.1 on one machine) at a
+    free port, as a file descriptor for the TCPStore to own (it closes it when it goes).
+    TCPStore's own listener binds to every interface (`::`) whatever host it is given,
+    with and without libuv; one it is handed (master_listen_fd) keeps its address."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
-        sock.bind((HOST, 0))
+        sock.bind((host, 0))
         sock.listen(128)
     except BaseException:
         sock.close()
@@ -160,13 +165,14 @@ def _loopback_listener() -> int:
 
 
 @contextlib.contextmanager
-def _gloo_on_loopback():
+def _gloo_on(interface: str):
     """While the group is made: gloo binds each rank's listening socket to the
     address of GLOO_SOCKET_IFNAME's interface where that is set, else to the address
-    the machine's hostname resolves to (often its LAN address). The ranks are all on
-    this machine, so loopback is always right, whatever the environment says."""
+    the machine's hostname resolves to (often its LAN address). The ranks' own
+    interface (loopback where they are all on this machine) is always right, whatever
+    the environment says."""
     before = os.environ.get(GLOO_IFNAME)
-    os.environ[GLOO_IFNAME] = LOOPBACK_INTERFACE
+    os.environ[GLOO_IFNAME] = interface
     try:
         yield
     finally:
@@ -225,45 +231,82 @@ def threads_per_rank(cfg: EngineConfig) -> int:
     return cfg.num_threads or max(1, cpus.budget().threads // cfg.tensor_parallel_size)
 
 
+def interface_of(address: str) -> str:
+    """The name of this machine's network interface that holds `address` (gloo binds a
+    rank's listener by interface name)."""
+    import psutil
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address == address for a in addresses):
+            return name
+    raise TensorParallelFailure(f"no network interface of this machine holds {address}")
+
+
+class LocalRanks:
+    """Ranks 1..N-1 as worker processes on this machine (torch.multiprocessing, spawn),
+    each handed its shard's tensors through shared memory; the group on loopback.
+
+    What a Group asks of its ranks (fleet.ranks keeps ranks as Ray actors on other
+    nodes the same way): `host` and `interface`, the driver's address and its network
+    interface; `start(rank, port, secret, timeout)`, a started rank as a handle with a
+    `name`, an `exitcode` (None while it runs), `join(timeout)` and `kill()`;
+    `wait_any(handles)`, the first of them to end."""
+    host, interface = HOST, LOOPBACK_INTERFACE
+
+    def __init__(self, cfg: EngineConfig, model_cfg, lays: list, take, stored_types: dict):
+        """`lays`: every rank's ShardLayout; `take(rank)`: that rank's tensors
+        (model.shard.shard_tensors), called once per worker as it starts."""
+        self._args = cfg, model_cfg, lays, take, stored_types
+
+    def start(self, rank: int, port: int, secret: str, timeout: float):
+        cfg, model_cfg, lays, take, stored_types = self._args
+        # In a list that each side empties once it is sent or received: the Process
+        # object keeps its arguments for its whole life, and would keep the shard too.
+        handed = [take(rank)]
+        p = mp.get_context("spawn").Process(
+            target=_worker_main, name=f"gateeng-tp{rank}", daemon=True,
+            args=(rank, port, secret, timeout, cfg, model_cfg, lays[rank], handed, stored_types,
+                  threads_per_rank(cfg)))
+        p.start()   # pickled now: the shared memory stays open for the worker (a duplicated descriptor)
+        handed.clear()
+        return p
+
+    @staticmethod
+    def wait_any(workers: list):
+        by_sentinel = {p.sentinel: p for p in workers}
+        return by_sentinel[multiprocessing.connection.wait(list(by_sentinel))[0]]
+
+
 class Group:
     """The driver's side of the group: starts the workers, announces calls
     (`command`), sends heartbeats, watches the workers, and closes the group."""
 
-    def __init__(self, cfg: EngineConfig, model_cfg, lays: list, take, stored_types: dict, timeout: float):
-        """`lays`: every rank's ShardLayout; `take(rank)`: that rank's tensors
-        (model.shard.shard_tensors), called once per worker as it starts."""
+    def __init__(self, cfg: EngineConfig, ranks, timeout: float):
+        """`ranks`: how ranks 1..N-1 start and are watched (LocalRanks' doc)."""
         self.size = cfg.tensor_parallel_size
+        self.ranks = ranks
         self.timeout = timeout
         self.on_death: list = []   # callables(exc), called on the watcher thread when a worker dies
         self.failure: Optional[BaseException] = None
         self._lock = threading.Lock()   # one announced call, with its collectives, at a time
         self._last = time.monotonic()
         self._closing = threading.Event()
-        ctx = mp.get_context("spawn")
-        secret = secrets.token_hex(32)   # per engine; reaches the workers only in their spawn arguments
-        fd = _loopback_listener()
+        # per engine; reaches the workers only in their start arguments (a spawn pipe, or Ray's own calls)
+        secret = secrets.token_hex(32)
+        fd = _listener(ranks.host)
         try:
-            self._store = dist.TCPStore(HOST, _port_of(fd), self.size, True, timedelta(seconds=STARTUP_SECONDS),
-                                        wait_for_workers=False, master_listen_fd=fd)
+            self._store = dist.TCPStore(ranks.host, _port_of(fd), self.size, True,
+                                        timedelta(seconds=STARTUP_SECONDS), wait_for_workers=False,
+                                        master_listen_fd=fd)
         except BaseException:
             os.close(fd)
             raise
         self._signed = SignedStore(self._store, secret)
-        threads = threads_per_rank(cfg)
         self.workers = []
-        for rank in range(1, self.size):
-            # In a list that each side empties once it is sent or received: the Process
-            # object keeps its arguments for its whole life, and would keep the shard too.
-            handed = [take(rank)]
-            p = ctx.Process(target=_worker_main, name=f"gateeng-tp{rank}", daemon=True,
-                            args=(rank, self._store.port, secret, timeout, cfg, model_cfg, lays[rank], handed,
-                                  stored_types, threads))
-            p.start()   # pickled now: the shared memory stays open for the worker (a duplicated descriptor)
-            handed.clear()
-            self.workers.append(p)
         try:
+            for rank in range(1, self.size):
+                self.workers.append(ranks.start(rank, self._store.port, secret, timeout))
             self._await_workers()
-            with _gloo_on_loopback():
+            with _gloo_on(ranks.interface):
                 dist.init_process_group("gloo", store=self._signed, rank=0, world_size=self.size,
                                         timeout=timedelta(seconds=timeout))
             handshake(0, self.size, secret)
@@ -314,13 +357,11 @@ class Group:
                          for p in self.workers)
 
     def _watch(self) -> None:
-        by_sentinel = {p.sentinel: p for p in self.workers}
-        dead = by_sentinel[multiprocessing.connection.wait(list(by_sentinel))[0]]
+        dead = self.ranks.wait_any(self.workers)
         if self._closing.is_set():
             return
         dead.join(timeout=1)   # reaped, so that its exit code is known
-        exc = TensorParallelFailure(f"tensor-parallel worker {dead.name} (pid {dead.pid}) exited with code "
-                                    f"{dead.exitcode}")
+        exc = TensorParallelFailure(f"tensor-parallel worker {dead.name} exited with code {dead.exitcode}")
         self.failure = self.failure or exc
         log(f"{exc}: the engine fails every request")
         for callback in list(self.on_death):
@@ -387,9 +428,36 @@ def start(cfg: EngineConfig, model, timeout: float, owned: bool = False):
     else:       # one rank's part at a time, beside the model its owner keeps
         def take(rank: int) -> dict:
             return shard.shard_tensors(model, [lays[rank]])[0]
-    group = Group(cfg, model.cfg, lays, take, stored_types, timeout)
+    group = Group(cfg, LocalRanks(cfg, model.cfg, lays, take, stored_types), timeout)
+    return _driver(cfg, group, lambda: shard.build_shard(model.cfg, lay, take(0), stored_types, quant_ops))
+
+
+def start_ranks(cfg: EngineConfig, ranks, timeout: float):
+    """start's (shard model, plans, Group) where no process holds the whole model: this
+    process, rank 0, reads its own shard of cfg.model by byte ranges (model.shard_read),
+    and so does each of `ranks` (fleet.ranks: Ray actors on other nodes, LocalRanks' doc)."""
+    why = refusal(cfg)
+    if why:
+        raise ValueError(why)
+    if dist.is_initialized():
+        raise ValueError("this process already runs a tensor-parallel engine: shut it down first (one "
+                         "torch.distributed group per process)")
+    torch.set_num_threads(threads_per_rank(cfg))
     try:
-        mine = shard.build_shard(model.cfg, lay, take(0), stored_types, quant_ops)
+        ops = reference_ops.load()
+    except reference_ops.ReferenceUnavailable as exc:
+        raise ValueError(f"tensor parallelism needs the reference (gateeng-ref-1) on this machine: {exc}") from exc
+    mine = shard_read.read_shard(cfg.model, cfg.tensor_parallel_size, 0)
+    group = Group(cfg, ranks, timeout)
+    return _driver(cfg, group, lambda: shard.build_shard(mine.config, mine.layout, mine.tensors,
+                                                         mine.stored_types, ops))
+
+
+def _driver(cfg: EngineConfig, group: Group, build):
+    """Rank 0's shard model (`build()`) and its plans, each announcing its calls to the
+    group; the group closed where they cannot be built."""
+    try:
+        mine = build()
         plans = factory.build(cfg, mine, mine.cfg, DTYPES[cfg.dtype], owned=True)
         if plans.unavailable or not hasattr(plans.invariant, "linear_partial"):
             raise ValueError("tensor parallelism needs the reference (gateeng-ref-1) on this machine: "
@@ -399,10 +467,11 @@ def start(cfg: EngineConfig, model, timeout: float, owned: bool = False):
         raise
     plans = replace(plans, fast=sharded.ShardedPlan(plans.fast, PlanKind.FAST, group.command),
                     invariant=sharded.ShardedPlan(plans.invariant, PlanKind.INVARIANT, group.command))
+    lay = mine.tp.layout
     attention = ("split by head" if lay.attention_split else
                  "whole on every rank (its heads, or its quantized o's GGUF blocks, do not split evenly, "
                  "or a q/k norm spans the whole projection)")
-    mlp = "each expert's MLP (the routers whole)" if model.cfg.moe is not None else "the MLP"
+    mlp = "each expert's MLP (the routers whole)" if mine.cfg.moe is not None else "the MLP"
     log(f"tensor parallel: {group.size} ranks on gloo, threads per rank: {threads_per_rank(cfg)}; "
         f"attention {attention}; {mlp}, o and the lm_head split")
     return mine, plans, group
@@ -431,8 +500,8 @@ def _port_of(fd: int) -> int:
 
 def _worker_main(rank: int, port: int, secret: str, timeout: float, cfg: EngineConfig, model_cfg, lay, handed: list,
                  stored_types: dict, threads: int) -> None:
-    """A worker rank: build the shard's plans and KV cache, join the group, then run
-    every announced call until the driver says stop (or the group fails)."""
+    """A worker rank on this machine: its shard from the tensors the driver handed over,
+    then serve_rank."""
     torch.set_num_threads(threads)
     # The plain tensors out of the shared memory the driver handed over (which cannot be
     # resized), so that the plain weights the plans do not need can be freed as at size 1;
@@ -443,14 +512,33 @@ def _worker_main(rank: int, port: int, secret: str, timeout: float, cfg: EngineC
     quantized = any(is_packed(t) for t in own.values())
     model = shard.build_shard(model_cfg, lay, own, stored_types, reference_ops.load() if quantized else None)
     del own
+    serve_rank(rank, HOST, port, secret, timeout, cfg, model, LOOPBACK_INTERFACE)
+
+
+def run_rank(rank: int, host: str, port: int, secret: str, timeout: float, cfg: EngineConfig, threads: int,
+             interface: str) -> None:
+    """A worker rank that holds no tensor handed over (a Ray actor on another node): it
+    reads its own shard of cfg.model by byte ranges (model.shard_read), then serve_rank
+    with the driver at `host`, its own gloo listener on `interface`."""
+    torch.set_num_threads(threads)
+    got = shard_read.read_shard(cfg.model, cfg.tensor_parallel_size, rank)
+    model = shard.build_shard(got.config, got.layout, got.tensors, got.stored_types, reference_ops.load())
+    del got
+    serve_rank(rank, host, port, secret, timeout, cfg, model, interface)
+
+
+def serve_rank(rank: int, host: str, port: int, secret: str, timeout: float, cfg: EngineConfig, model,
+               interface: str) -> None:
+    """A worker rank with its shard model: build its plans and KV cache, join the group,
+    then run every announced call until the driver says stop (or the group fails)."""
     dtype = DTYPES[cfg.dtype]
     built = factory.build(cfg, model, model.cfg, dtype, owned=True)
     plans = {PlanKind.FAST: built.fast, PlanKind.INVARIANT: built.invariant}
     kv = KVCache(model.cfg, kv_blocks(cfg), cfg.block_size, dtype, cfg.device)
-    store = SignedStore(dist.TCPStore(HOST, port, cfg.tensor_parallel_size, False,
+    store = SignedStore(dist.TCPStore(host, port, cfg.tensor_parallel_size, False,
                                       timedelta(seconds=STARTUP_SECONDS)), secret)
     store.set(f"up/{rank}", "1")
-    os.environ[GLOO_IFNAME] = LOOPBACK_INTERFACE   # this process only makes the group (_gloo_on_loopback)
+    os.environ[GLOO_IFNAME] = interface   # this process only makes the group (_gloo_on)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=cfg.tensor_parallel_size,
                             timeout=timedelta(seconds=timeout))
     handshake(rank, cfg.tensor_parallel_size, secret)

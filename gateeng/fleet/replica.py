@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import shutil
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -59,9 +60,14 @@ def _scratch() -> str:
 
 
 class EngineReplica:
-    def __init__(self, config: EngineConfig, name: str, served_model_name: Optional[str]):
+    def __init__(self, config: EngineConfig, name: str, served_model_name: Optional[str], ranks=None):
+        """`ranks`: its tensor-parallel ranks 1..N-1 (fleet.ranks.RayRanks), else None."""
         self.name = name
-        self.engine = Engine(config)
+        self.engine = Engine(config, ranks=ranks)
+        if self.engine.core.tp_group is not None:
+            # A rank that dies fails the engine: the replica then exits, so that Ray
+            # restarts it with new ranks, and the front re-runs its requests elsewhere.
+            self.engine.on_death.append(lambda exc: os._exit(1))
         self.metrics = Metrics()
         self.metrics.attach(self.engine, served_model_name or model_name(self.engine.loaded.source))
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="gateeng-replica")
@@ -119,6 +125,14 @@ class EngineReplica:
             raise RuntimeError(f"replica {self.name}: no checkpoint is staged")
         return await asyncio.get_running_loop().run_in_executor(
             self.pool, lambda: self.engine.swap_weights(staged, weight_version, source))
+
+    def peak_rss(self) -> list:
+        """Every rank's peak resident memory in bytes (/proc's VmHWM), rank 0's first."""
+        import ray
+        from gateeng.fleet.ranks import peak_rss
+        group = self.engine.core.tp_group
+        workers = group.workers if group is not None else []
+        return [peak_rss()] + ray.get([w.actor.peak_rss.remote() for w in workers])
 
     def discard_weights(self) -> None:
         self._staged = None

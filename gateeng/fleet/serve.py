@@ -18,11 +18,8 @@ def fleet_server(config: EngineConfig, settings: ServerConfig, replicas: int, ra
     """A Server whose engine is a Fleet of `replicas` (built when it runs)."""
     if replicas < 1:
         raise ValueError(f"--replicas must be at least 1, got {replicas}")
-    if config.tensor_parallel_size > 1:
-        raise ValueError("--tensor-parallel-size above 1 is not served by `gateeng fleet`: each replica runs on "
-                         "one node; use `gateeng serve --tensor-parallel-size` on one machine")
     registry = FleetRegistry()
-    cpus = config.num_threads or 1   # each replica's bundle (cluster.place)
+    cpus = config.num_threads or 1   # each rank's bundle (cluster.place)
     name = settings.served_model_name
 
     def build() -> Fleet:

@@ -38,11 +38,13 @@ import numpy as np
 import torch
 
 from gateeng.config import ModelConfig
+from gateeng.heap import trim_heap
 from gateeng.model import families, shard
 from gateeng.model.fingerprint import Fingerprint
 from gateeng.model.gguf_weights import (SERVED_QUANTIZED, TENSOR_TABLE, GGUFTensors, reading_plan,
                                         unpermute)
-from gateeng.model.loader import Checkpoint, gguf_header, read_model_config, weight_files
+from gateeng.model.loader import Checkpoint, LoadedModel, gguf_header, read_model_config, weight_files
+from gateeng.model.tokenizer import Tokenizer
 from gateeng.model.shard import ROW_PARALLEL, ShardLayout, part_rows, shard_name
 from gateeng.plans import reference_ops
 from gateeng.plans.cpu_linear import Packed, Stacked
@@ -99,7 +101,7 @@ def read_shard(path, size: int, rank: int) -> RankShard:
         return name
 
     def read(name: str, rows: tuple, cols=None) -> torch.Tensor:
-        return ckpt.part(name, rows, cols).to(torch.bfloat16).contiguous()
+        return _owned(ckpt.part(name, rows, cols).to(torch.bfloat16))
 
     def whole(w: families.Weight) -> torch.Tensor:
         shape = w.shapes(cfg)[0]
@@ -120,9 +122,30 @@ def read_shard(path, size: int, rank: int) -> RankShard:
                       for name, first, (start, stop) in zip(names, starts, part_rows(cfg, w, lay))]
             t = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         out[shard_name(i, None, w.attr)] = t
+        trim_heap()   # the reader's buffers of this weight go back to the OS, not only to malloc
     head = block.embed if cfg.tie_word_embeddings else block.lm_head
     out["lm_head"] = read(checked(head.hf[0], head.shapes(cfg)[0]), (lay.vocab.start, lay.vocab.stop))
     return RankShard(cfg, lay, out)
+
+
+def _owned(t: torch.Tensor) -> torch.Tensor:
+    """t as a contiguous tensor with a storage of its own: the plans resize a plain
+    weight's storage to nothing once they packed it (plans.packing), which a tensor over
+    a reader's buffer (safetensors', numpy's) does not allow."""
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def unloaded(path) -> LoadedModel:
+    """The checkpoint at `path` as loader.load describes it (config, tokenizer, the
+    fingerprint a single server computes, source), without its weights: `model` is None
+    until the rank's shard is built (tp_processes.start_ranks). Refused as read_shard
+    refuses (ValueError)."""
+    why = refusal(path)
+    if why:
+        raise ValueError(why)
+    src = Path(path)
+    return LoadedModel(None, Tokenizer.from_dir(gguf_header(src) if _is_gguf(src) else src), _config(src),
+                       fingerprint(src), str(src))
 
 
 def fingerprint(path) -> str:
@@ -211,7 +234,7 @@ class _GGUFShard:
                 shape = (s[1] - s[0], k) if k else (s[1] - s[0],)
                 v = self.file.values(n, self.file.raw_part(n, s), cfg.hidden_size, shape)
                 parts.append(unpermute(v, (s[1] - s[0]) // d) if h is not None else v)
-            return (parts[0] if len(parts) == 1 else torch.cat(parts)).contiguous()
+            return _owned(parts[0]) if len(parts) == 1 else torch.cat(parts)
 
         def by_k(name: str, shape: tuple, which: str):
             """The rank's columns of every row: its GGUF blocks packed as stored (on the
@@ -228,7 +251,7 @@ class _GGUFShard:
             first, last = ks.start // per_block, -(-ks.stop // per_block)
             got = self.file.raw_part(name, (0, shape[0]), (first * block_bytes, last * block_bytes))
             v = self.file.values(name, got, cfg.hidden_size, (shape[0], (last - first) * per_block))
-            return v[:, ks.start - first * per_block: ks.stop - first * per_block].contiguous()
+            return _owned(v[:, ks.start - first * per_block: ks.stop - first * per_block])
 
         out = {}
         for (layer, _, attr), names, shapes, heads, w in self.plan:
@@ -247,6 +270,7 @@ class _GGUFShard:
                 starts = itertools.accumulate((s[0] for s in shapes), initial=0)
                 spans = [(a - first, b - first) for first, (a, b) in zip(starts, part_rows(cfg, w, lay))]
                 out[shard_name(layer, None, attr)] = rows(names, spans, heads, k)
+            trim_heap()   # the stored bytes read for this weight go back to the OS, not only to malloc
         if cfg.tie_word_embeddings:   # the lm_head's rows are the embedding's
             (_, names, shapes, _, _), = [entry for entry in self.plan if entry[0] == (None, None, "embed")]
             out["lm_head"] = rows(names, [(lay.vocab.start, lay.vocab.stop)], [None], shapes[0][1])

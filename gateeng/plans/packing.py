@@ -29,6 +29,7 @@ from typing import Optional
 
 import torch
 
+from gateeng.heap import trim_heap
 from gateeng.logs import log
 from gateeng.plans import cpu_linear, kernel_names
 
@@ -206,6 +207,10 @@ def pack_shared(model, ref, release: bool = False, kernels=None) -> None:
             s.rowwise_checked[id(w)] = cpu_linear.checked(cpu_linear.rowwise(name, p, kernels, ref), w)
         if release:
             s.freed_bytes += _release(w)
+            # glibc keeps a freed block of up to 32 MiB for reuse, and the packed copies
+            # do not all fit the plain weights' blocks: without handing each back, the
+            # process's peak held the plain weights and the packed copies at once.
+            trim_heap()
     s.rowwise_checked_name = name
     if release:
         s.lm_head_f32 = None

@@ -689,7 +689,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_serve)
     f = sub.add_parser("fleet", help="serve the model from several replicas on a Ray cluster, behind one front",
                        description="Start --replicas engine replicas as Ray actors (one placement-group bundle of "
-                                   "--threads CPUs each, spread across the cluster's nodes) behind one gRPC and "
+                                   "--threads CPUs per replica and tensor-parallel rank, spread across the "
+                                   "cluster's nodes) behind one gRPC and "
                                    "OpenAI-compatible HTTP front with one /metrics. Requests are routed to the "
                                    "least-loaded replica that holds their prompt prefix; update-weights reaches "
                                    "every replica at once; a replica that dies is restarted by Ray and its "
@@ -701,6 +702,11 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--replicas", type=int, required=True, metavar="N", help="engine replicas to place")
     f.add_argument("--max-restarts", type=int, default=4, metavar="N",
                    help="how many times Ray restarts a replica that dies (-1: always)")
+    f.epilog = ("--tensor-parallel-size T: each replica is T ranks on T placement-group bundles (STRICT_SPREAD, "
+                "every bundle on its own node, where the cluster has a node for each; else SPREAD), rank 0 the "
+                "replica and ranks 1..T-1 Ray actors; every rank reads only its own shard of --model (a Hugging "
+                "Face directory or a dense GGUF), and the ranks form one gloo group at rank 0's node address, "
+                "signed with the engine's secret. VERIFIED bits are those of one process.")
     f.set_defaults(func=cmd_fleet)
     c = sub.add_parser("calibrate", help="measure where the fast path flips and recommend a margin threshold",
                        description="Decode prompts on the reference and, teacher-forced, on the fast path under "
