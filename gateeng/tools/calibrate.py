@@ -16,11 +16,13 @@ Clopper-Pearson upper bound; the recommendation is the smallest tau whose bound
 meets the target.
 
 A mixture of experts' fast steps also carry the router margin (the k-th minus the
-(k+1)-th router score, smallest over the routing layers): at the recommended tau (or
-the largest in the table, where none meets the target) a second table adds the
-router-margin gate, a step triggering on either, for each router bound; the
-recommended bound is the smallest whose miss-rate bound meets the target (the
-server's --router-margin-threshold).
+(k+1)-th router score, smallest over the routing layers). A second table adds the
+router-margin gate, a step triggering on either, for each router bound, beside the
+largest tau in the table at which the margin gate alone still misses a flip (0 where
+it misses none): the router gate is worth its triggers only if it catches, at a
+smaller tau, what the margin gate misses there, for fewer triggers in all than the
+tau that catches them alone. The recommended bound is the smallest whose miss-rate
+bound meets the target (the server's --router-margin-threshold, with that tau).
 """
 from __future__ import annotations
 
@@ -75,7 +77,8 @@ class Report:
     # such steps were not measured (None: none left out).
     untested_above: Optional[int] = None
     # A mixture of experts: per step, the smallest router margin; the router table (TauRow's
-    # tau is the router bound) at router_tau; and the bound it recommends.
+    # tau is the router bound) at router_tau, the largest tau that alone misses a flip;
+    # and the bound it recommends.
     router_margins: list = field(default_factory=list, repr=False)
     router_rows: list = field(default_factory=list)
     router_tau: Optional[float] = None
@@ -219,7 +222,7 @@ def calibrate(loaded, prompts: list, n_tokens: int = TOKENS, batch_sizes=BATCH_S
                     recommend(rows, target_miss), rows, machine, margins, flipped, fast_matmul, untested)
     if moe:
         report.router_margins = routers
-        report.router_tau = report.recommended_tau if report.recommended_tau is not None else TAUS[-1]
+        report.router_tau = max((r.tau for r in rows if r.misses), default=0.0)
         report.router_rows = tau_table(margins, flipped, ROUTER_BOUNDS, confidence, routers, report.router_tau)
         report.recommended_router = recommend(report.router_rows, target_miss)
     return report
@@ -256,7 +259,8 @@ def markdown(report: Report) -> str:
         lines += [f"| {r.tau:g} | {100 * r.trigger_rate:.1f}% | {100 * r.catch_rate:.1f}% | {r.misses} | "
                   f"{r.miss_rate:.2e} | {r.miss_upper:.2e} |" for r in report.router_rows]
         bound = report.recommended_router
-        lines += ["", f"recommended router bound: {bound:g} (serve with --router-margin-threshold {bound:g})"
+        lines += ["", f"recommended router bound: {bound:g} (serve with --margin-threshold {report.router_tau:g} "
+                  f"--router-margin-threshold {bound:g})"
                   if bound is not None else
                   f"no router bound in the table meets --target-miss {report.target_miss:g} at this tau"]
     return "\n".join(lines)
