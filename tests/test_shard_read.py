@@ -85,13 +85,19 @@ def test_a_ranks_shard_read_by_ranges_from_a_gguf_is_its_part_of_the_whole_model
     assert shard_read.fingerprint(path) == whole.fingerprint
 
 
-def test_a_mixture_of_experts_and_a_path_that_is_no_model_are_refused_by_name(tmp_path):
+def test_a_mixture_of_experts_a_dequantized_gguf_and_a_path_that_is_no_model_are_refused_by_name(tmp_path):
     (tmp_path / "weights.bin").write_bytes(b"")
     with pytest.raises(ValueError, match="weights.bin: a rank's shard is read from"):
         shard_read.read_shard(tmp_path / "weights.bin", 2, 0)
     save_family("mixtral", tmp_path / "moe")
     with pytest.raises(ValueError, match="moe is a mixture of experts"):
         shard_read.read_shard(tmp_path / "moe", 2, 0)
+    # a GGUF is read as stored: its --dequantize (converted whole) is refused, not served otherwise
+    gguf = write_tiny_gguf(tmp_path / "q.gguf", "Q8_0")["path"]
+    assert shard_read.refusal(gguf) == ""
+    assert shard_read.source(None) == shard_read.source("") == loader.default_model_path()   # as load reads it
+    with pytest.raises(ValueError, match="q.gguf: a rank reads a GGUF's weights as stored, and --dequantize"):
+        shard_read.unloaded(gguf, dequantize=True)
 
 
 # About 670 MB of bf16 weights (20 layers of 33.5 MB): a rank's half and the reading

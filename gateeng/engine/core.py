@@ -101,7 +101,7 @@ class EngineCore:
                 + ("; fewer while neighbours hold cores" if cpu.threads > 1 else ""))
             self._neighbours = cpus.Neighbours(cpu.threads)
         if ranks is not None:
-            self.loaded = loaded = shard_read.unloaded(cfg.model)
+            self.loaded = loaded = shard_read.unloaded(cfg.model, cfg.dequantize)
         self.loaded = loaded or load(cfg.model, cfg.dtype, cfg.device, dequantize=cfg.dequantize)
         if ranks is None and packing.quantized(self.loaded.model) and cfg.device != "cpu":
             raise ValueError("quantized weights are served on CPU: load the model with dequantize=True "

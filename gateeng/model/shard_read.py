@@ -43,7 +43,8 @@ from gateeng.model import families, shard
 from gateeng.model.fingerprint import Fingerprint
 from gateeng.model.gguf_weights import (SERVED_QUANTIZED, TENSOR_TABLE, GGUFTensors, reading_plan,
                                         unpermute)
-from gateeng.model.loader import Checkpoint, LoadedModel, gguf_header, read_model_config, weight_files
+from gateeng.model.loader import (Checkpoint, LoadedModel, default_model_path, gguf_header, read_model_config,
+                                  weight_files)
 from gateeng.model.tokenizer import Tokenizer
 from gateeng.model.shard import ROW_PARALLEL, ShardLayout, part_rows, shard_name
 from gateeng.plans import reference_ops
@@ -67,11 +68,21 @@ def _config(src: Path) -> ModelConfig:
     return read_model_config(gguf_header(src) if _is_gguf(src) else src)
 
 
-def refusal(path) -> str:
-    """Why the checkpoint at `path` cannot be read by byte ranges, else ""."""
-    src = Path(path)
+def source(path) -> Path:
+    """The checkpoint a model path names: `path`, or the embedded model's GGUF where it
+    is empty (as loader.load reads it)."""
+    return Path(path) if path else default_model_path()
+
+
+def refusal(path, dequantize: bool = False) -> str:
+    """Why the checkpoint at `path` (empty: the embedded model) cannot be read by byte
+    ranges as it would be served (`dequantize`: --dequantize), else ""."""
+    src = source(path)
     if not (src.is_dir() or _is_gguf(src)):
         return f"{src}: a rank's shard is read from a Hugging Face directory or a .gguf file, and this is neither"
+    if dequantize and _is_gguf(src):
+        return (f"{src.name}: a rank reads a GGUF's weights as stored, and --dequantize (the file converted "
+                "whole, then served) is not served with tensor parallelism across nodes")
     if _config(src).moe is not None:
         return (f"{src.name} is a mixture of experts, which is split from the whole model on one machine only "
                 "(gateeng serve --tensor-parallel-size)")
@@ -79,14 +90,16 @@ def refusal(path) -> str:
 
 
 def read_shard(path, size: int, rank: int) -> RankShard:
-    """Rank `rank` of `size`'s shard of the checkpoint at `path`, read by byte ranges.
-    ValueError for a checkpoint not read so (refusal), a size the model cannot run at
-    (shard.layout), or a tensor missing or misshaped (named)."""
+    """Rank `rank` of `size`'s shard of the checkpoint at `path` (empty: the embedded
+    model), read by byte ranges. ValueError for a checkpoint not read so (refusal), a
+    size the model cannot run at (shard.layout), or a tensor missing or misshaped
+    (named)."""
     why = refusal(path)
     if why:
         raise ValueError(why)
-    if _is_gguf(Path(path)):
-        return _GGUFShard(Path(path)).read(size, rank)
+    path = source(path)
+    if _is_gguf(path):
+        return _GGUFShard(path).read(size, rank)
     cfg = read_model_config(Path(path))
     lay = shard.layout(cfg, size, rank)
     ckpt = Checkpoint(weight_files(Path(path)))
@@ -135,15 +148,15 @@ def _owned(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
-def unloaded(path) -> LoadedModel:
-    """The checkpoint at `path` as loader.load describes it (config, tokenizer, the
-    fingerprint a single server computes, source), without its weights: `model` is None
-    until the rank's shard is built (tp_processes.start_ranks). Refused as read_shard
-    refuses (ValueError)."""
-    why = refusal(path)
+def unloaded(path, dequantize: bool = False) -> LoadedModel:
+    """The checkpoint at `path` (empty: the embedded model) as loader.load describes it
+    (config, tokenizer, the fingerprint a single server computes, source), without its
+    weights: `model` is None until the rank's shard is built (tp_processes.start_ranks).
+    Refused as `refusal` says (ValueError)."""
+    why = refusal(path, dequantize)
     if why:
         raise ValueError(why)
-    src = Path(path)
+    src = source(path)
     return LoadedModel(None, Tokenizer.from_dir(gguf_header(src) if _is_gguf(src) else src), _config(src),
                        fingerprint(src), str(src))
 
@@ -151,7 +164,7 @@ def unloaded(path) -> LoadedModel:
 def fingerprint(path) -> str:
     """The checkpoint's model fingerprint (the value loader.load gives a single server),
     each tensor streamed through the hash a slice of rows at a time."""
-    src = Path(path)
+    src = source(path)
     if _is_gguf(src):
         return _GGUFShard(src).fingerprint()
     cfg = read_model_config(src)
