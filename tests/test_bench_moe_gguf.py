@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from gateeng.model.gguf_weights import GGUFTensors
 from gateeng.model.loader import load
@@ -39,3 +40,26 @@ def test_tiny_file_is_served_as_stored(tmp_path, monkeypatch):
     loaded = load(str(path))
     assert loaded.config.moe.num_experts == 4 and loaded.config.vocab_size == 300
     assert packing.of(loaded.model).stored_types == {"Q4_0": 1 + 2 * 7, "Q6_K": 1}
+
+
+def test_matrices_packed_in_slices_are_packed_whole(tmp_path, monkeypatch):
+    """A matrix served as stored is read and packed SLICE_ROWS rows at a time: the same
+    packed bytes and fingerprint as read whole (slices of 32 and 48 rows against one of
+    all 300 rows of the output matrix, 256 of each attention matrix)."""
+    from gateeng.model import gguf_weights
+    path = tmp_path / "moe.gguf"
+    moe_gguf.write(path, SHAPE)
+
+    def packed_at(rows):
+        monkeypatch.setattr(gguf_weights, "SLICE_ROWS", rows)
+        loaded = load(str(path))
+        store = packing.of(loaded.model)
+        out = {name: store.shared[id(getattr(owner, name))].data
+               for owner, name in ((loaded.model, "lm_head"), (loaded.model.layers[1], "o"))}
+        return out, loaded.fingerprint
+    whole, fp = packed_at(4096)
+    for rows in (32, 48):
+        sliced, fp_sliced = packed_at(rows)
+        assert fp_sliced == fp
+        for name, t in whole.items():
+            assert t.shape == sliced[name].shape and torch.equal(t, sliced[name])

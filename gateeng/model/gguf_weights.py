@@ -4,8 +4,10 @@ The `gguf` package's reader gives the header (names, types, shapes, offsets: rea
 once, in the child process that converts the config, and cached); each
 tensor's bytes are then read from the file on their own, converted and packed, and
 dropped before the next one is read: loading holds the model's packed weights plus one
-tensor. An untied embedding served quantized is the exception: it is looked up, never
-multiplied whole, so it stays in the file, behind a memory map, and only the rows of
+tensor (a stacked expert tensor is read one expert at a time, and a matrix served as
+stored SLICE_ROWS rows at a time, packed into its place: the output matrix of a large
+vocabulary is never whole twice). An untied embedding served quantized is the
+exception: it is looked up, never multiplied whole, so it stays in the file, behind a memory map, and only the rows of
 the tokens seen become resident (GGUFTensors.mapped, packing.StoredRows).
 
 Q8_0, Q4_0, Q4_1 and the K-quants Q4_K, Q5_K and Q6_K stay quantized (kernels/SPEC.md,
@@ -49,6 +51,9 @@ PLAIN_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat1
 
 # The tensor table a header conversion writes beside the config (gateeng.model.cache).
 TENSOR_TABLE = "gguf_tensors.json"
+# Rows of a matrix served as stored read, hashed and packed at a time: a multiple of the
+# 16 rows of a packed record (ref_ops.cpp qpack), so each slice packs to its own records.
+SLICE_ROWS = 4096
 
 
 @dataclass(frozen=True)
@@ -280,18 +285,51 @@ class GGUFLoad:
         given; its bytes enter the fingerprint as they are read."""
         t = self.tensors.tensors[name]
         raw = self.tensors.raw(name, expert)
+        self._count(t, as_stored, expert)
         how = t.type if as_stored else "bf16"
         self.fingerprint.add(name if expert is None else f"{name}[{expert}]", f"{t.type}->{how}",
                              t.shape if expert is None else t.shape[1:], raw)
-        if expert in (None, 0):        # a stacked expert tensor counts once
-            self.served[f"{t.type} as {'stored' if as_stored else 'bf16'}"] += 1
-            if not as_stored and t.type not in PLAIN_TYPES:
-                self.converted[t.type] += 1
         rows = raw if as_stored else self.tensors.values(name, raw, self.cfg.hidden_size)
         if heads is not None:
             rows = unpermute(rows, heads)
             rows = np.ascontiguousarray(rows) if isinstance(rows, np.ndarray) else rows.contiguous()
         return rows
+
+    def _count(self, t: StoredTensor, as_stored: bool, expert: Optional[int]) -> None:
+        if expert in (None, 0):        # a stacked expert tensor counts once
+            self.served[f"{t.type} as {'stored' if as_stored else 'bf16'}"] += 1
+            if not as_stored and t.type not in PLAIN_TYPES:
+                self.converted[t.type] += 1
+
+    def _stored_slices(self, name: str, each=None):
+        """A matrix served as stored, read SLICE_ROWS rows at a time, its bytes hashed into
+        the fingerprint (the same hash as whole, _rows'); `each(start row, slice)` is
+        given every slice before the next is read."""
+        t = self.tensors.tensors[name]
+        self._count(t, True, None)
+        rows = t.shape[0]
+
+        def slices():
+            for start in range(0, rows, SLICE_ROWS):
+                raw = self.tensors.raw_part(name, (start, min(rows, start + SLICE_ROWS)))
+                if each is not None:
+                    each(start, raw)
+                yield raw
+        self.fingerprint.add_slices(name, f"{t.type}->{t.type}", t.shape, slices())
+
+    def _packed_in_slices(self, name: str) -> torch.Tensor:
+        """qpack's copy of a matrix served as stored, packed SLICE_ROWS rows at a time into
+        its place (the same bytes as packed whole: a slice of whole records)."""
+        rows, kind = self.tensors.tensors[name].shape[0], SERVED_QUANTIZED[self.tensors.tensors[name].type]
+        out = []
+
+        def pack(start: int, raw: np.ndarray) -> None:
+            part = self.ops.qpack(torch.from_numpy(raw), kind)
+            if not out:
+                out.append(torch.empty(((rows + 15) // 16, *part.shape[1:]), dtype=part.dtype))
+            out[0][start // 16:start // 16 + part.shape[0]] = part
+        self._stored_slices(name, pack)
+        return out[0]
 
     def _fill(self, model, w: torch.Tensor, names: list, heads: Optional[list] = None,
               expert: Optional[int] = None, looked_up: bool = False) -> None:
@@ -309,13 +347,18 @@ class GGUFLoad:
         if (self.quantized and all(k in SERVED_QUANTIZED for k in kinds)
                 and (self.blocks_on is None or len(set(kinds)) == 1)
                 and not any(w is r for r in model.routers())):
+            if (self.blocks_on is None and len(names) == 1 and heads[0] is None and expert is None
+                    and len(self.tensors.tensors[names[0]].shape) == 2):   # one matrix as stored: in slices
+                if looked_up:
+                    self._stored_slices(names[0])
+                    rows = packing.StoredRows(self.tensors.mapped(names[0]), SERVED_QUANTIZED[kinds[0]])
+                    packing.set_stored_rows(model, w, rows, self.ops)
+                else:
+                    packed = Packed(self._packed_in_slices(names[0]), w.shape[0], w.shape[1])
+                    packing.set_packed(model, w, packed, self.ops)
+                return
             runs = [(kind, [self._rows(n, True, h, expert) for _, n, h in run])
                     for kind, run in itertools.groupby(zip(kinds, names, heads), key=lambda entry: entry[0])]
-            if looked_up and self.blocks_on is None and len(names) == 1 and heads[0] is None:
-                del runs   # read whole once, for the fingerprint
-                rows = packing.StoredRows(self.tensors.mapped(names[0]), SERVED_QUANTIZED[kinds[0]])
-                packing.set_stored_rows(model, w, rows, self.ops)
-                return
             if self.blocks_on is not None:
                 (kind, rows), = runs
                 raw = np.concatenate(rows) if len(rows) > 1 else rows[0]
