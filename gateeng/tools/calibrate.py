@@ -263,6 +263,12 @@ def markdown(report: Report) -> str:
                   f"--router-margin-threshold {bound:g})"
                   if bound is not None else
                   f"no router bound in the table meets --target-miss {report.target_miss:g} at this tau"]
+        if bound is not None and rec is not None:
+            both = next(r for r in report.router_rows if r.tau == bound).trigger_rate
+            alone = next(r for r in report.rows if r.tau == rec).trigger_rate
+            lines.append(f"triggers: {100 * both:.1f}% of steps with the router gate, {100 * alone:.1f}% with tau "
+                         f"{rec:g} alone: " + ("the router gate costs fewer replays" if both < alone else
+                                               "the margin gate alone costs fewer replays; keep the router bound 0"))
     return "\n".join(lines)
 
 
