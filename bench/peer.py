@@ -9,7 +9,7 @@ The model: the embedded GGUF, a GGUF given with --model, or (--random) a random-
 Llama (or, for the moe- shapes, a Qwen3-MoE) that bench/models.py writes and llama.cpp's
 own converter turns into a BF16 GGUF. The mixture of experts beside llama.cpp:
 
-    flock /work/bench.lock .venv/bin/python bench/peer.py --llama-server PATH --llama-quantize PATH \
+    .venv/bin/python bench/peer.py --llama-server PATH --llama-quantize PATH \
         --random moe-1.8b --convert PATH/convert_hf_to_gguf.py --keep DIR \
         --types Q4_0 Q8_0 --streams 1 8 --prompts 8 --tokens 32 --rounds 1
 
