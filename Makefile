@@ -36,13 +36,13 @@ run: install
 	$(VENV)/bin/gateeng serve
 
 test: install-test proto-check lint-imports
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25 tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25 tests
 
 lint-imports: install-test
 	$(VENV)/bin/lint-imports
 
 test-fast: install-test
-	$(PY) -m pytest -q -n 2 --dist loadfile tests -m "not model"
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests -m "not model"
 
 proto: install-test
 	$(PY) proto/generate.py
