@@ -6,18 +6,18 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Triton kernels run on the CPU through the interpreter (must be set before triton loads).
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# The files that take minutes, longest first. `make test` hands whole files to two
-# processes in collection order (pytest-xdist --dist loadfile --no-loadscope-reorder;
-# by default xdist orders files by their count of tests, which put the few long tests
-# last), so a long file collected last runs alone at the end while the other process
-# idles; run first, the short files fill in around them. Only the order of files
-# changes, never the order within one.
-LONG_FILES = ("test_policy.py", "test_verified.py", "test_readme_lm_eval.py", "test_model_cache.py",
-              "test_golden.py", "test_triton_reference.py", "test_fleet_tp.py", "test_fleet.py",
-              "test_smollm_parity.py", "test_readme_rl.py", "test_kv_pressure.py", "test_tensor_parallel_engine.py",
-              "test_server.py", "test_model_families.py", "test_prometheus.py", "test_moe.py", "test_probe.py",
-              "test_bench_serve.py", "test_triton_moe.py", "test_reference.py", "test_logprobs.py",
-              "test_quantized.py", "test_shard_read.py", "test_moe_gguf.py")
+# The files that take the longest (40 s and more on 2 cores), longest first. `make
+# test` hands whole files to two processes in collection order (pytest-xdist --dist
+# loadfile --no-loadscope-reorder; by default xdist orders files by their count of
+# tests, which put the few long tests last), so a long file collected last runs alone
+# at the end while the other process idles; run first, the short files fill in
+# around them. Only the order of files changes, never the order within one.
+LONG_FILES = ("test_verified.py", "test_triton_reference.py", "test_tensor_parallel_engine.py", "test_policy.py",
+              "test_golden.py", "test_smollm_parity.py", "test_server.py", "test_tiny_gguf.py",
+              "test_readme_lm_eval.py", "test_kquant_serving.py", "test_model_cache.py", "test_readme_rl.py",
+              "test_kv_pressure.py", "test_fleet_tp.py", "test_probe.py", "test_quantized.py", "test_prometheus.py",
+              "test_logprobs.py", "test_triton_moe.py", "test_reference.py", "test_tensor_parallel_moe.py",
+              "test_bench_serve.py")
 
 
 def pytest_collection_modifyitems(config, items):
