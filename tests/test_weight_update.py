@@ -257,11 +257,12 @@ def test_a_server_without_a_token_refuses_updates(new_dir):
         srv.stop()
 
 
-def test_tensor_parallel_and_cuda_fail_closed():
-    with pytest.raises(WeightUpdateUnavailable, match="tensor-parallel-size 2"):
-        weights.refuse_unless_supported(EngineConfig(tensor_parallel_size=2), tensor_parallel=True)
-    with pytest.raises(WeightUpdateUnavailable, match="in place on cuda"):
-        weights.refuse_unless_supported(EngineConfig(device="cuda"), tensor_parallel=False)
+def test_a_gguf_served_as_stored_and_cuda_fail_closed_at_every_size():
+    for size in (1, 2):   # tensor parallelism updates in place (tests/test_tensor_parallel_weights.py)
+        with pytest.raises(WeightUpdateUnavailable, match="--dequantize"):
+            weights.refuse_unless_supported(EngineConfig(tensor_parallel_size=size), quantized=True)
+        with pytest.raises(WeightUpdateUnavailable, match="in place on cuda"):
+            weights.refuse_unless_supported(EngineConfig(device="cuda", tensor_parallel_size=size))
 
 
 # ---- (d) requests in flight ----------------------------------------------------------------------

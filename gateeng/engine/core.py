@@ -342,6 +342,8 @@ class EngineCore:
             sch.abort(req.request_id)
         self._collect_finished()
         self.blocks.drop_prefix_cache()
+        if self.tp_group is not None:   # every rank swaps in the shard it built (engine.tp_weights)
+            self.tp_group.commit_weights()
         # The same shapes, dtype and kernels as before: the KV cache, the self-check
         # (which ran on the weights' shapes), the route's prices and the group rows hold.
         self._serve(assembly.assemble(self.config, dataclasses.replace(self.loaded, model=prepared.model,

@@ -14,7 +14,7 @@ import time
 from typing import Optional, Sequence, Union
 
 from gateeng.config import EngineConfig
-from gateeng.engine import weights
+from gateeng.engine import tp_weights, weights
 from gateeng.engine.aio import Submitted, stream_request
 from gateeng.engine.core import EngineCore, Observer
 from gateeng.engine.errors import EngineDead, QueueFull, WeightUpdateUnavailable
@@ -134,18 +134,28 @@ class Engine:
         still running and any preempted one that produced output (finish_reason
         abort, finish_detail "ended by a weight update"), swaps the weights in,
         drops the prefix cache and admits again. Returns once the swap is done.
-        The new weights are `weight_version` (by default the next number).
-        WeightUpdateUnavailable: tensor parallelism or CUDA (nothing changes)."""
+        The new weights are `weight_version` (by default the next number). At
+        tensor-parallel sizes > 1 every rank reads and builds its own shard aside,
+        and all swap together at that boundary or none does (engine/tp_weights.py).
+        WeightUpdateUnavailable: CUDA, or a GGUF served as stored (nothing changes)."""
         with self._weights_lock:
             t0 = time.perf_counter()
             return self._swap(self._prepare(path, t0), path, t0, weight_version)
 
-    def prepare_weights(self, path) -> weights.Prepared:
+    def prepare_weights(self, path, paths: Optional[list] = None) -> weights.Prepared:
         """update_weights' first half: read, check and build the checkpoint aside;
         nothing served changes. A fleet prepares on every replica before any swaps,
-        so a checkpoint one replica refuses reaches none."""
+        so a checkpoint one replica refuses reaches none. `paths`: at tensor-parallel
+        sizes > 1, each rank's own copy of `path`, rank 0's first (ranks on other
+        nodes); else every rank reads `path`. What is not swapped in goes to
+        discard_weights."""
         with self._weights_lock:
-            return self._prepare(path, time.perf_counter())
+            return self._prepare(path, time.perf_counter(), paths)
+
+    def discard_weights(self, prepared: Optional[weights.Prepared]) -> None:
+        """Drop what prepare_weights built, on every tensor-parallel rank too."""
+        if prepared is not None and self.core.tp_group is not None:
+            self.core.tp_group.discard_weights()
 
     def swap_weights(self, prepared: weights.Prepared, weight_version: Optional[int] = None,
                      source: str = "a prepared checkpoint") -> weights.WeightUpdate:
@@ -153,15 +163,19 @@ class Engine:
         with self._weights_lock:
             return self._swap(prepared, source, time.perf_counter(), weight_version)
 
-    def _prepare(self, path, t0: float) -> weights.Prepared:
+    def _prepare(self, path, t0: float, paths: Optional[list] = None) -> weights.Prepared:
         try:
             if self.failure is not None:
                 raise EngineDead(f"the engine loop stopped on an error: {self.failure!r}")
             if not self.accepting:
                 raise WeightUpdateUnavailable("the engine is shutting down")
-            weights.refuse_unless_supported(self.config, self.core.tp_group is not None,
-                                              packing.quantized(self.core.model))
-            prepared = weights.prepare(self.config, self.model_config, path)
+            weights.refuse_unless_supported(self.config, packing.quantized(self.core.model))
+            group = self.core.tp_group
+            if group is None:
+                prepared = weights.prepare(self.config, self.model_config, path)
+            else:
+                prepared = tp_weights.prepare(self.config, self.model_config, path, group,
+                                              self.core.model.tp.layout, paths)
         except Exception as exc:   # refused (WeightsRefused, WeightUpdateUnavailable) or failed: nothing changed
             log(f"weight update from {path} refused: {exc}")
             self.core.observer.on_weight_update(False, time.perf_counter() - t0, self.weight_version)

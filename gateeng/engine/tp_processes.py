@@ -34,6 +34,10 @@ gloo address; once gloo has connected, every pair of ranks proves the secret to
 each other over its own connection (handshake), so a stranger that took a rank's
 place on a gloo listener makes start-up fail before any row is sent.
 
+Weights in place: a worker builds its shard of a new checkpoint on a thread of its
+own while it serves (PREPARE), reports whether it is ready (STATUS), and swaps it in
+(COMMIT) or drops it (DISCARD) as the driver says (engine.tp_weights).
+
 Fail closed: a worker that exits is seen at once through its process sentinel
 (`on_death` callbacks: the engine then fails every request); one that hangs makes
 the next collective time out; a collective that fails raises
@@ -53,7 +57,6 @@ import socket
 import struct
 import threading
 import time
-from dataclasses import replace
 from datetime import timedelta
 from typing import Optional
 
@@ -64,11 +67,13 @@ import torch.multiprocessing as mp
 
 from gateeng import cpus
 from gateeng.config import BFLOAT16, EngineConfig, kv_blocks
+from gateeng.engine import tp_weights
+from gateeng.heap import trim_heap
 from gateeng.logs import log
 from gateeng.model import shard, shard_read
 from gateeng.model.llama import KVCache
 from gateeng.model.loader import DTYPES
-from gateeng.plans import factory, packing, reference_ops, sharded
+from gateeng.plans import packing, reference_ops, sharded
 from gateeng.plans.cpu_linear import is_packed
 from gateeng.step import PlanKind
 
@@ -77,6 +82,10 @@ LOOPBACK_INTERFACE = "lo"   # Linux's loopback interface: its address is 127.0.0
 GLOO_IFNAME = "GLOO_SOCKET_IFNAME"
 STARTUP_SECONDS = 300   # for every worker to import, build its plans and report (a cold start compiles)
 PING, STOP = "ping", "stop"
+# A weight update's two phases (engine.tp_weights): build the new shard aside, report
+# its state (all_gather_object), then swap it in everywhere or drop it everywhere.
+PREPARE, STATUS, COMMIT, DISCARD = "prepare", "status", "commit", "discard"
+STATUS_POLL_S = 0.05   # how often the driver asks the ranks whether their new shards are built
 
 
 class TensorParallelFailure(RuntimeError):
@@ -350,6 +359,34 @@ class Group:
             finally:
                 self._last = time.monotonic()
 
+    # ---- a weight update's phases (engine.tp_weights) ----------------------------
+    def prepare_weights(self, paths: tuple) -> None:
+        """Every worker starts building its shard of the checkpoint at paths[rank] aside."""
+        with self.command((PREPARE, paths)):
+            pass
+
+    def weights_states(self) -> list:
+        """Every worker's state of the checkpoint it prepares (tp_weights.Aside.state),
+        rank 1's first, once none is still building."""
+        while True:
+            states = [None] * self.size
+            with self.command((STATUS,)):
+                dist.all_gather_object(states, tp_weights.READY)
+            if all(state is not None for state in states[1:]):
+                return states[1:]
+            time.sleep(STATUS_POLL_S)
+
+    def commit_weights(self) -> None:
+        """Every worker swaps in the shard it prepared, before the next call reaches it."""
+        with self.command((COMMIT,)):
+            pass
+
+    def discard_weights(self) -> None:
+        """Every worker drops the shard it prepared. A group that failed has nothing to drop."""
+        with contextlib.suppress(TensorParallelFailure):
+            with self.command((DISCARD,)):
+                pass
+
     def _states(self) -> str:
         for p in self.workers:   # a rank that just died is reaped, so that its exit code shows
             p.join(timeout=0.5)
@@ -458,15 +495,11 @@ def _driver(cfg: EngineConfig, group: Group, build):
     group; the group closed where they cannot be built."""
     try:
         mine = build()
-        plans = factory.build(cfg, mine, mine.cfg, DTYPES[cfg.dtype], owned=True)
-        if plans.unavailable or not hasattr(plans.invariant, "linear_partial"):
-            raise ValueError("tensor parallelism needs the reference (gateeng-ref-1) on this machine: "
-                             + (plans.unavailable or "its kernels did not build"))
+        plans = tp_weights.shard_plans(cfg, mine)
     except BaseException:
         group.close()
         raise
-    plans = replace(plans, fast=sharded.ShardedPlan(plans.fast, PlanKind.FAST, group.command),
-                    invariant=sharded.ShardedPlan(plans.invariant, PlanKind.INVARIANT, group.command))
+    plans = sharded.announcing(plans, group.command)
     lay = mine.tp.layout
     attention = ("split by head" if lay.attention_split else
                  "whole on every rank (its heads, or its quantized o's GGUF blocks, do not split evenly, "
@@ -532,9 +565,9 @@ def serve_rank(rank: int, host: str, port: int, secret: str, timeout: float, cfg
     """A worker rank with its shard model: build its plans and KV cache, join the group,
     then run every announced call until the driver says stop (or the group fails)."""
     dtype = DTYPES[cfg.dtype]
-    built = factory.build(cfg, model, model.cfg, dtype, owned=True)
-    plans = {PlanKind.FAST: built.fast, PlanKind.INVARIANT: built.invariant}
+    plans = _by_kind(tp_weights.shard_plans(cfg, model))
     kv = KVCache(model.cfg, kv_blocks(cfg), cfg.block_size, dtype, cfg.device)
+    aside = tp_weights.Aside()   # a weight update's new shard, built while this rank serves
     store = SignedStore(dist.TCPStore(host, port, cfg.tensor_parallel_size, False,
                                       timedelta(seconds=STARTUP_SECONDS)), secret)
     store.set(f"up/{rank}", "1")
@@ -546,8 +579,23 @@ def serve_rank(rank: int, host: str, port: int, secret: str, timeout: float, cfg
         box = [None]
         dist.broadcast_object_list(box, src=0)
         message = box[0]
-        if message[0] == STOP:
+        what = message[0]
+        if what == STOP:
             break
-        if message[0] != PING:
+        if what == PREPARE:
+            aside.prepare(cfg, message[1][rank], model.tp.layout)
+        elif what == STATUS:
+            dist.all_gather_object([None] * cfg.tensor_parallel_size, aside.state())
+        elif what == COMMIT:   # the KV cache stays: the new shard has the old one's shapes
+            model, built = aside.take()
+            plans = _by_kind(built)
+            trim_heap()   # the old shard's memory goes back to the OS
+        elif what == DISCARD:
+            aside.discard()
+        elif what != PING:
             sharded.run(message, plans, model, kv)
     dist.destroy_process_group()
+
+
+def _by_kind(plans) -> dict:
+    return {PlanKind.FAST: plans.fast, PlanKind.INVARIANT: plans.invariant}

@@ -71,18 +71,15 @@ def expected_shapes(cfg: ModelConfig) -> dict:
     return shapes
 
 
-def refuse_unless_supported(cfg: EngineConfig, tensor_parallel: bool, quantized: bool = False) -> None:
-    """Fail closed where swapping weights is not built: the tensor-parallel workers
-    hold their own shards, no CUDA engine has been proved to swap correctly, and a
-    checkpoint is not the quantized model a GGUF served as stored is."""
+def refuse_unless_supported(cfg: EngineConfig, quantized: bool = False) -> None:
+    """Fail closed where swapping weights is not built: no CUDA engine has been proved
+    to swap correctly, and a checkpoint is not the quantized model a GGUF served as
+    stored is. (At tensor-parallel sizes > 1 every rank swaps its own shard:
+    engine.tp_weights.)"""
     if quantized:
         raise WeightUpdateUnavailable(
             "this server serves a GGUF's quantized weights as stored, and a checkpoint holds bf16 or float32 "
             "weights: start it with --dequantize to update its weights in place")
-    if tensor_parallel:
-        raise WeightUpdateUnavailable(
-            f"weights cannot be updated in place at --tensor-parallel-size {cfg.tensor_parallel_size}: each "
-            f"rank holds its own shard; restart the server on the new weights")
     if cfg.device != "cpu":
         raise WeightUpdateUnavailable(f"weights cannot be updated in place on {cfg.device}: restart the server "
                                       f"on the new weights")
@@ -92,24 +89,7 @@ def prepare(cfg: EngineConfig, served: ModelConfig, path) -> Prepared:
     """The checkpoint in directory `path`, checked against the served model and built
     with its plans (see the module doc). Raises WeightsRefused."""
     t0 = time.perf_counter()
-    if not str(path or ""):
-        raise WeightsRefused("no path given: name a directory on the server")
-    hf_dir = Path(path)
-    if not hf_dir.is_dir():
-        raise WeightsRefused(f"{path}: not a directory (a Hugging Face directory with config.json and "
-                             f"*.safetensors is expected)")
-    try:
-        new = read_model_config(hf_dir)
-    except (OSError, ValueError, TypeError, AttributeError) as exc:   # missing, not JSON, fields absent
-        raise WeightsRefused(f"{hf_dir / 'config.json'}: {exc}") from None
-    differs = [f"{f.name} {getattr(served, f.name)!r} expected, got {getattr(new, f.name)!r}"
-               for f in fields(ModelConfig) if getattr(served, f.name) != getattr(new, f.name)]
-    if differs:
-        raise WeightsRefused(f"{hf_dir / 'config.json'}: not the served model's architecture: " + "; ".join(differs))
-    try:
-        files = weight_files(hf_dir)
-    except OSError as exc:   # none there, or the directory is unreadable
-        raise WeightsRefused(f"{hf_dir}: {exc}") from None
+    new, files = checked_files(served, path)
     dtype = DTYPES[cfg.dtype]
     raw, converted = _read_checked(files, served, dtype)
     # The loader's fingerprint over the checkpoint as stored, hashed while the model
@@ -132,6 +112,29 @@ def prepare(cfg: EngineConfig, served: ModelConfig, path) -> Prepared:
     return Prepared(model, plans, fingerprint[0], read_seconds, build_seconds)
 
 
+def checked_files(served: ModelConfig, path) -> tuple:
+    """(the checkpoint's ModelConfig, its *.safetensors files) for directory `path`,
+    whose config.json is the served model's. Raises WeightsRefused."""
+    if not str(path or ""):
+        raise WeightsRefused("no path given: name a directory on the server")
+    hf_dir = Path(path)
+    if not hf_dir.is_dir():
+        raise WeightsRefused(f"{path}: not a directory (a Hugging Face directory with config.json and "
+                             f"*.safetensors is expected)")
+    try:
+        new = read_model_config(hf_dir)
+    except (OSError, ValueError, TypeError, AttributeError) as exc:   # missing, not JSON, fields absent
+        raise WeightsRefused(f"{hf_dir / 'config.json'}: {exc}") from None
+    differs = [f"{f.name} {getattr(served, f.name)!r} expected, got {getattr(new, f.name)!r}"
+               for f in fields(ModelConfig) if getattr(served, f.name) != getattr(new, f.name)]
+    if differs:
+        raise WeightsRefused(f"{hf_dir / 'config.json'}: not the served model's architecture: " + "; ".join(differs))
+    try:
+        return new, weight_files(hf_dir)
+    except OSError as exc:   # none there, or the directory is unreadable
+        raise WeightsRefused(f"{hf_dir}: {exc}") from None
+
+
 def _shape(shape) -> str:
     return "[" + ", ".join(str(int(s)) for s in shape) + "]"
 
@@ -146,7 +149,7 @@ def _refuse(problems: list) -> None:
         raise WeightsRefused("; ".join(problems[:SHOWN]) + more)
 
 
-def _non_finite(t: torch.Tensor) -> int:
+def non_finite(t: torch.Tensor) -> int:
     """How many values of t are NaN or Inf. A finite sum means every value is finite
     (IEEE addition carries a NaN or an Inf to the end), so one reduction without a
     mask decides the usual case; the count is made only where the sum is not finite
@@ -156,10 +159,17 @@ def _non_finite(t: torch.Tensor) -> int:
     return int(t.numel() - torch.isfinite(t).sum())
 
 
-def _read_checked(files: list, served: ModelConfig, dtype) -> tuple:
-    """(every tensor as stored, by name; the ones the model reads, in `dtype`), each
-    checked. Names, shapes and dtypes are checked from the files' headers before
-    any value is read."""
+def tied_differs(served: ModelConfig) -> str:
+    """The refusal of a checkpoint whose lm_head config.json ties to the embedding but
+    whose stored values differ from it."""
+    block = families.of(served).block
+    return f"{block.lm_head.hf[0]}: config.json ties it to {block.embed.hf[0]}, but the values differ"
+
+
+def check_headers(files: list, served: ModelConfig, dtype) -> tuple:
+    """({file: its open handle}, {tensor name: its file}) once every name, shape and
+    dtype in the files' headers is the served model's (no value is read). Raises
+    WeightsRefused naming every problem (up to SHOWN)."""
     from safetensors import SafetensorError, safe_open
     expected = expected_shapes(served)
     block = families.of(served).block
@@ -198,6 +208,19 @@ def _read_checked(files: list, served: ModelConfig, dtype) -> tuple:
             problems.append(f"{name}: dtype {kind} cannot be served as {str(dtype).removeprefix('torch.')} "
                             f"(one of {', '.join(FLOATING)} expected)")
     _refuse(problems)
+    return handles, where
+
+
+def _read_checked(files: list, served: ModelConfig, dtype) -> tuple:
+    """(every tensor as stored, by name; the ones the model reads, in `dtype`), each
+    checked. Names, shapes and dtypes are checked from the files' headers before
+    any value is read."""
+    from safetensors import SafetensorError
+    handles, where = check_headers(files, served, dtype)
+    block = families.of(served).block
+    embed = block.embed.hf[0]
+    tied = block.lm_head.hf[0] if served.tie_word_embeddings else None
+    problems = []
     raw, converted = {}, {}
     for name in sorted(where):
         f = where[name]
@@ -206,18 +229,18 @@ def _read_checked(files: list, served: ModelConfig, dtype) -> tuple:
         except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
             raise WeightsRefused(f"unreadable file {f}: {name}: {exc}") from None
         raw[name] = t
-        bad = _non_finite(t)
+        bad = non_finite(t)
         if bad:
             problems.append(f"{name}: {_values(bad)} NaN or Inf")
             continue
         c = t.to(dtype)
         if c is not t:
-            over = _non_finite(c)
+            over = non_finite(c)
             if over:
                 problems.append(f"{name}: {_values(over)} beyond {str(dtype).removeprefix('torch.')}'s range")
         converted[name] = c
     if tied in converted and not torch.equal(converted[tied], converted[embed]):
-        problems.append(f"{tied}: config.json ties it to {embed}, but the values differ")
+        problems.append(tied_differs(served))
     _refuse(problems)
     return raw, converted
 

@@ -89,16 +89,19 @@ def refusal(path, dequantize: bool = False) -> str:
     return ""
 
 
-def read_shard(path, size: int, rank: int) -> RankShard:
+def read_shard(path, size: int, rank: int, finite: bool = False) -> RankShard:
     """Rank `rank` of `size`'s shard of the checkpoint at `path` (empty: the embedded
     model), read by byte ranges. ValueError for a checkpoint not read so (refusal), a
     size the model cannot run at (shard.layout), or a tensor missing or misshaped
-    (named)."""
+    (named); `finite` (a Hugging Face directory's): also for a value of the rank's
+    that is NaN or Inf once in bf16 (named)."""
     why = refusal(path)
     if why:
         raise ValueError(why)
     path = source(path)
     if _is_gguf(path):
+        if finite:
+            raise ValueError(f"{path.name}: a GGUF's values are not checked finite by byte ranges")
         return _GGUFShard(path).read(size, rank)
     cfg = read_model_config(Path(path))
     lay = shard.layout(cfg, size, rank)
@@ -114,7 +117,11 @@ def read_shard(path, size: int, rank: int) -> RankShard:
         return name
 
     def read(name: str, rows: tuple, cols=None) -> torch.Tensor:
-        return _owned(ckpt.part(name, rows, cols).to(torch.bfloat16))
+        t = _owned(ckpt.part(name, rows, cols).to(torch.bfloat16))
+        if finite and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise ValueError(f"{name}: {bad} of this rank's values are NaN or Inf, or beyond bfloat16's range")
+        return t
 
     def whole(w: families.Weight) -> torch.Tensor:
         shape = w.shapes(cfg)[0]

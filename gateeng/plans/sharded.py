@@ -11,6 +11,8 @@ choice are as at size 1. Every other attribute is the wrapped plan's.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from gateeng.plans.collectives import vocab_logits
@@ -53,6 +55,13 @@ class ShardedPlan:
 
     def logits(self, model, kv, rows: Rows) -> torch.Tensor:
         return self.choice_logits(model, self.hidden(model, kv, rows), rows.greedy)
+
+
+def announcing(plans, command):
+    """`plans` (plans.factory.Plans of the driver's shard) with both the fast and the
+    invariant plan announcing their calls through `command`."""
+    return replace(plans, fast=ShardedPlan(plans.fast, PlanKind.FAST, command),
+                   invariant=ShardedPlan(plans.invariant, PlanKind.INVARIANT, command))
 
 
 def run(message, plans: dict, model, kv) -> None:

@@ -1,0 +1,125 @@
+"""Weights in place at --tensor-parallel-size 2 on one machine, on the tiny random-weight
+Llama: every rank reads its own shard of the new checkpoint by byte ranges and all swap
+together. After the same update, a size-2 engine has a size-1 engine's fingerprint and
+weight_version and its VERIFIED bits (tokens and logprobs); a broken checkpoint (a
+tensor misshaped, a file truncated, a value that only rank 1 reads not finite) changes no
+rank: the old answers, fingerprint and version, the KV accounting and a request running
+beside the refused update are untouched."""
+import re
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from gateeng.config import EngineConfig
+from gateeng.engine.engine import Engine
+from gateeng.engine.errors import WeightsRefused
+from gateeng.model import loader
+from gateeng.plans import reference_ops
+from gateeng.request import DeterminismParams, Mode, SamplingParams
+from tests.test_weight_update import broken
+from tests.tiny import hf_family, save_family
+
+VERIFIED = DeterminismParams(Mode.VERIFIED)
+GREEDY = SamplingParams(max_tokens=8, logprobs=2, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=8, temperature=0.9, seed=7, logprobs=2, ignore_eos=True)
+ASKED = [("hello world", GREEDY), ("the quick brown fox", SEEDED)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def reference_runs():
+    if not reference_ops.runnable():
+        pytest.skip("no build of the reference runs here")
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    """(the served checkpoint, a new one of the same architecture): Hugging Face directories."""
+    root = tmp_path_factory.mktemp("tpw")
+    save_family("llama", root / "old")
+    hf_family("llama", seed=1).save_pretrained(root / "new", safe_serialization=True)
+    for f in (root / "old").glob("*token*"):   # so that it also starts a server of its own
+        (root / "new" / f.name).write_bytes(f.read_bytes())
+    return root / "old", root / "new"
+
+
+def engine(model_dir, size: int) -> Engine:
+    return Engine(EngineConfig(model=str(model_dir), dtype="bfloat16", tensor_parallel_size=size, num_threads=1,
+                               num_kv_blocks=64, max_num_seqs=8, verified_route="speculative"))
+
+
+def bits(c) -> tuple:
+    lps = [(lp.token, lp.logprob.hex(), tuple((t, v.hex()) for t, v in lp.top)) for lp in c.logprobs]
+    return tuple(c.token_ids), tuple(lps)
+
+
+def answers(e: Engine) -> list:
+    return [bits(e.generate(prompt, params, VERIFIED)) for prompt, params in ASKED]
+
+
+def state(e: Engine) -> tuple:
+    """What a refused update must leave as it was: the answers, the weights' names and
+    the KV accounting."""
+    blocks = e.core.blocks
+    blocks.check_integrity()
+    return (answers(e), e.loaded.fingerprint, e.reproducibility.model_fingerprint, e.weight_version,
+            blocks.num_free, e.counts.running, e.counts.waiting)
+
+
+def test_an_update_at_size_2_gives_size_1s_fingerprint_version_and_verified_bits(dirs):
+    old, new = dirs
+    one = engine(old, 1)
+    try:
+        before = answers(one)
+        done = one.update_weights(new)
+        want = answers(one), done.model_fingerprint, done.weight_version
+    finally:
+        one.shutdown()
+    assert want[0] != before   # the new weights answer otherwise
+    assert want[1] == loader.load(str(new), "bfloat16").fingerprint
+    two = engine(old, 2)
+    try:
+        assert answers(two) == before
+        # prepared on every rank, then dropped everywhere: nothing changes
+        two.discard_weights(two.prepare_weights(new))
+        assert answers(two) == before and two.weight_version == 0
+        done = two.update_weights(new)
+        got = answers(two), done.model_fingerprint, done.weight_version
+        record = two.generate("abc", GREEDY, VERIFIED).reproducibility
+    finally:
+        two.shutdown()
+    assert got == want and got[2] == 1
+    assert (record.model_fingerprint, record.weight_version, record.tensor_parallel_size) == (want[1], 1, 2)
+
+
+def nan_in_rank_1s_rows(tmp_path, new_dir):
+    """A copy of new_dir with one NaN in rank 1's rows of a column-parallel weight (its
+    MLP columns 64..127 of 128), which rank 0 never reads; returns (its path, what the
+    refusal must name)."""
+    d = tmp_path / "rank1"
+    d.mkdir()
+    for f in new_dir.iterdir():
+        (d / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(d / "model.safetensors")
+    tensors["model.layers.0.mlp.up_proj.weight"][100, 3] = float("nan")
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    return d, "rank 1: model.layers.0.mlp.up_proj.weight: 1 of this rank's values are NaN"
+
+
+def test_a_broken_checkpoint_changes_no_rank(dirs, tmp_path):
+    old, new = dirs
+    two = engine(old, 2)
+    try:
+        before = state(two)
+        cases = [broken(tmp_path, new, "shape"), broken(tmp_path, new, "truncated"),
+                 nan_in_rank_1s_rows(tmp_path, new)]
+        for path, names in cases:
+            # a VERIFIED request runs beside the refused update and keeps the old weights' bits
+            running = two.submit(*ASKED[0], VERIFIED)
+            with pytest.raises(WeightsRefused, match=re.escape(names)) as refused:
+                two.update_weights(path)
+            assert "rank 0" not in str(refused.value)   # rank 1's refusal alone stopped the last one
+            assert bits(running.result()) == before[0][0]
+            assert state(two) == before, path.name
+    finally:
+        two.shutdown()
+
