@@ -15,7 +15,7 @@ anonymous memory (large allocations, tensors among them, other arenas, Python's 
 arenas, thread stacks). `served_bytes(gguf, positions)` gives what the weights and a KV
 cache of `positions` take as gateeng serves the file (stored types served quantized
 count their stored bytes, the others bf16, an untied quantized embedding nothing: it is
-read through a map of the file; the KV cache bf16 K and V per layer), so the rest of
+read by rows from the file; the KV cache bf16 K and V per layer), so the rest of
 the RSS is the runtime's.
 """
 from __future__ import annotations
@@ -63,7 +63,7 @@ def parts(pid="self", model_file: str = "") -> dict:
 
 def served_bytes(gguf: str, positions: int) -> dict:
     """{"weights": bytes, "KV cache": bytes} as gateeng serves `gguf` on CPU with a KV
-    cache of `positions` (an untied quantized embedding stays in the file, mapped: not
+    cache of `positions` (an untied quantized embedding stays in the file, read by rows: not
     counted); reads the tensor table and config its first start cached."""
     from gateeng.model.cache import converted
     from gateeng.model.families import gguf_family

@@ -117,7 +117,7 @@ def test_other_types_are_converted_to_bf16_and_named(files, capsys):
 
 
 def test_an_untied_quantized_embedding_is_read_from_the_file_as_stored(files):
-    """An untied embedding stays in the file, mapped: its rows are the file's values
+    """An untied embedding stays in the file, read by rows: its rows are the file's values
     (the reference's dequantization, SPEC.md), wherever a batch looks them up, and the
     whole packed copy tensor parallelism hands its ranks holds the same values."""
     from gateeng.model.gguf_weights import GGUFTensors

@@ -7,8 +7,8 @@ dropped before the next one is read: loading holds the model's packed weights pl
 tensor (a stacked expert tensor is read one expert at a time, and a matrix served as
 stored SLICE_ROWS rows at a time, packed into its place: the output matrix of a large
 vocabulary is never whole twice). An untied embedding served quantized is the
-exception: it is looked up, never multiplied whole, so it stays in the file, behind a memory map, and only the rows of
-the tokens seen become resident (GGUFTensors.mapped, packing.StoredRows).
+exception: it is looked up, never multiplied whole, so it stays in the file, and the rows of
+the tokens a batch looks up are read then (GGUFTensors.stored_rows, packing.StoredRows).
 
 Q8_0, Q4_0, Q4_1 and the K-quants Q4_K, Q5_K and Q6_K stay quantized (kernels/SPEC.md,
 "Quantized weights"), in the reference kernels' packed layout (ref_ops.cpp `qpack`),
@@ -151,17 +151,16 @@ class GGUFTensors:
                     f.readinto(memoryview(out[i]))
         return out
 
-    def mapped(self, name: str) -> torch.Tensor:
-        """The stored bytes, uint8 [rows, bytes per row], over a copy-on-write memory map
-        of the file (nothing is read until a row is)."""
+    def stored_rows(self, name: str, ggml: int) -> packing.StoredRows:
+        """A matrix's stored rows, read from the file when looked up (packing.StoredRows):
+        nothing is read here."""
         t = self.tensors[name]
         rows = t.shape[0] if len(t.shape) == 2 else 1
         if self.path.stat().st_size < t.offset + t.nbytes:
             raise ValueError(f"{self.path.name} is truncated: tensor {name} ends past the end of the file")
-        view = np.memmap(self.path, dtype=np.uint8, mode="c", offset=t.offset, shape=(rows, t.nbytes // rows))
-        return torch.from_numpy(view)
+        return packing.StoredRows(str(self.path), t.offset, rows, t.nbytes // rows, ggml)
 
-    def values(self, name: str, raw: np.ndarray, rows_per_slice: int = 4096, shape: Optional[tuple] = None) -> torch.Tensor:
+    def values(self, name: str, raw: np.ndarray, rows_per_slice: int = SLICE_ROWS, shape: Optional[tuple] = None) -> torch.Tensor:
         """The tensor's values rounded to bf16, from its stored bytes: F32, F16 and BF16
         as they are (rounded to nearest even, as every torch build rounds); other types
         by the gguf package's dequantization (numpy binary32 arithmetic, the same bits
@@ -340,8 +339,8 @@ class GGUFLoad:
         converted to bf16. `heads`: per name, the rotary heads whose rows the file
         permuted (None: as stored). A router is always converted: its logits are a bf16
         matrix's (kernels/SPEC.md, "Mixture of experts"). `looked_up`: w is only looked up
-        by rows (an untied embedding): served quantized, it stays in the file, mapped
-        (packing.StoredRows)."""
+        by rows (an untied embedding): served quantized, it stays in the file, read by
+        rows as they are looked up (packing.StoredRows)."""
         heads = heads or [None] * len(names)
         kinds = [self.tensors.tensors[n].type for n in names]
         if (self.quantized and all(k in SERVED_QUANTIZED for k in kinds)
@@ -351,8 +350,7 @@ class GGUFLoad:
                     and len(self.tensors.tensors[names[0]].shape) == 2):   # one matrix as stored: in slices
                 if looked_up:
                     self._stored_slices(names[0])
-                    rows = packing.StoredRows(self.tensors.mapped(names[0]), SERVED_QUANTIZED[kinds[0]])
-                    packing.set_stored_rows(model, w, rows, self.ops)
+                    packing.set_stored_rows(model, w, self.tensors.stored_rows(names[0], SERVED_QUANTIZED[kinds[0]]), self.ops)
                 else:
                     packed = Packed(self._packed_in_slices(names[0]), w.shape[0], w.shape[1])
                     packing.set_packed(model, w, packed, self.ops)

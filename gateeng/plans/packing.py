@@ -9,8 +9,8 @@ Per model, one PackedWeights (`of`) holds, by id of the model's weight:
   and the fast plan too where it can (`pack_shared`, `pack_fast`); a GGUF's
   quantized weight arrives as such a copy (`set_packed`);
 - `blocks`: a quantized weight as the Triton reference reads it (`set_blocks`);
-- `stored_rows`: an untied quantized embedding as the GGUF file stores it, mapped
-  (`set_stored_rows`);
+- `stored_rows`: an untied quantized embedding as the GGUF file stores it, read
+  from the file row by row as it is looked up (`set_stored_rows`);
 - the fast plan's matmuls (`packed`), its float32 logits head (`dense_head`), its
   bf16 candidate head (`lm_head_bf16`), one-call decode layers (`fused_layers`) and
   one-call routing layers' experts (`expert_layers`),
@@ -24,7 +24,9 @@ to no model, and goes with the weights when new ones are loaded.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -62,13 +64,43 @@ class QuantBlocks:
 
 @dataclass(frozen=True)
 class StoredRows:
-    """A quantized embedding [N, K] as its GGUF file stores it: `rows` uint8 [N, row
-    bytes] over a copy-on-write memory map of the file, `ggml` its GGML type id. An
-    embedding is looked up, never multiplied whole, so only the rows of the tokens seen
-    become resident (llama.cpp holds it the same way); a 1.17B Llama's Q8_0 embedding
-    is 102 MiB, of which a server touches a few."""
-    rows: torch.Tensor
+    """A quantized embedding [N, K] as its GGUF file stores it: `rows` rows of
+    `row_bytes` bytes from byte `offset` of the file at `path`, `ggml` its GGML type id.
+    An embedding is looked up, never multiplied whole, so the rows of the tokens a batch
+    looks up are read from the file then (`take`, a pread per row) and dropped with the
+    batch: the process holds none of the table (the OS's page cache keeps what is read
+    often). A memory map of the table became the process's own pages as rows were
+    looked up, 64 KiB around each (the kernel's fault-around), so serving a few hundred
+    distinct tokens made most of a 1.17B Llama's 79 MiB Q6_K embedding resident."""
+    path: str
+    offset: int
+    rows: int
+    row_bytes: int
     ggml: int
+
+    def take(self, ids) -> torch.Tensor:
+        """uint8 [len(ids), row_bytes]: the stored rows of token ids `ids`, in their order."""
+        ids = [int(i) for i in ids]
+        for i in ids:
+            if not 0 <= i < self.rows:
+                raise IndexError(f"token id {i} is out of range for an embedding of {self.rows} rows")
+        out = torch.empty(len(ids), self.row_bytes, dtype=torch.uint8)
+        view = out.numpy()
+        with open(self.path, "rb", buffering=0) as f:
+            fd = f.fileno()
+            for j, i in enumerate(ids):
+                if os.preadv(fd, [view[j]], self.offset + i * self.row_bytes) != self.row_bytes:
+                    raise ValueError(f"{Path(self.path).name} is truncated: embedding row {i} ends past its end")
+        return out
+
+    def whole(self) -> torch.Tensor:
+        """uint8 [rows, row_bytes]: every stored row, read at once."""
+        out = torch.empty(self.rows, self.row_bytes, dtype=torch.uint8)
+        with open(self.path, "rb", buffering=0) as f:
+            f.seek(self.offset)
+            if f.readinto(memoryview(out.numpy()).cast("B")) != out.numel():
+                raise ValueError(f"{Path(self.path).name} is truncated: the embedding ends past its end")
+        return out
 
 
 class PackedWeights:
@@ -418,7 +450,7 @@ def quantized_embedding(model) -> Optional[cpu_linear.Packed]:
     s = of(model)
     stored = s.stored_rows.get(id(model.embed))
     if stored is not None:
-        return cpu_linear.Packed(s.quant_ops.qpack(stored.rows.contiguous(), stored.ggml), *model.embed.shape)
+        return cpu_linear.Packed(s.quant_ops.qpack(stored.whole(), stored.ggml), *model.embed.shape)
     p = s.shared.get(id(model.embed))
     return p if p is not None and cpu_linear.quantized(p) else None
 
@@ -432,8 +464,7 @@ def embed_rows(model, ids: torch.Tensor) -> torch.Tensor:
     s = of(model)
     stored = s.stored_rows.get(id(model.embed))
     if stored is not None:   # qrows reads each row alone: the rows packed apart give the same values
-        ids = ids.to(torch.long)
-        packed = s.quant_ops.qpack(stored.rows.index_select(0, ids), stored.ggml)
+        packed = s.quant_ops.qpack(stored.take(ids.tolist()), stored.ggml)
         return s.quant_ops.qrows(packed, torch.arange(ids.shape[0]), 0)
     packed = s.shared[id(model.embed)].data
     if packed.dtype == torch.uint8:
