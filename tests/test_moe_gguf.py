@@ -1,5 +1,5 @@
 """Mixtures of experts from GGUF files as llama.cpp writes them (tests/tiny_gguf.py:
-Qwen3-MoE as qwen3moe, Mixtral as llama with experts): a bf16 file is
+Qwen3-MoE as qwen3moe, Mixtral as llama with experts; OLMoE in tests/test_olmoe_gguf.py): a bf16 file is
 the model of its Hugging Face directory (config, weights, VERIFIED answers); Q8_0, Q4_0
 and Q4_1 experts (and K-quant ones) are served as stored, each expert once, and give the same VERIFIED
 answer alone and in a batch; broken or unserved files are refused by name."""
@@ -203,8 +203,9 @@ def test_a_broken_moe_gguf_is_refused_naming_the_tensor(files, tmp_path):
 def test_unserved_moe_architectures_and_metadata_are_refused_by_name():
     with pytest.raises(ValueError, match="mixture-of-experts GGUF of architecture 'qwen2moe' is not served"):
         families.gguf_family("qwen2moe", True)
-    with pytest.raises(ValueError, match="mixture-of-experts GGUF of architecture 'olmoe' is not served"):
-        families.gguf_family("olmoe", True)
+    with pytest.raises(ValueError, match="mixture-of-experts GGUF of architecture 'deepseek2' is not served"):
+        families.gguf_family("deepseek2", True)
+    assert families.gguf_family("olmoe", True) is families.FAMILIES["olmoe"]   # tests/test_olmoe_gguf.py
     with pytest.raises(ValueError, match="GGUF architecture 'qwen3moe' is not read natively"):
         families.gguf_family("qwen3moe", False)
     qwen = families.FAMILIES["qwen3_moe"]

@@ -376,7 +376,10 @@ def write_file(path, arch: str, name: str, hf, tensors: list, spec: Mapping[str,
 # convert_hf_to_gguf.py --outtype bf16 on tiny.py's Qwen3-MoE (every layer routing) and
 # Mixtral writes these names, shapes and expert keys (Mixtral: no
 # expert_feed_forward_length), and gateeng reads from its files the HF directory's weights.
-MOE_ARCH = {"qwen3_moe": "qwen3moe", "mixtral": "llama"}
+# OLMoE (conversion/olmo.py OlmoeModel, architecture olmoe): q and k rows not permuted,
+# q/k norms over the whole projection, the experts feed_forward_length wide; checked the
+# same way (tests/test_olmoe_gguf.py).
+MOE_ARCH = {"qwen3_moe": "qwen3moe", "mixtral": "llama", "olmoe": "olmoe"}
 _MOE_LAYER_NAMES = {**_LAYER_NAMES, "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
                     "mlp.gate": "ffn_gate_inp"}
 
@@ -412,12 +415,13 @@ def moe_tensors(hf, arch: str) -> list:
     return out
 
 
-def write_tiny_moe_gguf(path, hf, qtype: QType) -> dict:
+def write_tiny_moe_gguf(path, hf, qtype: QType, tokenizer: tuple = ()) -> dict:
     """Write the transformers mixture of experts `hf` (a tiny random one of tests/tiny.py,
     vocabulary 256, bos 254 and eos 255) to `path` as llama.cpp's converter plus
-    llama-quantize would, with byte_tokenizer_kv's tokenizer; {"path", "types": {gguf
-    name: type}}. qtype as write_tiny_gguf's; the router (ffn_gate_inp) and 1-D tensors
-    stay F32, as llama-quantize keeps them."""
+    llama-quantize would, with `tokenizer`'s keys (write_file's form; default
+    byte_tokenizer_kv's); {"path", "types": {gguf name: type}}. qtype as
+    write_tiny_gguf's; the router (ffn_gate_inp) and 1-D tensors stay F32, as
+    llama-quantize keeps them."""
     spec = {"*": qtype} if isinstance(qtype, str) else dict(qtype)
     cfg, arch = hf.config, MOE_ARCH[hf.config.model_type]
     tensors = [(g, w, "F32" if w.ndim == 1 or g.endswith("ffn_gate_inp.weight") else _type_for(g, spec))
@@ -429,5 +433,6 @@ def write_tiny_moe_gguf(path, hf, qtype: QType) -> dict:
         if getattr(cfg, "moe_intermediate_size", None) is not None:
             writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
 
-    write_file(path, arch, f"Tiny Random {cfg.model_type}", hf, tensors, spec, experts, byte_tokenizer_kv())
+    write_file(path, arch, f"Tiny Random {cfg.model_type}", hf, tensors, spec, experts,
+               tokenizer or byte_tokenizer_kv())
     return {"path": Path(path), "types": {g: t for g, _, t in tensors}}

@@ -237,6 +237,22 @@ GGUF_EXPERTS, GGUF_EXPERTS_USED = "expert_count", "expert_used_count"
 GGUF_EXPERT_WIDTH, GGUF_WIDTH = "expert_feed_forward_length", "feed_forward_length"
 GGUF_SERVED_ONLY = (("expert_shared_count", 0), ("expert_gating_func", 1), ("expert_weights_scale", 1.0),
                     ("expert_group_count", 0), ("leading_dense_block_count", 0))
+# A decoder's keys as llama.cpp's converter writes them (below "<architecture>.") and
+# the config.json field each gives, for a family whose GGUF config transformers does
+# not read (Family.gguf_native_config); each is required.
+GGUF_DECODER_KEYS = (("block_count", "num_hidden_layers"), ("context_length", "max_position_embeddings"),
+                     ("embedding_length", "hidden_size"), ("attention.head_count", "num_attention_heads"),
+                     ("attention.layer_norm_rms_epsilon", "rms_norm_eps"))
+# Keys llama.cpp reads with a default where the file lacks them: the kv heads (the
+# heads'), each head's width (hidden / heads), and the RoPE base (llama.cpp's 10000).
+GGUF_KV_HEADS, GGUF_HEAD_DIM, GGUF_ROPE_BASE = "attention.head_count_kv", "attention.key_length", "rope.freq_base"
+# Keys that must agree with the config read: the value heads' and the rotary width
+# (whole heads), the vocabulary (the embedding's rows); and a RoPE scaling of none.
+GGUF_HEAD_WIDTHS, GGUF_VOCAB = ("attention.value_length", "rope.dimension_count"), "vocab_size"
+GGUF_ROPE_SCALING = "rope.scaling.type"
+# tokenizer.ggml.* special token ids and the config.json field each gives.
+GGUF_SPECIAL_IDS = (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                    ("padding_token_id", "pad_token_id"))
 
 
 @dataclass(frozen=True)
@@ -255,6 +271,10 @@ class Family:
     block: Block = DECODER
     qk_norm_scope: str = QK_NORM_HEAD  # what its q/k norms reduce over
     moe: Optional[Moe] = None          # a mixture of experts: how its config names them
+    # transformers reads no config from its GGUF: the engine reads llama.cpp's metadata
+    # (gguf_native_config), and the tokenizer from tokenizer.ggml.* through transformers'
+    # GGUF tokenizer converters, which are keyed by the tokenizer's type, not the model's.
+    gguf_native_config: bool = False
 
     def config(self, hf) -> ModelConfig:
         """The ModelConfig of a transformers config (or config.json's fields as attributes)."""
@@ -293,6 +313,45 @@ class Family:
         out.update(dict(moe.served_only), **dict(moe.gguf_fixed))
         return out
 
+    def gguf_decoder_config(self, meta: dict, tensors: dict, tokenizer: dict) -> dict:
+        """The whole config.json of a GGUF of this family (gguf_native_config) from
+        llama.cpp's metadata `meta` ({key below "<architecture>.": value}), the file's
+        tensor shapes `tensors` ({GGUF name: shape}: the vocabulary is the embedding's
+        rows, the embedding is tied where no output matrix is stored) and its
+        tokenizer.ggml.* keys `tokenizer` ({key below "tokenizer.ggml.": value}: the
+        special ids), with the experts' fields (gguf_config). ValueError naming a key
+        that is missing, disagrees or is not read: a key this does not know could
+        change the arithmetic, so it is refused, not ignored."""
+        def key(name: str):
+            if name not in meta:
+                raise ValueError(f"GGUF metadata {self.gguf}.{name} is missing")
+            return meta[name]
+
+        embed = self.block.embed.gguf[0]
+        if embed not in tensors:
+            raise ValueError(f"tensor {embed} is missing")
+        out = {field: key(name) for name, field in GGUF_DECODER_KEYS}
+        heads = int(out["num_attention_heads"])
+        head_dim = int(meta.get(GGUF_HEAD_DIM, int(out["hidden_size"]) // max(heads, 1)))
+        out.update(model_type=self.model_type, num_key_value_heads=int(meta.get(GGUF_KV_HEADS, heads)),
+                   head_dim=head_dim, rope_theta=float(meta.get(GGUF_ROPE_BASE, 10000.0)),
+                   vocab_size=int(tensors[embed][0]), tie_word_embeddings=self.block.lm_head.gguf[0] not in tensors,
+                   **{field: tokenizer.get(name) for name, field in GGUF_SPECIAL_IDS})
+        agree = dict.fromkeys(GGUF_HEAD_WIDTHS, head_dim)
+        agree.update({GGUF_VOCAB: out["vocab_size"], GGUF_ROPE_SCALING: "none"})
+        for name, want in agree.items():
+            if meta.get(name, want) != want:
+                why = "the embedding has that many rows" if name == GGUF_VOCAB else "as the config reads"
+                raise ValueError(f"GGUF {self.gguf}.{name}={meta[name]!r} is not served (only {want!r}: {why})")
+        known = ({n for n, _ in GGUF_DECODER_KEYS} | {GGUF_KV_HEADS, GGUF_HEAD_DIM, GGUF_ROPE_BASE} | set(agree)
+                 | {n for n, _ in GGUF_SERVED_ONLY} | {GGUF_EXPERTS, GGUF_EXPERTS_USED, GGUF_EXPERT_WIDTH, GGUF_WIDTH})
+        unread = sorted(set(meta) - known)
+        if unread:
+            raise ValueError(f"GGUF metadata {', '.join(f'{self.gguf}.{n}' for n in unread)} is not supported "
+                             "(a key the engine does not read could change what the model computes)")
+        out.update(self.gguf_config(meta))
+        return out
+
     def required_fields(self) -> tuple:
         """The config fields its transformers class defaults differently from what the
         engine would assume, each a tuple of its spellings (hf_config reads a file that
@@ -307,7 +366,6 @@ _FAMILIES = (
            gguf="qwen2"),                                      # Qwen2 and 2.5
     Family("qwen3", qk_norm=True, required=("head_dim", "sliding_window", "use_sliding_window"), gguf="qwen3"),
     Family("smollm"),
-    # Mixtures of experts.
     # Mixtures of experts. llama.cpp writes Mixtral as a "llama" GGUF with experts.
     Family("qwen3_moe", qk_norm=True, required=("head_dim", "sliding_window", "use_sliding_window"),
            block=QWEN_MOE, gguf="qwen3moe",
@@ -316,10 +374,12 @@ _FAMILIES = (
     Family("mixtral", required=("sliding_window",), block=MIXTRAL, gguf="llama", gguf_permuted=True,
            moe=Moe(("num_local_experts", "num_experts"), "intermediate_size", TOPK_SOFTMAX,
                    served_only=(("router_jitter_noise", 0.0),))),
-    # (An OLMoE GGUF is not read: transformers reads neither its config nor its tokenizer.)
-    Family("olmoe", qk_norm=True, qk_norm_scope=QK_NORM_PROJECTION, block=OLMOE,
+    # llama.cpp's olmoe: q and k rows as transformers holds them (not permuted), the k
+    # probabilities not renormalized, the experts as wide as feed_forward_length.
+    Family("olmoe", qk_norm=True, qk_norm_scope=QK_NORM_PROJECTION, block=OLMOE, gguf="olmoe",
+           gguf_native_config=True,
            moe=Moe(("num_experts", "num_local_experts"), "intermediate_size", SOFTMAX_TOPK, norm="norm_topk_prob",
-                   served_only=(("clip_qkv", None),))),
+                   served_only=(("clip_qkv", None),), gguf_fixed=(("norm_topk_prob", False),))),
 )
 FAMILIES = {f.model_type: f for f in _FAMILIES}
 SUPPORTED = tuple(FAMILIES)                                    # the model types the engine runs

@@ -2,10 +2,11 @@
 
 A GGUF file is served as stored (gateeng.model.gguf_weights): its Q8_0, Q4_0 and Q4_1
 weights stay quantized, read from the file one tensor at a time at every start; only
-its config and tokenizer are converted once through transformers and cached with its
-tensor table (gateeng.model.cache, a few small files). Where quantized weights are not
-served (a float32 model, CUDA) or `dequantize` asks for it, the
-file is converted once through transformers into a float32 safetensors directory and
+its config and tokenizer are converted once through transformers (a family whose GGUF
+config transformers does not read: its config from llama.cpp's metadata, by the family
+table) and cached with its tensor table (gateeng.model.cache, a few small files).
+Where quantized weights are not served (a float32 model, CUDA) or `dequantize` asks
+for it, the file is converted once through transformers into a float32 safetensors directory and
 served in the model's dtype, as a checkpoint; a mixture of experts' GGUF, which
 transformers does not read, is instead read natively with its quantized weights
 dequantized to bf16 (in bf16 on CPU only). Serving reads either without transformers
@@ -118,13 +119,27 @@ def convert_gguf_header(gguf: Path, out: Path) -> None:
     architecture, tensors, meta = read_table(gguf)
     # A mixture of experts: its family and expert fields from llama.cpp's metadata (which
     # transformers reads for no such file in full), refused by name before anything else.
-    experts = gguf_family(architecture, True).gguf_config(meta) if has_experts(meta) else {}
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).to_dict()
-    config.pop("quantization_config", None)
-    if experts:   # llama.cpp stores floats in binary32: each as the shortest decimal that is that binary32
+    family = gguf_family(architecture, True) if has_experts(meta) else None
+    if family is not None and family.gguf_native_config:
+        # transformers reads no config of this architecture: all of it from llama.cpp's
+        # metadata; the tokenizer through transformers' GGUF converter for its
+        # tokenizer.ggml.model (AutoTokenizer would first ask for the config).
+        from transformers import PreTrainedTokenizerFast
+        from transformers.integrations.gguf import read_gguf_metadata
+
+        everything, _ = read_gguf_metadata(str(gguf))
+        prefix = "tokenizer.ggml."
+        config = family.gguf_decoder_config(meta, {t.name: t.shape for t in tensors.values()},
+                                            {k[len(prefix):]: v for k, v in everything.items() if k.startswith(prefix)})
+        tok = PreTrainedTokenizerFast.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    else:
+        experts = family.gguf_config(meta) if family is not None else {}
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).to_dict()
+        config.pop("quantization_config", None)
+        config.update(experts)
+    if family is not None:   # llama.cpp stores floats in binary32: each as the shortest decimal that is that binary32
         config = {k: float(str(np.float32(v))) if isinstance(v, float) else v for k, v in config.items()}
-    config.update(experts)
     config["dtype"] = BFLOAT16
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     tok.save_pretrained(out)
