@@ -3,13 +3,21 @@
 Ray actors on the two nodes (a STRICT_SPREAD placement group), each reading only its
 own shard of the model, joined in one gloo group. Its VERIFIED answers are one
 single-process server's at tensor-parallel size 1, bit for bit, and no rank's peak
-memory reaches the model's bytes."""
+memory reaches the model's bytes. On a tiny model: `gateeng update-weights` reaches
+the replica's ranks (each reads its shard of the new checkpoint) and gives a size-1
+server's fingerprint, weight_version and answers after the same update, and a broken
+checkpoint changes nothing; a rank killed mid-stream fails its replica, every VERIFIED
+stream still ends with one server's bits, and the replica comes back on the fleet's
+weights."""
 import os
 
 # Ray's test cluster keeps every node on 127.0.0.1 only with this set before Ray loads.
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
-import struct  # noqa: E402
+import signal  # noqa: E402
+import struct
+import threading
+import time
 
 import pytest
 
@@ -18,9 +26,13 @@ from gateeng.model import loader
 from gateeng.plans import reference_ops
 from gateeng.request import DeterminismParams, Mode, SamplingParams
 from gateeng.serving.grpc_client import Client
-from test_fleet import FleetRunning, cluster  # noqa: F401  (the module's two-node cluster)
+from gateeng.tools import cli
+from test_fleet import TOKEN, FleetRunning, replica_states
+from test_fleet import cluster, model_dir, new_dir  # noqa: F401  (the module's two-node cluster, a tiny model)
 from test_server_async import Running
 from test_shard_read import _write_big
+from test_tensor_parallel_weights import nan_in_rank_1s_rows
+from test_weight_update import broken
 from tiny import save_family
 
 ray = pytest.importorskip("ray")
@@ -84,3 +96,91 @@ def test_tensor_parallel_ranks_on_two_nodes_give_one_servers_verified_bits_and_n
         assert len(peaks) == 2 and max(peaks) < model_bytes, (peaks, model_bytes)
     finally:
         assert running.stop() == 0
+
+
+# ---- weights in place, and a rank's death, on a tiny model's fleet of one replica of two ranks ----------
+
+@pytest.fixture(scope="module")
+def tp_fleet(cluster, model_dir):
+    running = FleetRunning(config(model_dir, 2), cluster.address, replicas=1)
+    yield running
+    assert running.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def single(model_dir):
+    """One `gateeng serve` at tensor-parallel size 1 on the same model."""
+    srv = Running(config(model_dir, 1), loaded=loader.load(str(model_dir), "bfloat16"),
+                  settings=ServerConfig(port=0, metrics_port=None, http_port=None))
+    yield srv
+    srv.stop()
+
+
+def weights_of(fleet) -> list:
+    return [(s.weight_version, s.fingerprint) for s in replica_states(fleet)]
+
+
+def test_an_update_reaches_the_tensor_parallel_replicas_ranks_and_a_broken_one_changes_nothing(
+        tp_fleet, single, new_dir, tmp_path, capsys):
+    token = tmp_path / "token"
+    token.write_text(TOKEN + "\n")
+    before, answered = weights_of(tp_fleet), ask(tp_fleet.target)
+
+    def push(directory) -> int:
+        return cli.main(["update-weights", "--server", tp_fleet.target, str(directory), "--admin-token-file",
+                         str(token)])
+    bad, _ = broken(tmp_path, new_dir, "nan")   # NaNs in rank 0's columns of a row-parallel weight only
+    refused = "rank 0: model.layers.1.mlp.down_proj.weight: 5 of this rank's values are NaN"
+    assert push(bad) == 2 and refused in capsys.readouterr().err
+    bad, expect = nan_in_rank_1s_rows(tmp_path, new_dir)   # in rank 1's rows only: the Ray actor refuses
+    assert push(bad) == 2 and expect in capsys.readouterr().err
+    assert weights_of(tp_fleet) == before and ask(tp_fleet.target) == answered
+    assert push(new_dir) == 0 and "weight_version 1" in capsys.readouterr().out
+    done = single.server.gateway.engine.update_weights(new_dir)
+    assert weights_of(tp_fleet) == [(1, done.model_fingerprint)] != before
+    got, want = ask(tp_fleet.target), ask(single.target)
+    assert [a for a, _ in got] == [a for a, _ in want] != [a for a, _ in answered]
+    assert {r for _, r in got} == {(done.model_fingerprint, 2)}
+
+
+def test_a_rank_killed_mid_stream_loses_no_verified_stream_and_its_replica_comes_back(tp_fleet, single):
+    """SIGKILL the replica's rank 1 (a Ray actor on the other node) while VERIFIED streams
+    run: the replica fails and exits with it, Ray restarts it with a new rank, it rejoins
+    at the fleet's weights, and every stream completes with one server's bits."""
+    params = SamplingParams(max_tokens=100, ignore_eos=True, temperature=0.7, seed=3)
+    prompts = [[11 + i, 3, 90, 4 + i] for i in range(2)]
+    with Client(single.target) as c:
+        want = [list(c.complete(p, params, VERIFIED).token_ids) for p in prompts]
+    fleet = tp_fleet.fleet
+    (replica,) = fleet.actors.values()
+    rank = ray.get(replica.__ray_call__.remote(lambda self: self.engine.core.tp_group.workers[0].actor))
+    pid = ray.get(rank.__ray_call__.remote(lambda self: os.getpid()))
+    received, finals = [[] for _ in prompts], [None] * len(prompts)
+
+    def stream(i):
+        with Client(tp_fleet.target) as c:
+            for ev in c.generate(prompts[i], params, VERIFIED):
+                if ev.HasField("chunk"):
+                    received[i].extend(ev.chunk.token_ids)
+                elif ev.HasField("complete"):
+                    finals[i] = ev.complete
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    deadline = time.time() + 60
+    while not all(received) and time.time() < deadline:
+        time.sleep(0.005)
+    os.kill(pid, signal.SIGKILL)
+    assert finals == [None] * len(prompts), "the kill came after a stream had ended"
+    for t in threads:
+        t.join(180)
+    assert [list(f.token_ids) for f in finals] == want
+    assert received == want   # nothing sent twice, nothing missing
+    deadline = time.time() + 120
+    while "replica-0" not in fleet.serving:
+        assert time.time() < deadline, "the replica did not come back"
+        time.sleep(0.2)
+    assert weights_of(tp_fleet) == [(fleet.weight_version, fleet.record.model_fingerprint)]
+    new_pid = ray.get(ray.get(replica.__ray_call__.remote(
+        lambda self: self.engine.core.tp_group.workers[0].actor)).__ray_call__.remote(lambda self: os.getpid()))
+    assert new_pid != pid

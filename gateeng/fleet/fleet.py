@@ -7,8 +7,10 @@ update_weights, the gate settings). A request is tokenized here, routed
 each replica's stream of events (a Ray streaming generator) and hand them to the
 request's sink.
 
-Exact failover. When a replica dies, each request it ran goes to another replica:
-one serving the weight version its client's tokens came from (each Chunk names the
+Exact failover. When a replica dies, each request it ran goes to another replica
+(or to the same one once Ray restarted it and it rejoined, as a replica whose
+tensor-parallel rank died does: the replica exits with it, and comes back with new
+ranks): one serving the weight version its client's tokens came from (each Chunk names the
 weight_version that computed it, so a request that slipped through the version
 barrier as it closed carries the new version it ran on), or any serving replica if
 its client holds no token yet. A VERIFIED request (or any request where the plan
@@ -258,9 +260,9 @@ class Fleet:
         self.actors[req.replica].abort.remote(request_id)
         return True
 
-    def _choose(self, req: _Request, exclude: str = "") -> Optional[str]:
+    def _choose(self, req: _Request) -> Optional[str]:
         with self._lock:
-            candidates = {n for n in self.serving if n != exclude and runs_on(req, self.versions.get(n))}
+            candidates = {n for n in self.serving if runs_on(req, self.versions.get(n))}
             name = self.router.choose(req.ids, candidates)
             if name is not None:
                 self.router.started(name, req.ids)
@@ -323,8 +325,8 @@ class Fleet:
         deadline = time.monotonic() + FAILOVER_WAIT_S
         with self._lock:
             self.router.ended(dead)
-        while True:
-            name = self._choose(req, exclude=dead)
+        while True:   # the dead replica is not serving until Ray restarted it and it rejoined (_check)
+            name = self._choose(req)
             if name is not None:
                 break
             if time.monotonic() > deadline:
@@ -453,7 +455,7 @@ class Fleet:
     async def _join(self, name: str) -> None:
         """Bring a (re)started replica to the fleet's weights."""
         actor = self.actors[name]
-        await actor.stage_weights.remote(self._checkpoint)
+        await actor.stage_weights.remote([self._checkpoint])
         result = await actor.commit_weights.remote(self.weight_version, "the fleet's current weights")
         self.versions[name] = result.weight_version
         log.info("replica %s joined at weight_version %d", name, result.weight_version)
@@ -509,7 +511,7 @@ class Fleet:
         """Prepare the checkpoint aside on every replica of `names`; on any failure
         discard it everywhere and raise (the refusal a replica gave, if one did)."""
         import ray
-        refs = [self.actors[n].stage_weights.remote(ref) for n in names]
+        refs = [self.actors[n].stage_weights.remote([ref]) for n in names]
         failure = None
         for name, r in zip(names, refs):
             try:

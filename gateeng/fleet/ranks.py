@@ -8,8 +8,16 @@ node address: the rendezvous store's values are signed with the engine's secret 
 every pair of ranks proves it before any row is sent (engine.tp_processes), so the
 group adds no unauthenticated port. The secret travels in the actor call that starts
 the rank (Ray's own channel), never on a command line or in an environment.
+
+A weight update reaches a rank as a checkpoint in Ray's object store: the rank writes
+its own copy on its node (`receive_checkpoint`) and reads its shard of it by byte
+ranges when rank 0 announces the update (engine.tp_weights).
 """
 from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
 
 from gateeng.config import EngineConfig
 from gateeng.engine import tp_processes
@@ -20,6 +28,20 @@ def peak_rss() -> int:
     """This process's peak resident memory in bytes (/proc's VmHWM)."""
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def write_checkpoint(files: dict) -> str:
+    """A private directory holding the checkpoint `files` ({file name: bytes}): in
+    memory where /dev/shm exists. The caller removes it (shutil.rmtree)."""
+    shm = Path("/dev/shm")
+    where = tempfile.mkdtemp(prefix="gateeng-weights-", dir=str(shm) if shm.is_dir() else None)
+    try:
+        for name, data in files.items():
+            Path(where, name).write_bytes(data)
+    except BaseException:
+        shutil.rmtree(where, ignore_errors=True)
+        raise
+    return where
 
 
 def node_address() -> str:
@@ -36,6 +58,14 @@ class RankActor:
 
     def peak_rss(self) -> int:
         return peak_rss()
+
+    def receive_checkpoint(self, files: dict) -> str:
+        """The directory on this rank's node that holds `files` (Ray hands the bytes
+        over from its object store) until remove_checkpoint."""
+        return write_checkpoint(files)
+
+    def remove_checkpoint(self, where: str) -> None:
+        shutil.rmtree(where, ignore_errors=True)
 
 
 class _Started:
@@ -89,7 +119,7 @@ class RayRanks:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         actor = ray.remote(RankActor).options(
-            num_cpus=self.cpus, max_restarts=0, max_concurrency=2,   # run, and peak_rss beside it
+            num_cpus=self.cpus, max_restarts=0, max_concurrency=3,   # run, and two calls beside it
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.group,
                                                                  placement_group_bundle_index=self.bundles[rank - 1]),
         ).remote()

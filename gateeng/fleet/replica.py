@@ -13,10 +13,8 @@ import asyncio
 import dataclasses
 import os
 import shutil
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional
 
 from prometheus_client import generate_latest
@@ -25,6 +23,7 @@ from gateeng.config import EngineConfig, ModelConfig
 from gateeng.engine.aio import stream_request
 from gateeng.engine.engine import Engine
 from gateeng.engine.records import Counts
+from gateeng.fleet.ranks import peak_rss, write_checkpoint
 from gateeng.outputs import Completion
 from gateeng.reproducibility import Reproducibility
 from gateeng.serving.gateway import model_name
@@ -51,12 +50,6 @@ class State:
     weight_version: int
     fingerprint: str
     counts: Counts
-
-
-def _scratch() -> str:
-    """A private directory for a shipped checkpoint: in memory where /dev/shm exists."""
-    shm = Path("/dev/shm")
-    return tempfile.mkdtemp(prefix="gateeng-weights-", dir=str(shm) if shm.is_dir() else None)
 
 
 class EngineReplica:
@@ -101,21 +94,26 @@ class EngineReplica:
     def metrics_text(self) -> bytes:
         return generate_latest(self.metrics.registry)
 
-    async def stage_weights(self, files: dict) -> str:
-        """Prepare the checkpoint `files` ({file name: bytes}, shipped once through
-        the object store) aside; returns its fingerprint. Raises what
-        Engine.prepare_weights raises, and nothing served changes."""
-        return await asyncio.get_running_loop().run_in_executor(self.pool, self._stage, files)
+    async def stage_weights(self, checkpoint: list) -> str:
+        """Prepare a checkpoint aside; returns its fingerprint. `checkpoint`: [the
+        object-store reference of its files ({file name: bytes}), put there once by
+        the front], in a list so that Ray hands over the reference and this replica
+        and each of its tensor-parallel ranks fetch the bytes to their own node.
+        Raises what Engine.prepare_weights raises, and nothing served changes."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, self._stage, checkpoint[0])
 
-    def _stage(self, files: dict) -> str:
-        self._staged = None
-        where = _scratch()
+    def _stage(self, ref) -> str:
+        import ray
+        self.discard_weights()
+        group = self.engine.core.tp_group
+        ranks = group.workers if group is not None else []   # each reads its shard from its own node's copy
+        where, theirs = write_checkpoint(ray.get(ref)), []
         try:
-            for name, data in files.items():
-                Path(where, name).write_bytes(data)
-            self._staged = self.engine.prepare_weights(where)
+            theirs = ray.get([rank.actor.receive_checkpoint.remote(ref) for rank in ranks])
+            self._staged = self.engine.prepare_weights(where, [where] + theirs if ranks else None)
         finally:
             shutil.rmtree(where, ignore_errors=True)
+            ray.get([rank.actor.remove_checkpoint.remote(path) for rank, path in zip(ranks, theirs)])
         return self._staged.fingerprint
 
     async def commit_weights(self, weight_version: int, source: str):
@@ -129,10 +127,10 @@ class EngineReplica:
     def peak_rss(self) -> list:
         """Every rank's peak resident memory in bytes (/proc's VmHWM), rank 0's first."""
         import ray
-        from gateeng.fleet.ranks import peak_rss
         group = self.engine.core.tp_group
         workers = group.workers if group is not None else []
         return [peak_rss()] + ray.get([w.actor.peak_rss.remote() for w in workers])
 
     def discard_weights(self) -> None:
-        self._staged = None
+        staged, self._staged = self._staged, None
+        self.engine.discard_weights(staged)
