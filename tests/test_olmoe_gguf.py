@@ -169,6 +169,10 @@ def test_quantized_olmoe_experts_are_served_as_stored_and_others_named(olmoe, ca
             assert (id(expert.down) in held) == (i == 0)
     want, alone, batch = answers(loaded)
     assert alone == want and batch == want
+    # Dequantized to bf16 it is another model, named so.
+    deq = loader.load(str(olmoe["quant"]), dequantize=True)
+    assert not packing.quantized(deq.model) and deq.fingerprint != loaded.fingerprint
+    assert "dequantized to bf16 (not served as stored)" in capsys.readouterr().err
 
 
 def test_a_broken_olmoe_gguf_is_refused_by_name(olmoe, tmp_path):
@@ -198,7 +202,8 @@ def test_a_broken_olmoe_gguf_is_refused_by_name(olmoe, tmp_path):
             ({"rope.dimension_count": 8}, r"olmoe\.rope\.dimension_count=8 is not served \(only 16"),
             ({"vocab_size": 301}, r"olmoe\.vocab_size=301 is not served \(only 300: the embedding has"),
             ({"attention.clamp_kqv": 8.0}, r"metadata olmoe\.attention\.clamp_kqv is not supported"),
-            ({"rope.scaling.type": "yarn"}, r"olmoe\.rope\.scaling\.type='yarn' is not served")):
+            ({"rope.scaling.type": "yarn"}, r"olmoe\.rope\.scaling\.type='yarn' is not served"),
+            ({"attention.head_count_kv": [4, 2]}, r"olmoe\.attention\.head_count_kv is an array")):
         with pytest.raises(ValueError, match=message):
             olmoe_family.gguf_decoder_config(dict(meta, **change), shapes, ids)
     for key in ("attention.head_count", "expert_used_count"):

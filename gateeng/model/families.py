@@ -315,7 +315,8 @@ class Family:
 
     def gguf_decoder_config(self, meta: dict, tensors: dict, tokenizer: dict) -> dict:
         """The whole config.json of a GGUF of this family (gguf_native_config) from
-        llama.cpp's metadata `meta` ({key below "<architecture>.": value}), the file's
+        llama.cpp's metadata `meta` ({key below "<architecture>.": value}, arrays
+        included), the file's
         tensor shapes `tensors` ({GGUF name: shape}: the vocabulary is the embedding's
         rows, the embedding is tied where no output matrix is stored) and its
         tokenizer.ggml.* keys `tokenizer` ({key below "tokenizer.ggml.": value}: the
@@ -326,6 +327,10 @@ class Family:
             if name not in meta:
                 raise ValueError(f"GGUF metadata {self.gguf}.{name} is missing")
             return meta[name]
+
+        for name, value in meta.items():   # llama.cpp's per-layer values (none of this reader's)
+            if isinstance(value, (list, tuple)):
+                raise ValueError(f"GGUF metadata {self.gguf}.{name} is an array (one value per layer): not supported")
 
         embed = self.block.embed.gguf[0]
         if embed not in tensors:

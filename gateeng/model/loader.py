@@ -128,9 +128,12 @@ def convert_gguf_header(gguf: Path, out: Path) -> None:
         from transformers.integrations.gguf import read_gguf_metadata
 
         everything, _ = read_gguf_metadata(str(gguf))
-        prefix = "tokenizer.ggml."
-        config = family.gguf_decoder_config(meta, {t.name: t.shape for t in tensors.values()},
-                                            {k[len(prefix):]: v for k, v in everything.items() if k.startswith(prefix)})
+
+        def below(prefix: str) -> dict:   # the keys below `prefix`, arrays included
+            return {k[len(prefix):]: v for k, v in everything.items() if k.startswith(prefix)}
+
+        config = family.gguf_decoder_config(below(architecture + "."), {t.name: t.shape for t in tensors.values()},
+                                            below("tokenizer.ggml."))
         tok = PreTrainedTokenizerFast.from_pretrained(gguf.parent, gguf_file=gguf.name)
     else:
         experts = family.gguf_config(meta) if family is not None else {}
