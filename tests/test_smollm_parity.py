@@ -58,8 +58,8 @@ def hf_greedy(hf_model, tok, prompts, n):
 def test_greedy_matches_hf_generate_alone_and_in_batch(engine, hf_model):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(ensure_hf_dir(default_model_path()))   # transformers' side, whole
-    params = SamplingParams(max_tokens=64, ignore_eos=True)
-    want = [hf_greedy(hf_model, tok, [p], 64)[0] for p in PROMPTS]
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    want = [hf_greedy(hf_model, tok, [p], 32)[0] for p in PROMPTS]
     alone = [engine.generate(p, params).token_ids for p in PROMPTS]
     batch = engine.generate(MIXED, params)
     assert alone == want
