@@ -207,14 +207,19 @@ def test_embedded_model_16_prompts_x_64_tokens_equal_verified_and_a_saved_step_s
 
 
 @pytest.mark.kernels
-def test_the_triton_reference_gives_the_policy_the_same_bits(llama):
-    """The Triton kernels (the CUDA reference), here in the interpreter on CPU tensors."""
+def test_the_triton_reference_gives_the_policy_the_same_bits():
+    """The Triton kernels (the CUDA reference), here in the interpreter on CPU tensors,
+    slow per layer: one layer runs every kernel."""
     pytest.importorskip("triton")
-    hf, engine, _ = llama
+    hf = hf_family("llama", num_hidden_layers=1)
     params = SAMPLINGS["t1_top_p"]
     prompts = PROMPTS[:2]
     params = dataclasses.replace(params, max_tokens=6)
-    res = [engine.generate(p, params, VERIFIED) for p in prompts]
+    engine = engine_for(hf)
+    try:
+        res = [engine.generate(p, params, VERIFIED) for p in prompts]
+    finally:
+        engine.shutdown()
     policy = Policy(tiny_loaded("float32", hf), kernels="triton")
     got = policy.logprobs([p + r.token_ids for p, r in zip(prompts, res)], [len(p) for p in prompts],
                           **policy_args(params))
