@@ -3,19 +3,23 @@ Qwen3-MoE as qwen3moe, Mixtral as llama with experts; OLMoE in tests/test_olmoe_
 the model of its Hugging Face directory (config, weights, VERIFIED answers); Q8_0, Q4_0
 and Q4_1 experts (and K-quant ones) are served as stored, each expert once, and give the same VERIFIED
 answer alone and in a batch; broken or unserved files are refused by name."""
+import contextlib
 import shutil
+import types
 
 import numpy as np
 import pytest
 import torch
 
-from gateeng.config import EngineConfig
+from gateeng.config import SOFTMAX_TOPK, EngineConfig
 from gateeng.engine.engine import Engine
 from gateeng.model import families, loader
 from gateeng.model.gguf_weights import GGUFLoad, GGUFTensors
 from gateeng.model.llama import LlamaModel
 from gateeng.plans import packing, reference_ops
+from gateeng.plans.generic import FastPlan
 from gateeng.request import DeterminismParams, Mode, SamplingParams
+from test_model import prefill_logits
 from test_model_families import SEQS, TINY
 from tiny import hf_family
 from tiny_gguf import byte_tokenizer_kv, moe_tensors, write_file, write_tiny_moe_gguf
@@ -112,17 +116,27 @@ def test_quantized_experts_are_served_as_stored(files, name, stored, capsys):
     assert loader.load(str(files[name]["path"])).fingerprint == loaded.fingerprint
 
 
-@pytest.mark.parametrize("name", ["mixtral-q4", "qwen3_moe-q8", "mixtral-k"])
-def test_the_fast_plans_one_call_experts_are_each_rows_experts_combined(files, name):
-    """cpu_ops' moe_experts (the fast plan's routing layer in one call) gives each row the
-    weighted sum of its own experts' MLPs on the int8 kernels, whatever the other rows
-    chose: the same as each (row, expert) pair multiplied alone, summed in binary32."""
+@contextlib.contextmanager
+def int8_fast_plan(files, name):
+    """(the fast plan, the model) of an engine serving file `name`; skipped where the
+    CPU has no int8 AVX2 kernels."""
     loaded = loader.load(str(files[name]["path"]))
     engine = Engine(EngineConfig(dtype="bfloat16", **TINY), loaded=loaded)
     try:
-        plan, model = engine.core.fast_plan, loaded.model
+        plan = engine.core.fast_plan
         if plan.kernels is None or not getattr(plan.kernels, "qavx2", False):
             pytest.skip("no int8 AVX2 kernels on this CPU")
+        yield plan, loaded.model
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("name", ["mixtral-q4", "qwen3_moe-q8", "mixtral-k"])
+def test_the_fast_plans_one_call_experts_are_each_rows_experts_combined(files, name):
+    """cpu_ops' moe_experts (a routing layer's experts in one call, as moe_layer runs them) gives each row the
+    weighted sum of its own experts' MLPs on the int8 kernels, whatever the other rows
+    chose: the same as each (row, expert) pair multiplied alone, summed in binary32."""
+    with int8_fast_plan(files, name) as (plan, model):
         moe = model.cfg.moe
         gen = torch.Generator().manual_seed(0)
         for layer in model.step_layers:
@@ -132,7 +146,9 @@ def test_the_fast_plans_one_call_experts_are_each_rows_experts_combined(files, n
                                   for _ in range(rows)])
             chosen[3] = chosen[0]   # rows sharing experts
             weights = torch.rand(rows, moe.top_k, generator=gen)
-            got = plan.moe_experts(model, x, chosen, weights, layer.experts)
+            gate_up, down, gate_up_n, down_n = packing.of(model).expert_layers[id(layer.experts[0][0])]
+            got = plan.kernels.moe_experts(x, chosen, weights, gate_up, down, gate_up_n, down_n,
+                                           bool(getattr(plan.kernels, "qvnni", False)))
             assert got is not None and got.shape == x.shape and got.dtype == torch.bfloat16
             want = torch.zeros(rows, x.shape[1])
             for r in range(rows):
@@ -142,8 +158,6 @@ def test_the_fast_plans_one_call_experts_are_each_rows_experts_combined(files, n
                     want[r] += weights[r, i] * y[0].float()
             torch.testing.assert_close(got.float(), want.to(torch.bfloat16).float(), rtol=2 ** -7, atol=1e-6)
             assert got.float().abs().sum() > 0
-    finally:
-        engine.shutdown()
 
 
 def test_quantized_experts_are_refused_across_ranks_at_start_up(files):
@@ -227,3 +241,80 @@ def test_a_moe_gguf_is_refused_in_float32(files):
     with pytest.raises(ValueError, match=r"mixtral-q4\.gguf is a mixture of experts, read natively only: serve it "
                                          r"in bfloat16 on CPU \(not float32 on cpu\)"):
         loader.load(str(files["mixtral-q4"]["path"]), "float32")
+
+
+@pytest.mark.parametrize("name", ["mixtral-q4", "qwen3_moe-q8"])
+def test_the_fast_plans_routing_follows_the_references_rule(files, name):
+    """cpu_ops' moe_layer routes by the family's rule in its own arithmetic: on random
+    rows away from ties it picks the reference's experts (moe_route, kernels/SPEC.md),
+    with weights and margins close to the reference's; on a tie the lower expert id
+    wins; its output is those experts' moe_experts; a NaN router logit is refused."""
+    with int8_fast_plan(files, name) as (plan, model):
+        moe, ref = model.cfg.moe, reference_ops.load()
+        softmax_first = moe.routing == SOFTMAX_TOPK
+        vnni = bool(getattr(plan.kernels, "qvnni", False))
+        gen = torch.Generator().manual_seed(1)
+        layer = model.step_layers[0]
+        experts = packing.of(model).expert_layers[id(layer.experts[0][0])]
+
+        def both(x, router):
+            got = plan.kernels.moe_layer(x, router, moe.top_k, softmax_first, moe.norm_topk_prob, *experts, vnni)
+            want = ref.moe_route(torch.nn.functional.linear(x.float(), router.float()), moe.top_k, softmax_first,
+                                 moe.norm_topk_prob)
+            return got, want
+        x = torch.randn(200, model.cfg.hidden_size, generator=gen).to(torch.bfloat16)
+        (out, margins, ids, weights), (want_ids, want_weights, want_margins) = both(x, layer.router)
+        far = want_margins > 1e-3 * (1 if softmax_first else 10)
+        assert far.sum() > 150
+        assert torch.equal(ids[far], want_ids[far])
+        assert torch.equal(ids, ids.sort(-1).values)
+        torch.testing.assert_close(weights[far], want_weights[far], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(margins, want_margins, rtol=1e-3, atol=1e-5)
+        assert torch.equal(out, plan.kernels.moe_experts(x, ids, weights, *experts, vnni))
+        assert out.float().abs().sum() > 0
+        # Ties: experts 1 and 2 share a router row, both ranked after expert 0's and
+        # before expert 3's: the k-th place goes to expert 1 (lower id), margin 0.
+        router = layer.router.clone()
+        e = moe.num_experts
+        base = torch.randn(model.cfg.hidden_size, generator=gen)
+        rows = torch.stack([base * (e - j) for j in range(e)]).to(torch.bfloat16)
+        rows[2] = rows[1]
+        xt = (base / base.norm()).to(torch.bfloat16)[None].repeat(3, 1)
+        router.copy_(rows)
+        (_, tie_margins, tie_ids, _), (ref_ids, _, _) = both(xt, router)
+        assert moe.top_k == 2 and e == 4
+        assert tie_ids.tolist() == [[0, 1]] * 3 == ref_ids.tolist() and tie_margins.tolist() == [0.0] * 3
+        router[3] = float("nan")
+        with pytest.raises(RuntimeError, match="router logit is not finite"):
+            plan.kernels.moe_layer(xt, router, moe.top_k, softmax_first, moe.norm_topk_prob, *experts, vnni)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe-q8", "mixtral-q4", "mixtral-k"])
+def test_one_call_decode_layers_of_a_mixture_of_experts_give_the_op_by_op_bits(files, name):
+    """On quantized experts the fast plan's C++ decode layers (a decode step in one call:
+    q/k norms, routing and experts included) run the same kernels in the same order as
+    the op-by-op forward (moe_layer per routing layer): the same logits and router
+    margins, bit for bit."""
+    with int8_fast_plan(files, name) as (engine_plan, model):
+        stored = packing.of(model)
+        assert stored.fused_layers is not None and stored.fused_layers[5] is not None
+        plan = FastPlan(0.0, stored.packed, engine_plan.kernels, stored.dense_head)
+        metas, make_meta = [], plan._meta
+        plan._meta = lambda *a: metas.append(make_meta(*a)) or metas[-1]
+        one_call, calls = plan.decode_layers, []
+        plan.decode_layers = lambda *a: calls.append(one_call(*a)) or calls[-1]
+        seqs = [list(range(5, 30)), [7, 3, 9, 11, 200, 13], list(range(100, 110))]
+        loaded = types.SimpleNamespace(model=model, config=model.cfg)
+        fused = prefill_logits(loaded, plan, seqs, chunk=1)   # one row per sequence a step: decode steps
+        fused_margins = [m.router_margin for m in metas]
+        assert calls and all(c is not None for c in calls)
+        fused_layers, stored.fused_layers = stored.fused_layers, None
+        try:
+            metas.clear()
+            op_by_op = prefill_logits(loaded, plan, seqs, chunk=1)
+        finally:
+            stored.fused_layers = fused_layers
+        assert all(torch.equal(a, b) for a, b in zip(fused, op_by_op))
+        assert len(fused_margins) == len(metas) and all(torch.equal(a, m.router_margin)
+                                                        for a, m in zip(fused_margins, metas))
+        assert all(bool((m >= 0).all()) for m in fused_margins)

@@ -1049,32 +1049,95 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   return out;
 }
 
+void check_experts(const std::vector<torch::Tensor>& gate_up, const std::vector<torch::Tensor>& down, int64_t down_n,
+                   int64_t h) {
+  TORCH_CHECK(!gate_up.empty() && down.size() == gate_up.size(), "one gate_up and one down per expert");
+  TORCH_CHECK(down_n == h, "down must give hidden outputs");
+}
+
+// A routing rule (kernels/SPEC.md, "Mixture of experts"): k of the experts;
+// softmax_first: softmax, then top-k (renorm: the k probabilities renormalized), else
+// top-k, then softmax over the k logits.
+struct Routing {
+  int64_t k;
+  bool softmax_first, renorm;
+};
+
+// The fast plan's routing of rows x [M, H] bf16 by the router R [E, H] bf16: the spec's
+// rule and tie-break (the reference's moe_route) in this file's arithmetic, so its
+// bits may differ from the reference's, never its rule. Per row: the binary32 logits
+// z[j] = x . R[j], the ranking scores (softmax(z), or z), the k + 1 best, the lower id
+// first among equal scores, the k chosen in ascending id order (ids [M, k]) with their
+// weights ([M, k]), and the router margin (margins [M]: the k-th score minus the
+// (k+1)-th, +inf when k = E). A logit that is not finite is refused (this file's
+// arithmetic assumes finite values).
+void route_rows(const u16* x, const u16* router, int64_t m, int64_t e, int64_t h, Routing rule, int64_t* ids,
+                float* weights, float* margins) {
+  const int64_t k = rule.k, kk = std::min(k + 1, e);
+  at::parallel_for(0, m, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> xf(h), z(e), s(e);
+    std::vector<int64_t> top(kk);
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t i = 0; i < h; ++i) xf[i] = c10::bit_cast<float>(static_cast<uint32_t>(x[r * h + i]) << 16);
+      for (int64_t j = 0; j < e; ++j) {
+        const u16* rj = router + j * h;
+        float acc = 0.f;
+        for (int64_t i = 0; i < h; ++i) acc += xf[i] * c10::bit_cast<float>(static_cast<uint32_t>(rj[i]) << 16);
+        TORCH_CHECK((c10::bit_cast<uint32_t>(acc) & 0x7f800000u) != 0x7f800000u, "router logit is not finite (row ",
+                    r, ", expert ", j, ")");
+        z[j] = acc;
+      }
+      if (rule.softmax_first) {
+        float mx = z[0], total = 0.f;
+        for (int64_t j = 1; j < e; ++j) mx = std::max(mx, z[j]);
+        for (int64_t j = 0; j < e; ++j) total += s[j] = std::exp(z[j] - mx);
+        for (int64_t j = 0; j < e; ++j) s[j] /= total;
+      } else {
+        std::copy(z.begin(), z.end(), s.begin());
+      }
+      // The kk best by insertion, ids ascending: an expert enters only above a strictly
+      // smaller score, so among equal scores the lower id stays ahead.
+      int64_t n = 0;
+      for (int64_t j = 0; j < e; ++j) {
+        if (n == kk && !(s[j] > s[top[kk - 1]])) continue;
+        int64_t p = n < kk ? n++ : kk - 1;
+        for (; p > 0 && s[top[p - 1]] < s[j]; --p) top[p] = top[p - 1];
+        top[p] = j;
+      }
+      margins[r] = k < e ? s[top[k - 1]] - s[top[k]] : std::numeric_limits<float>::infinity();
+      int64_t* id = ids + r * k;
+      float* w = weights + r * k;
+      std::copy(top.begin(), top.begin() + k, id);
+      std::sort(id, id + k);
+      if (rule.softmax_first) {
+        float t = 0.f;
+        for (int64_t i = 0; i < k; ++i) t += w[i] = s[id[i]];
+        if (rule.renorm)
+          for (int64_t i = 0; i < k; ++i) w[i] /= t;
+      } else {
+        float mx = z[id[0]], t = 0.f;
+        for (int64_t i = 1; i < k; ++i) mx = std::max(mx, z[id[i]]);
+        for (int64_t i = 0; i < k; ++i) t += w[i] = std::exp(z[id[i]] - mx);
+        for (int64_t i = 0; i < k; ++i) w[i] /= t;
+      }
+    }
+  });
+}
+
 #ifdef GATEENG_QINT8
 // A routing layer's experts on the fast plan, in one call: the (row, slot) pairs grouped
 // by expert (a counting sort, so each expert's rows keep their order), each active
 // expert's gate_up, SiLU gate and down once over its rows on the int8 kernels above
 // (qlinear_vnni where `vnni`, else qlinear_avx2; qlinear_k_avx2 for K-quant records),
 // then each row's weighted sum of its k outputs in binary32 in slot order, rounded to
-// bf16. x [M, H] bf16, chosen [M, k] int64 (ids < the experts), weights [M, k] float32;
+// bf16. x [M, H] bf16 (contiguous), ids [M, k] (ids < the experts), weights [M, k];
 // gate_up and down: every expert's packed weight (the reference's qpack, whole K).
 // Each matmul is row-invariant, so a row's output depends on that row only.
-torch::Tensor moe_experts(torch::Tensor x, torch::Tensor chosen, torch::Tensor weights,
-                          const std::vector<torch::Tensor>& gate_up, const std::vector<torch::Tensor>& down,
-                          int64_t gate_up_n, int64_t down_n, bool vnni) {
-  check_dtype(x, "x");
-  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2, "x must be bf16 [rows, hidden]");
-  TORCH_CHECK(chosen.dim() == 2 && chosen.size(0) == x.size(0) && chosen.scalar_type() == torch::kLong,
-              "chosen must be int64 [rows, k]");
-  TORCH_CHECK(weights.sizes() == chosen.sizes() && weights.scalar_type() == torch::kFloat,
-              "weights must be float32 [rows, k]");
+torch::Tensor experts_combined(const torch::Tensor& x, const int64_t* ids, const float* wp, int64_t k,
+                               const std::vector<torch::Tensor>& gate_up, const std::vector<torch::Tensor>& down,
+                               int64_t gate_up_n, int64_t down_n, bool vnni) {
   const int64_t experts = static_cast<int64_t>(gate_up.size());
-  TORCH_CHECK(experts > 0 && static_cast<int64_t>(down.size()) == experts, "one gate_up and one down per expert");
-  TORCH_CHECK(down_n == x.size(1), "down must give hidden outputs");
-  x = x.contiguous();
-  chosen = chosen.contiguous();
-  weights = weights.contiguous();
-  const int64_t m = x.size(0), k = chosen.size(1), h = x.size(1), pairs = m * k;
-  const int64_t* ids = chosen.data_ptr<int64_t>();
+  const int64_t m = x.size(0), h = x.size(1), pairs = m * k;
   std::vector<int64_t> start(experts + 1, 0), order(pairs);
   for (int64_t p = 0; p < pairs; ++p) {
     TORCH_CHECK(ids[p] >= 0 && ids[p] < experts, "expert id out of range");
@@ -1122,7 +1185,6 @@ torch::Tensor moe_experts(torch::Tensor x, torch::Tensor chosen, torch::Tensor w
   else run(0, count);
   auto result = torch::empty({m, h}, x.options());
   at::BFloat16* rp = result.data_ptr<at::BFloat16>();
-  const float* wp = weights.data_ptr<float>();
   at::parallel_for(0, m, 4, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(h);
     for (int64_t r = begin; r < end; ++r) {
@@ -1136,6 +1198,51 @@ torch::Tensor moe_experts(torch::Tensor x, torch::Tensor chosen, torch::Tensor w
     }
   });
   return result;
+}
+
+// moe_experts on the caller's choice: x [M, H] bf16, chosen [M, k] int64, weights [M, k] float32.
+torch::Tensor moe_experts(torch::Tensor x, torch::Tensor chosen, torch::Tensor weights,
+                          const std::vector<torch::Tensor>& gate_up, const std::vector<torch::Tensor>& down,
+                          int64_t gate_up_n, int64_t down_n, bool vnni) {
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2, "x must be bf16 [rows, hidden]");
+  TORCH_CHECK(chosen.dim() == 2 && chosen.size(0) == x.size(0) && chosen.scalar_type() == torch::kLong,
+              "chosen must be int64 [rows, k]");
+  TORCH_CHECK(weights.sizes() == chosen.sizes() && weights.scalar_type() == torch::kFloat,
+              "weights must be float32 [rows, k]");
+  check_experts(gate_up, down, down_n, x.size(1));
+  x = x.contiguous();
+  chosen = chosen.contiguous();
+  weights = weights.contiguous();
+  return experts_combined(x, chosen.data_ptr<int64_t>(), weights.data_ptr<float>(), chosen.size(1), gate_up, down,
+                          gate_up_n, down_n, vnni);
+}
+
+// A routing layer's MLP on the fast plan in one call: route_rows, then
+// experts_combined. x [M, H] bf16, router [E, H] bf16. Returns (the layer's output
+// [M, H] bf16, the router margins [M], the chosen ids [M, k], their weights [M, k]).
+std::vector<torch::Tensor> moe_layer(torch::Tensor x, torch::Tensor router, int64_t k, bool softmax_first,
+                                     bool renorm, const std::vector<torch::Tensor>& gate_up,
+                                     const std::vector<torch::Tensor>& down, int64_t gate_up_n, int64_t down_n,
+                                     bool vnni) {
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2, "x must be bf16 [rows, hidden]");
+  TORCH_CHECK(router.scalar_type() == torch::kBFloat16 && router.dim() == 2 && router.size(1) == x.size(1),
+              "router must be bf16 [experts, hidden]");
+  TORCH_CHECK(static_cast<int64_t>(gate_up.size()) == router.size(0), "one expert per router row");
+  TORCH_CHECK(k >= 1 && k <= router.size(0), "1 <= k <= experts");
+  check_experts(gate_up, down, down_n, x.size(1));
+  x = x.contiguous();
+  router = router.contiguous();
+  const int64_t m = x.size(0);
+  auto ids = torch::empty({m, k}, torch::kLong);
+  auto weights = torch::empty({m, k}, torch::kFloat);
+  auto margins = torch::empty({m}, torch::kFloat);
+  route_rows(reinterpret_cast<const u16*>(x.data_ptr<at::BFloat16>()),
+             reinterpret_cast<const u16*>(router.data_ptr<at::BFloat16>()), m, router.size(0), x.size(1),
+             Routing{k, softmax_first, renorm}, ids.data_ptr<int64_t>(), weights.data_ptr<float>(),
+             margins.data_ptr<float>());
+  auto out = experts_combined(x, ids.data_ptr<int64_t>(), weights.data_ptr<float>(), k, gate_up, down, gate_up_n,
+                              down_n, vnni);
+  return {out, margins, ids, weights};
 }
 #endif
 
@@ -1206,6 +1313,55 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
   return out;
 }
 
+// A mixture of experts' routing layers for decode_layers_on, in layer order: each one's
+// router [E, H] bf16 and its experts' packed gate_up and down (as moe_layer takes them),
+// and the rule.
+struct MoeLayers {
+  std::vector<torch::Tensor> routers;
+  std::vector<std::vector<torch::Tensor>> gate_up, down;
+  int64_t gate_up_n, down_n;
+  Routing rule;
+  bool vnni;
+
+  MoeLayers(std::vector<torch::Tensor> routers, std::vector<std::vector<torch::Tensor>> gate_up,
+            std::vector<std::vector<torch::Tensor>> down, int64_t gate_up_n, int64_t down_n, int64_t k,
+            bool softmax_first, bool renorm, bool vnni)
+      : routers(std::move(routers)), gate_up(std::move(gate_up)), down(std::move(down)), gate_up_n(gate_up_n),
+        down_n(down_n), rule{k, softmax_first, renorm}, vnni(vnni) {
+    TORCH_CHECK(this->gate_up.size() == this->routers.size() && this->down.size() == this->routers.size(),
+                "one router, one set of gate_up and one of down per routing layer");
+    for (size_t i = 0; i < this->routers.size(); ++i) {
+      const auto& r = this->routers[i];
+      TORCH_CHECK(r.scalar_type() == torch::kBFloat16 && r.dim() == 2 && r.is_contiguous() &&
+                      static_cast<int64_t>(this->gate_up[i].size()) == r.size(0),
+                  "a router is contiguous bf16 [experts, hidden], one expert per row");
+      TORCH_CHECK(k >= 1 && k <= r.size(0), "1 <= k <= experts");
+      check_experts(this->gate_up[i], this->down[i], down_n, r.size(1));
+    }
+  }
+};
+
+// q and k of qkv [rows, (Hq + 2 Hkv) D] each RMSNormed in place over spans of their
+// norm weight's width (a head's D, or the whole projection: OLMoE), as the per-op
+// path's rms_norm does them (the same row function).
+void qk_norm(torch::Tensor& qkv, const torch::Tensor& q_norm, const torch::Tensor& k_norm, int64_t q_width,
+             int64_t k_width, double eps) {
+  const int64_t rows = qkv.size(0), width = qkv.size(1), qn = q_norm.size(0), kn = k_norm.size(0);
+  TORCH_CHECK(q_norm.scalar_type() == qkv.scalar_type() && k_norm.scalar_type() == qkv.scalar_type() &&
+                  q_width % qn == 0 && k_width % kn == 0, "q/k norms: qkv's dtype, spans of q and k");
+  by_dtype(qkv, [&](auto tag) {
+    using T = decltype(tag);
+    T* p = qkv.data_ptr<T>();
+    const T* qw = q_norm.data_ptr<T>();
+    const T* kw = k_norm.data_ptr<T>();
+    for (int64_t r = 0; r < rows; ++r) {
+      T* row = p + r * width;
+      for (int64_t i = 0; i < q_width; i += qn) rms_norm_row(row + i, qw, row + i, qn, eps);
+      for (int64_t i = 0; i < k_width; i += kn) rms_norm_row(row + q_width + i, kw, row + q_width + i, kn, eps);
+    }
+  });
+}
+
 // Every decoder layer of a fast-plan decode step (each row attends its own sequence's
 // keys; no prefill chunk) in one call: the same kernels in the same order as the
 // per-op path (LlamaModel.forward over the fast plan), so the same bits, without a
@@ -1215,42 +1371,83 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
 // next layer's input norm, or the final one). Matrix i is parts[i] packed weights in a
 // row, each with its output size in ns (a stack whose parts are stored in different
 // types: their outputs side by side); packed and ns hold every part of every matrix in
-// order. linear(x, packed, n): the matmul on that layout.
+// order. qk_norms: empty, or each layer's q norm and k norm (applied after qkv). A
+// routing layer's gate_up and down have no parts: its MLP is moe_layer's on the next of
+// `moe`'s routing layers. linear(x, packed, n): the matmul on that layout. Returns (the
+// final normed hidden states, each row's smallest router margin over the routing
+// layers, +inf where none).
 template <typename Linear>
-torch::Tensor decode_layers_on(Linear linear, torch::Tensor h, torch::Tensor x, const std::vector<torch::Tensor>& packed,
-                               const std::vector<int64_t>& ns, const std::vector<int64_t>& parts,
-                               const std::vector<torch::Tensor>& norms, torch::Tensor cos, torch::Tensor sin,
-                               torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots, torch::Tensor tables,
-                               torch::Tensor lens, int64_t hq, double eps, double scale) {
+std::vector<torch::Tensor> decode_layers_on(Linear linear, torch::Tensor h, torch::Tensor x,
+                                            const std::vector<torch::Tensor>& packed, const std::vector<int64_t>& ns,
+                                            const std::vector<int64_t>& parts, const std::vector<torch::Tensor>& norms,
+                                            const std::vector<torch::Tensor>& qk_norms, const MoeLayers* moe,
+                                            torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
+                                            torch::Tensor v_cache, torch::Tensor slots, torch::Tensor tables,
+                                            torch::Tensor lens, int64_t hq, double eps, double scale) {
   const int64_t layers = k_cache.size(0), rows = x.size(0);
   TORCH_CHECK(k_cache.dim() == 5 && v_cache.sizes() == k_cache.sizes() && k_cache.is_contiguous() &&
                   v_cache.is_contiguous(), "the KV cache must be contiguous [layers, blocks, block_size, Hkv, D]");
   TORCH_CHECK(static_cast<int64_t>(parts.size()) == 4 * layers && static_cast<int64_t>(norms.size()) == 2 * layers,
               "4 matrices and 2 norms per layer");
+  TORCH_CHECK(qk_norms.empty() || static_cast<int64_t>(qk_norms.size()) == 2 * layers, "no q/k norms, or 2 per layer");
   std::vector<int64_t> first(parts.size() + 1, 0);   // matrix i's parts: [first[i], first[i + 1])
+  int64_t routing = 0;
   for (size_t i = 0; i < parts.size(); ++i) {
-    TORCH_CHECK(parts[i] >= 1, "every matrix has a part");
+    const bool mlp = i % 4 >= 2;
+    TORCH_CHECK(parts[i] >= 1 || (mlp && parts[i] == 0 && parts[i ^ 1] == 0), "every matrix has a part, but a "
+                "routing layer's gate_up and down");
+    if (i % 4 == 2 && parts[i] == 0) ++routing;
     first[i + 1] = first[i] + parts[i];
   }
   TORCH_CHECK(static_cast<int64_t>(packed.size()) == first.back() && static_cast<int64_t>(ns.size()) == first.back(),
               "packed and ns: one entry per part");
+  TORCH_CHECK(routing == (moe ? static_cast<int64_t>(moe->routers.size()) : 0), "one of moe's layers per routing layer");
+  TORCH_CHECK(routing == 0 || x.scalar_type() == torch::kBFloat16, "routing layers run on bf16");
+  const int64_t hkv = k_cache.size(3), d = k_cache.size(4);
   auto mm = [&](const torch::Tensor& a, int64_t i) {
     if (parts[i] == 1) return linear(a, packed[first[i]], ns[first[i]]);
     std::vector<torch::Tensor> outs;
     for (int64_t j = first[i]; j < first[i + 1]; ++j) outs.push_back(linear(a, packed[j], ns[j]));
     return torch::cat(outs, 1);
   };
+  auto margins = torch::full({rows}, std::numeric_limits<float>::infinity(), torch::kFloat);
+  int64_t r = 0;   // the next routing layer
   for (int64_t l = 0; l < layers; ++l) {
     const auto kc = k_cache[l], vc = v_cache[l];
-    const auto q = rope_store(mm(x, 4 * l), cos, sin, kc, vc, slots, hq);
+    auto qkv = mm(x, 4 * l);
+    if (!qk_norms.empty()) {
+      qkv = qkv.contiguous();
+      qk_norm(qkv, qk_norms[2 * l], qk_norms[2 * l + 1], hq * d, hkv * d, eps);
+    }
+    const auto q = rope_store(qkv, cos, sin, kc, vc, slots, hq);
     const auto attn = decode_attention(q, kc, vc, tables, lens, scale).reshape({rows, -1});
-    auto hx = add_rms_norm(h, mm(attn, 4 * l + 1), norms[2 * l], eps);
-    const auto gate = silu_mul(mm(hx[1], 4 * l + 2));
-    hx = add_rms_norm(hx[0], mm(gate, 4 * l + 3), norms[2 * l + 1], eps);
+    std::vector<torch::Tensor> hx = add_rms_norm(h, mm(attn, 4 * l + 1), norms[2 * l], eps);
+    torch::Tensor mlp;
+    if (parts[4 * l + 2] > 0) {
+      mlp = mm(silu_mul(mm(hx[1], 4 * l + 2)), 4 * l + 3);
+    } else {
+#ifdef GATEENG_QINT8
+      const torch::Tensor in = hx[1].contiguous();
+      const int64_t k = moe->rule.k;
+      std::vector<int64_t> ids(rows * k);
+      std::vector<float> weights(rows * k), least(rows);
+      route_rows(reinterpret_cast<const u16*>(in.data_ptr<at::BFloat16>()),
+                 reinterpret_cast<const u16*>(moe->routers[r].data_ptr<at::BFloat16>()), rows, moe->routers[r].size(0),
+                 in.size(1), moe->rule, ids.data(), weights.data(), least.data());
+      float* mp = margins.data_ptr<float>();
+      for (int64_t i = 0; i < rows; ++i) mp[i] = std::min(mp[i], least[i]);
+      mlp = experts_combined(in, ids.data(), weights.data(), k, moe->gate_up[r], moe->down[r], moe->gate_up_n,
+                             moe->down_n, moe->vnni);
+      ++r;
+#else
+      TORCH_CHECK(false, "routing layers need the int8 kernels");
+#endif
+    }
+    hx = add_rms_norm(hx[0], mlp, norms[2 * l + 1], eps);
     h = hx[0];
     x = hx[1];
   }
-  return x;
+  return {x, margins};
 }
 
 // The matmul from another extension: the reference's linear(x, packed, n, f32, per) (its
@@ -1258,24 +1455,28 @@ torch::Tensor decode_layers_on(Linear linear, torch::Tensor h, torch::Tensor x, 
 // calls a bound C++ function of this exact signature directly, without Python.
 using RefLinear = std::function<torch::Tensor(torch::Tensor, torch::Tensor, int64_t, bool, int64_t)>;
 
-torch::Tensor decode_layers_with(RefLinear ref_linear, torch::Tensor h, torch::Tensor x,
-                                 std::vector<torch::Tensor> packed, std::vector<int64_t> ns,
-                                 std::vector<int64_t> parts, std::vector<torch::Tensor> norms, torch::Tensor cos,
-                                 torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
-                                 torch::Tensor tables, torch::Tensor lens, int64_t hq, double eps, double scale) {
+std::vector<torch::Tensor> decode_layers_with(RefLinear ref_linear, torch::Tensor h, torch::Tensor x,
+                                              std::vector<torch::Tensor> packed, std::vector<int64_t> ns,
+                                              std::vector<int64_t> parts, std::vector<torch::Tensor> norms,
+                                              std::vector<torch::Tensor> qk_norms, const MoeLayers* moe,
+                                              torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
+                                              torch::Tensor v_cache, torch::Tensor slots, torch::Tensor tables,
+                                              torch::Tensor lens, int64_t hq, double eps, double scale) {
   auto linear = [&](const torch::Tensor& a, const torch::Tensor& w, int64_t n) { return ref_linear(a, w, n, false, 0); };
-  return decode_layers_on(linear, h, x, packed, ns, parts, norms, cos, sin, k_cache, v_cache, slots, tables, lens, hq,
-                          eps, scale);
+  return decode_layers_on(linear, h, x, packed, ns, parts, norms, qk_norms, moe, cos, sin, k_cache, v_cache, slots,
+                          tables, lens, hq, eps, scale);
 }
 
 #ifdef GATEENG_AVX512_BF16
-torch::Tensor decode_layers(torch::Tensor h, torch::Tensor x, std::vector<torch::Tensor> packed,
-                            std::vector<int64_t> ns, std::vector<int64_t> parts, std::vector<torch::Tensor> norms,
-                            torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
-                            torch::Tensor slots, torch::Tensor tables, torch::Tensor lens, int64_t hq, double eps,
-                            double scale) {
-  return decode_layers_on(linear_dpbf16, h, x, packed, ns, parts, norms, cos, sin, k_cache, v_cache, slots, tables,
-                          lens, hq, eps, scale);
+std::vector<torch::Tensor> decode_layers(torch::Tensor h, torch::Tensor x, std::vector<torch::Tensor> packed,
+                                         std::vector<int64_t> ns, std::vector<int64_t> parts,
+                                         std::vector<torch::Tensor> norms, std::vector<torch::Tensor> qk_norms,
+                                         const MoeLayers* moe, torch::Tensor cos, torch::Tensor sin,
+                                         torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots,
+                                         torch::Tensor tables, torch::Tensor lens, int64_t hq, double eps,
+                                         double scale) {
+  return decode_layers_on(linear_dpbf16, h, x, packed, ns, parts, norms, qk_norms, moe, cos, sin, k_cache, v_cache,
+                          slots, tables, lens, hq, eps, scale);
 }
 #endif
 
@@ -1288,6 +1489,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("greedy_candidates", &greedy_candidates, "(rows, ids, ok) of the greedy top-2 candidates");
   m.def("release_idle_threads", &release_idle_threads, "let this thread's OpenMP worker pool go");
   m.def("rope_store", &rope_store, "RoPE on q and k heads; k and v stored at their cache slots; returns q");
+  py::class_<MoeLayers>(m, "MoeLayers", "a mixture of experts' routing layers for decode_layers")
+      .def(py::init<std::vector<torch::Tensor>, std::vector<std::vector<torch::Tensor>>,
+                    std::vector<std::vector<torch::Tensor>>, int64_t, int64_t, int64_t, bool, bool, bool>(),
+           py::arg("routers"), py::arg("gate_up"), py::arg("down"), py::arg("gate_up_n"), py::arg("down_n"),
+           py::arg("k"), py::arg("softmax_first"), py::arg("renorm"), py::arg("vnni"));
   m.def("decode_layers_with", &decode_layers_with, "decode_layers on another extension's matmul (the reference's)",
         py::call_guard<py::gil_scoped_release>());
 #ifdef GATEENG_QINT8
@@ -1299,6 +1505,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("per") = 0);
   m.def("moe_experts", &moe_experts, "a routing layer's experts on the int8 kernels, combined (the fast plan)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("moe_layer", &moe_layer, "(output, margins, ids, weights): a routing layer routed and run (the fast plan)",
+        py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("router"), py::arg("k"),
+        py::arg("softmax_first"), py::arg("renorm"), py::arg("gate_up"), py::arg("down"), py::arg("gate_up_n"),
+        py::arg("down_n"), py::arg("vnni"));
   m.attr("qavx2") = true;
 #else
   m.attr("qavx2") = false;

@@ -228,14 +228,14 @@ class LlamaModel(torch.nn.Module):
         each row's weighted sum in ascending expert order (plan.combine). The rows'
         smallest router margin so far goes to meta.router_margin (the gate reads it)."""
         moe, tp = self.cfg.moe, self.tp
+        fused = plan.moe_layer(self, x, layer) if tp is None else None
+        if fused is not None:
+            _min_margin(meta, fused[1])
+            return fused[0]
         chosen, weights, margins = plan.route(plan.router_logits(x, layer.router), moe)   # [M, k], [M, k], [M]
         if tp is not None:   # every rank runs the same experts on the same rows
             chosen, weights = tp.same_routing(plan, chosen, weights)
-        old = getattr(meta, "router_margin", None)
-        meta.router_margin = margins if old is None else torch.minimum(old, margins)
-        fused = plan.moe_experts(self, x, chosen, weights, layer.experts) if tp is None else None
-        if fused is not None:
-            return fused
+        _min_margin(meta, margins)
         flat = chosen.reshape(-1)
         order = torch.argsort(flat, stable=True)   # (row, slot) pairs grouped by expert
         counts = torch.bincount(flat, minlength=moe.num_experts).tolist()
@@ -284,6 +284,12 @@ class LlamaModel(torch.nn.Module):
             if not cfg.tie_word_embeddings:
                 self.lm_head.copy_(one(block.lm_head))
         self.finalize()
+
+
+def _min_margin(meta, margins: torch.Tensor) -> None:
+    """meta.router_margin: each row's smallest router margin over the routing layers so far."""
+    old = getattr(meta, "router_margin", None)
+    meta.router_margin = margins if old is None else torch.minimum(old, margins)
 
 
 def _experts(layer) -> Optional[tuple]:

@@ -77,9 +77,10 @@ class CpuKernelOps:
         step (the final normed hidden states), else None: the forward runs op by op."""
         return None
 
-    def moe_experts(self, model, x, chosen, weights, experts):
-        """A routing layer's combined expert outputs in one call, where the plan has
-        such a path for these experts, else None: the forward runs expert by expert."""
+    def moe_layer(self, model, x, layer):
+        """A routing layer's MLP output and its rows' router margins in one call, where
+        the plan has such a path for this layer, else None: the forward routes, then
+        runs expert by expert."""
         return None
 
     def rope_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv, layer: int, slots,
@@ -180,25 +181,30 @@ class FastPlan(CpuKernelOps):
             return None
         if stored.fast_rowwise_max_rows is not None and x.shape[0] > stored.fast_rowwise_max_rows:
             return None
-        packed, ns, parts, norms, matmul = stored.fused_layers
+        packed, ns, parts, norms, qk_norms, moe, matmul = stored.fused_layers
         cfg = model.cfg
-        args = (h, x, packed, ns, parts, norms, cos, sin, kv.k, kv.v, slots.all, meta.decode_tables, meta.decode_lens,
-                cfg.num_heads, cfg.rms_norm_eps, 1.0 / math.sqrt(cfg.head_dim))
-        if matmul is None:
-            return self.kernels.decode_layers(*args)
-        return self.kernels.decode_layers_with(matmul, *args)
+        args = (h, x, packed, ns, parts, norms, qk_norms, moe, cos, sin, kv.k, kv.v, slots.all, meta.decode_tables,
+                meta.decode_lens, cfg.num_heads, cfg.rms_norm_eps, 1.0 / math.sqrt(cfg.head_dim))
+        x, margins = (self.kernels.decode_layers(*args) if matmul is None else
+                      self.kernels.decode_layers_with(matmul, *args))
+        if moe is not None:   # the rows' smallest router margin (as the op-by-op forward leaves it)
+            meta.router_margin = margins
+        return x
 
-    def moe_experts(self, model, x, chosen, weights, experts):
-        """Each row's weighted sum of its experts' MLPs (combine's rule) in one C++ call
-        (cpu_ops.cpp moe_experts): the rows grouped per expert, one int8 matmul per
-        active expert and projection over its rows, no Python per expert; where
-        packing found every expert of the layer on the int8 kernels."""
-        layer = packing.of(model).expert_layers.get(id(experts[0][0]))
-        if layer is None or self.kernels is None or x.dtype != torch.bfloat16:
+    def moe_layer(self, model, x, layer):
+        """A routing layer in one C++ call (cpu_ops.cpp moe_layer): the router's logits,
+        route's rule and tie-break in C++ arithmetic, then the rows grouped per expert,
+        one int8 matmul per active expert and projection over its rows, and combine's
+        weighted sum, no Python per expert; where packing found every expert of the
+        layer on the int8 kernels. (output, router margins)."""
+        experts = packing.of(model).expert_layers.get(id(layer.experts[0][0]))
+        if experts is None or self.kernels is None or x.dtype != torch.bfloat16 or layer.router.dtype != x.dtype:
             return None
-        gate_up, down, gate_up_n, down_n = layer
-        return self.kernels.moe_experts(x, chosen, weights.float(), gate_up, down, gate_up_n, down_n,
-                                        bool(getattr(self.kernels, "qvnni", False)))
+        moe = model.cfg.moe
+        out, margins, _, _ = self.kernels.moe_layer(x, layer.router, moe.top_k, moe.routing == SOFTMAX_TOPK,
+                                                    moe.norm_topk_prob, *experts,
+                                                    bool(getattr(self.kernels, "qvnni", False)))
+        return out, margins
 
     def _meta(self, rows: Rows, block_size: int, dev) -> FastAttnMeta:
         # With the C++ kernels, a prefill chunk whose queries x keys stay within

@@ -31,6 +31,7 @@ from typing import Optional
 
 import torch
 
+from gateeng.config import SOFTMAX_TOPK
 from gateeng.heap import trim_heap
 from gateeng.logs import log
 from gateeng.plans import cpu_linear, kernel_names
@@ -126,11 +127,12 @@ class PackedWeights:
         # pack_shared's check of each weight's row-invariant matmul (id -> the matmul, or
         # None where it disagreed), and that matmul's name.
         self.rowwise_checked, self.rowwise_checked_name = {}, None
-        # (packed, output sizes, parts per matrix, norms, matmul) for the one-call decode layers (pack_fast);
+        # (packed, output sizes, parts per matrix, norms, q/k norms, routing layers, matmul) for the
+        # one-call decode layers (pack_fast);
         # matmul None: cpu_ops' own VDPBF16PS, else the reference's linear.
         self.fused_layers = None
         # id(expert 0's gate_up) -> (every expert's gate_up data, down data, gate_up's and
-        # down's output sizes) for FastPlan.moe_experts (pack_fast, quantized experts).
+        # down's output sizes) for FastPlan.moe_layer (pack_fast, quantized experts).
         self.expert_layers = {}
         self.lm_head_bf16 = lambda x: torch.nn.functional.linear(x, lm_head)   # the greedy candidate search
         self.lm_head_f32 = None       # the float32 lm_head, made on first use (lm_head_f32)
@@ -328,10 +330,9 @@ def pack_fast(model, kernels=None, ref=None) -> None:
         s.invariant_packed, s.invariant_matmul = dict(s.packed), kernel_names.ONEDNN_PACKED
     # The C++ one-call decode layers (FastPlan.decode_layers) take the row-invariant
     # matmul (VDPBF16PS, or the reference's AVX2 build) at the row counts it serves,
-    # and layers without biases or q/k norms.
-    if rowwise and _plain_layers(model):   # (not a shard: its o and down sum over the ranks)
-        s.fused_layers = _fused_layers(model, s, [s.shared[id(w)] for w in _layer_matrices(model)],
-                                       None if name == kernel_names.CPU_DPBF16 else ref.linear)
+    # and layers without biases (routing layers: only on quantized experts).
+    if rowwise and _plain_layers(model, s):   # (not a shard: its o and down sum over the ranks)
+        s.fused_layers = _fused_layers(model, s, None if name == kernel_names.CPU_DPBF16 else ref.linear, kernels)
 
 
 def _pack_quantized(model, s: PackedWeights, kernels, ref) -> None:
@@ -373,16 +374,15 @@ def _pack_quantized(model, s: PackedWeights, kernels, ref) -> None:
     s.plain_needed = False
     if avx2 and model.tp is None:
         s.expert_layers = _expert_layers(model, s, lambda data: kernel(data) is not ref.linear)
-    if _plain_layers(model):
-        packed = [s.shared[id(w)] for w in _layer_matrices(model)]
-        kernels_used = {kernel(q.data) for p in packed for q in cpu_linear.parts(p)}
+    if _plain_layers(model, s):
+        kernels_used = {kernel(q.data) for q in _layer_parts(model, s)}
         matmul = (next(iter(kernels_used)) if len(kernels_used) == 1 else
                   lambda x, data, n, f32, per: kernel(data)(x, data, n, f32, per))
-        s.fused_layers = _fused_layers(model, s, packed, matmul)
+        s.fused_layers = _fused_layers(model, s, matmul, kernels)
 
 
 def _expert_layers(model, s: PackedWeights, int8) -> dict:
-    """The routing layers whose experts cpu_ops' moe_experts runs in one call: each
+    """The routing layers cpu_ops' moe_layer runs in one call (their experts on moe_experts): each
     expert's gate_up and down one packed weight (not a Stacked), of K's own lanes, that
     an int8 kernel takes (`int8(data)`); keyed by id of expert 0's gate_up."""
     out = {}
@@ -397,24 +397,42 @@ def _expert_layers(model, s: PackedWeights, int8) -> dict:
     return out
 
 
-def _plain_layers(model) -> bool:
-    """Whether the one-call decode layers can run the model: no biases, no q/k norms,
-    no experts, and not a tensor-parallel shard (whose o and down sum over the ranks)."""
-    return model.tp is None and model.cfg.moe is None and all(w is None for layer in model.step_layers
-                                    for w in (layer.qkv_bias, layer.o_bias, layer.q_norm, layer.k_norm))
+def _plain_layers(model, s: PackedWeights) -> bool:
+    """Whether the one-call decode layers can run the model: no biases, every routing
+    layer's experts in `expert_layers` (on the int8 kernels) with a bf16 router, and not
+    a tensor-parallel shard (whose o and down sum over the ranks)."""
+    return model.tp is None and all(
+        layer.qkv_bias is None and layer.o_bias is None and
+        (layer.experts is None or (id(layer.experts[0][0]) in s.expert_layers and layer.router.dtype == torch.bfloat16))
+        for layer in model.step_layers)
 
 
-def _layer_matrices(model) -> list:
-    """qkv, o, gate_up and down of every layer, in the order the one-call decode layers read them."""
-    return [w for lw in model.step_layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down)]
+def _layer_parts(model, s: PackedWeights) -> list:
+    """The packed parts of every layer's qkv, o, gate_up and down (a routing layer's
+    gate_up and down: none), in the order the one-call decode layers read them."""
+    return [q for lw in model.step_layers for w in (lw.qkv, lw.o, lw.gate_up, lw.down) if w is not None
+            for q in cpu_linear.parts(s.shared[id(w)])]
 
 
-def _fused_layers(model, s: PackedWeights, packed: list, matmul) -> tuple:
-    """(packed data, output sizes, parts per matrix, norms, matmul) for
-    FastPlan.decode_layers: a Stacked matrix's parts one after the other."""
-    every = [q for p in packed for q in cpu_linear.parts(p)]
-    return ([q.data for q in every], [q.n for q in every], [len(cpu_linear.parts(p)) for p in packed],
-            [w for lw in model.step_layers for w in (lw.post_norm, lw.next_norm)], matmul)
+def _fused_layers(model, s: PackedWeights, matmul, kernels) -> tuple:
+    """(packed data, output sizes, parts per matrix, norms, q/k norms, routing layers,
+    matmul) for FastPlan.decode_layers: a Stacked matrix's parts one after the other, a
+    routing layer's gate_up and down with no parts, its experts in cpu_ops' MoeLayers."""
+    every = _layer_parts(model, s)
+    steps = model.step_layers
+    parts = [0 if w is None else len(cpu_linear.parts(s.shared[id(w)]))
+             for lw in steps for w in (lw.qkv, lw.o, lw.gate_up, lw.down)]
+    qk_norms = [w for lw in steps for w in (lw.q_norm, lw.k_norm)] if model.cfg.qk_norm else []
+    routing = [lw for lw in steps if lw.experts is not None]
+    moe = None
+    if routing:
+        experts = [s.expert_layers[id(lw.experts[0][0])] for lw in routing]
+        rule = model.cfg.moe
+        moe = kernels.MoeLayers([lw.router for lw in routing], [e[0] for e in experts], [e[1] for e in experts],
+                                experts[0][2], experts[0][3], rule.top_k, rule.routing == SOFTMAX_TOPK,
+                                rule.norm_topk_prob, bool(getattr(kernels, "qvnni", False)))
+    return ([q.data for q in every], [q.n for q in every], parts, [w for lw in steps for w in (lw.post_norm, lw.next_norm)],
+            qk_norms, moe, matmul)
 
 
 def drop_weight(model, w: torch.Tensor) -> None:

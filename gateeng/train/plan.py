@@ -153,8 +153,8 @@ class TrainingPlan:
     def decode_layers(self, *args):
         return None                   # op by op: each op has its backward
 
-    def moe_experts(self, *args):
-        return None                   # expert by expert: each op has its backward
+    def moe_layer(self, *args):
+        return None                   # routed, then expert by expert: each op has its backward
 
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return _Linear.apply(x, self.weight(w), self._packed[id(w)], self.ops, False)
