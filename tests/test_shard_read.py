@@ -72,26 +72,32 @@ def test_a_ranks_shard_read_by_ranges_from_a_gguf_is_its_part_of_the_whole_model
     path = write_tiny_gguf(tmp_path / "q.gguf", qtype, **shape)["path"]
     whole = loader.load(str(path))
     assert packing.quantized(whole.model)
+    check_ranks(path, whole, size)
+    assert shard_read.fingerprint(path) == whole.fingerprint
+
+
+def check_ranks(path, whole, size: int) -> list:
+    """Each rank's shard read from `path` by ranges is its part of `whole` (loaded from
+    it) split at `size` (with row_units' units), bit for bit; the shards read."""
     units = shard.row_units(whole.model, size)
     lays = [shard.layout(whole.config, size, r, units) for r in range(size)]
     parts = shard.shard_tensors(whole.model, lays)
+    out = []
     for rank in range(size):
         got = shard_read.read_shard(path, size, rank)
         assert got.layout == lays[rank]
         assert got.stored_types == packing.of(whole.model).stored_types
         assert set(got.tensors) == set(parts[rank])
         for name, t in parts[rank].items():
-            assert _same(got.tensors[name], t), (rank, name)
-    assert shard_read.fingerprint(path) == whole.fingerprint
+            assert _same(got.tensors[name], t), (path.name, size, rank, name)
+        out.append(got)
+    return out
 
 
-def test_a_mixture_of_experts_a_dequantized_gguf_and_a_path_that_is_no_model_are_refused_by_name(tmp_path):
+def test_a_dequantized_gguf_and_a_path_that_is_no_model_are_refused_by_name(tmp_path):
     (tmp_path / "weights.bin").write_bytes(b"")
     with pytest.raises(ValueError, match="weights.bin: a rank's shard is read from"):
         shard_read.read_shard(tmp_path / "weights.bin", 2, 0)
-    save_family("mixtral", tmp_path / "moe")
-    with pytest.raises(ValueError, match="moe is a mixture of experts"):
-        shard_read.read_shard(tmp_path / "moe", 2, 0)
     # a GGUF is read as stored: its --dequantize (converted whole) is refused, not served otherwise
     gguf = write_tiny_gguf(tmp_path / "q.gguf", "Q8_0")["path"]
     assert shard_read.refusal(gguf) == ""

@@ -52,18 +52,19 @@ class _PerExpert(Mapping):
         return len(self._names)
 
 
-def per_expert(tensors: Mapping, cfg: ModelConfig) -> Mapping:
-    """`tensors` (name -> tensor) with every fused expert tensor shown as its per-expert
-    parts (the module doc); `tensors` itself for a dense model or one stored per
+def fused_parts(names, cfg: ModelConfig) -> dict:
+    """{per-part name: (its fused tensor's name, that tensor's shape, the expert or
+    None, the part's first row, its rows)} for every expert weight that `names` (a
+    checkpoint's tensor names) holds fused; empty for a dense model or one stored per
     expert. A tensor named in both forms is refused (ValueError naming it)."""
-    if cfg.moe is None or isinstance(tensors, _PerExpert):
-        return tensors
+    if cfg.moe is None:
+        return {}
     block = families.of(cfg).block
     aliases = {}
     for i in cfg.moe.sparse_layers:
         pre = f"{block.hf_layers}{i}."
         for w in block.weights(cfg, i):
-            if not w.fused or pre + w.fused not in tensors:
+            if not w.fused or pre + w.fused not in names:
                 continue
             parts = w.parts(cfg)
             starts = [sum(parts[:p]) for p in range(len(parts))]
@@ -71,8 +72,18 @@ def per_expert(tensors: Mapping, cfg: ModelConfig) -> Mapping:
             shape = (cfg.moe.num_experts,) + whole if w.experts else whole
             for expert in range(cfg.moe.num_experts) if w.experts else (None,):
                 for name, start, rows in zip(w.names(expert), starts, w.parts(cfg)):
-                    if pre + name in tensors:
+                    if pre + name in names:
                         raise ValueError(f"the checkpoint holds {pre + name} both on its own and in "
                                          f"{pre + w.fused}")
                     aliases[pre + name] = (pre + w.fused, shape, expert, start, rows)
+    return aliases
+
+
+def per_expert(tensors: Mapping, cfg: ModelConfig) -> Mapping:
+    """`tensors` (name -> tensor) with every fused expert tensor shown as its per-expert
+    parts (the module doc); `tensors` itself for a dense model or one stored per
+    expert. A tensor named in both forms is refused (ValueError naming it)."""
+    if isinstance(tensors, _PerExpert):
+        return tensors
+    aliases = fused_parts(tensors, cfg)
     return _PerExpert(tensors, aliases) if aliases else tensors

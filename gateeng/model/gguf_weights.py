@@ -130,24 +130,30 @@ class GGUFTensors:
         rows = t.shape[-2] if len(t.shape) >= 2 else 1
         return buf.reshape(rows, -1)
 
-    def raw_part(self, name: str, rows: tuple, cols: Optional[tuple] = None) -> np.ndarray:
+    def raw_part(self, name: str, rows: tuple, cols: Optional[tuple] = None,
+                 expert: Optional[int] = None) -> np.ndarray:
         """Rows [start, stop) of the stored bytes, uint8 [rows, bytes per row] (a vector's
-        values as rows of one), and of each row only bytes [start, stop) where `cols`
-        is given: only those byte ranges are read from the file."""
+        values as rows of one; of a stacked expert tensor, expert `expert`'s matrix's
+        rows), and of each row only bytes [start, stop) where `cols` is given: only
+        those byte ranges are read from the file."""
         t = self.tensors[name]
-        n = t.shape[0] if len(t.shape) == 2 else int(np.prod(t.shape))
-        row_bytes = t.nbytes // n
+        offset, nbytes, shape = t.offset, t.nbytes, t.shape
+        if expert is not None:
+            nbytes //= shape[0]
+            offset, shape = offset + expert * nbytes, shape[1:]
+        n = shape[0] if len(shape) == 2 else int(np.prod(shape))
+        row_bytes = nbytes // n
         if t.offset + t.nbytes > self.path.stat().st_size:
             raise ValueError(f"{self.path.name} is truncated: tensor {name} ends past the end of the file")
         start, stop = cols or (0, row_bytes)
         out = np.empty((rows[1] - rows[0], stop - start), dtype=np.uint8)
         with open(self.path, "rb", buffering=0) as f:
             if cols is None:   # one range
-                f.seek(t.offset + rows[0] * row_bytes)
+                f.seek(offset + rows[0] * row_bytes)
                 f.readinto(memoryview(out).cast("B"))
             else:              # a range per row
                 for i, row in enumerate(range(*rows)):
-                    f.seek(t.offset + row * row_bytes + start)
+                    f.seek(offset + row * row_bytes + start)
                     f.readinto(memoryview(out[i]))
         return out
 

@@ -321,25 +321,33 @@ class Checkpoint(Mapping):
         with self._open(self._where[name]) as handle:
             return tuple(handle.get_slice(name).get_shape())
 
-    def part(self, name: str, rows: tuple, cols: Optional[tuple] = None) -> torch.Tensor:
+    def part(self, name: str, rows: tuple, cols: Optional[tuple] = None, expert: Optional[int] = None) -> torch.Tensor:
         """Rows [start, stop) of a tensor, and of a matrix columns [start, stop) where
-        given, read alone: safetensors' slice reads only those rows' (those columns')
-        bytes of the file, through a map that is closed again before this returns."""
+        given, read alone (of a stacked [experts, rows, columns] tensor, expert
+        `expert`'s matrix's): safetensors' slice reads only those rows' (those
+        columns') bytes of the file, through a map that is closed again before this
+        returns."""
+        index = () if expert is None else (expert,)
+        index += (slice(*rows),) if cols is None else (slice(*rows), slice(*cols))
         with self._open(self._where[name]) as handle:
-            piece = handle.get_slice(name)
-            return piece[rows[0]:rows[1]] if cols is None else piece[rows[0]:rows[1], cols[0]:cols[1]]
+            return handle.get_slice(name)[index]
 
     def row_slices(self, name: str, max_bytes: int = 16 << 20):
         """A tensor's rows in slices of at most about `max_bytes` each, in order (a
         vector: whole)."""
-        shape = self.shape(name)
-        row_bytes = max(1, int(np.prod(shape[1:], dtype=np.int64)) * 4)   # at most 4 bytes a value
-        step = max(1, max_bytes // row_bytes)
-        for start in range(0, max(shape[0], 1), step):
-            yield self.part(name, (start, min(shape[0], start + step)))
+        return row_slices(self.shape(name), lambda rows: self.part(name, rows), max_bytes)
 
     def __iter__(self):
         return iter(self._where)
 
     def __len__(self) -> int:
         return len(self._where)
+
+
+def row_slices(shape: tuple, part, max_bytes: int = 16 << 20):
+    """A tensor of `shape`'s rows in slices of at most about `max_bytes` each, in
+    order (a vector: whole), each read by `part((start, stop))`."""
+    row_bytes = max(1, int(np.prod(shape[1:], dtype=np.int64)) * 4)   # at most 4 bytes a value
+    step = max(1, max_bytes // row_bytes)
+    for start in range(0, max(shape[0], 1), step):
+        yield part((start, min(shape[0], start + step)))

@@ -21,8 +21,9 @@ on every rank, so every rank chooses the same experts. Each expert's down gives 
 rank's binary32 share of its rows; the reference sums every expert's share over the
 ranks (its row-parallel sum) before the experts are combined, so each expert output
 the combine takes, and the combine, have the bits of one device
-(plans.collectives.expert_sum). Experts served quantized (a GGUF's, as stored) are
-not split: row_units refuses them.
+(plans.collectives.expert_sum). Experts served quantized (a GGUF's, as stored) split
+as a quantized down does: each expert's down on its own lanes, whole GGUF blocks,
+its gate_up by the columns that slice gives the rank.
 
 What the layout holds is a function of the model's shape, how its o and down are
 stored, the size and the rank only, so every rank derives the same one.
@@ -63,15 +64,17 @@ class ShardLayout:
 
 def layout(cfg: ModelConfig, size: int, rank: int, units: tuple = (PAIR, PAIR)) -> ShardLayout:
     """Rank `rank`'s part of the model at tensor-parallel size `size`, where o's and
-    down's K split in `units` (row_units); ValueError (with the reason) for a size
-    the model cannot run at."""
+    down's K, and a mixture of experts' experts' downs', split in `units` (row_units;
+    the experts' in pairs where it names none); ValueError (with the reason) for a
+    size the model cannot run at."""
     why = refusal(cfg, size)
     if why:
         raise ValueError(why)
     nq = cfg.num_heads * cfg.head_dim
     o = k_slice(nq, size, rank, units[0])
     down = k_slice(cfg.intermediate_size, size, rank, units[1])
-    expert_down = k_slice(cfg.moe.intermediate_size if cfg.moe is not None else 0, size, rank)
+    expert_down = k_slice(cfg.moe.intermediate_size if cfg.moe is not None else 0, size, rank,
+                          units[2] if len(units) > 2 else PAIR)
     # Heads split where they divide evenly and o's slices are whole heads (always for
     # bf16, whose K is a multiple of 32: an even split), and where no q/k norm reduces
     # over the whole projection (OLMoE's: a rank holding some heads could not compute it).
@@ -112,31 +115,42 @@ def part_rows(cfg: ModelConfig, w: families.Weight, lay: ShardLayout) -> list:
 
 
 def row_units(model: LlamaModel, size: int) -> tuple:
-    """The units o's and down's K split in (layout's `units`): a quantized weight's GGUF
-    blocks (32 values, a K-quant's 256) where every layer's is stored alike, bf16 pairs
-    where none is quantized. A model whose layers mix units is split where they all
-    split the same way, else ValueError; so is a mixture of experts whose experts are
-    served quantized."""
-    experts = [w for layer in model.layers for e in layer.experts or () for w in (e.gate_up, e.down)]
-    if any(_quantized(model, w) is not None for w in experts):
-        raise ValueError(f"the model's experts are quantized as stored, and quantized experts do not split over "
-                         f"ranks: serve it with --dequantize at tensor-parallel size {size}")
-    # a routing layer has no down of its own (its experts' split as bf16 weights)
-    return common_units(model.cfg, size, {which: {_unit(model, getattr(layer, which)) for layer in model.layers
-                                                  if getattr(layer, which) is not None} for which in ("o", "down")})
+    """The units o's and down's K, and a mixture of experts' experts' downs', split in
+    (layout's `units`: a pair, or a triple for a mixture of experts): a
+    quantized weight's GGUF blocks (32 values, a K-quant's 256) where every layer's
+    (every expert's) is stored alike, bf16 pairs where none is quantized. A model
+    whose layers or experts mix units is split where they all split the same way,
+    else ValueError."""
+    # a routing layer has no down of its own: its experts' downs split together
+    units = {which: {_unit(model, getattr(layer, which)) for layer in model.layers if getattr(layer, which) is not None}
+             for which in ("o", "down")}
+    if model.cfg.moe is not None:
+        units["expert_down"] = {_unit(model, e.down) for layer in model.layers for e in layer.experts or ()}
+    return common_units(model.cfg, size, units)
+
+
+# What common_units' refusal calls each row-parallel weight, quantized, and where its units differ.
+_ROW_PARALLEL_NAMES = {"o": ("the model's o projections are quantized", "layers"),
+                       "down": ("the model's down projections are quantized", "layers"),
+                       "expert_down": ("the model's experts are quantized as stored", "experts")}
 
 
 def common_units(cfg: ModelConfig, size: int, units: dict) -> tuple:
-    """layout's `units` from the units every layer's o and down split in ({"o": set,
-    "down": set}: PAIR for bf16, a quantized weight's GGUF block values): row_units'
-    rule, ValueError where the layers do not split alike."""
+    """layout's `units` from the units every layer's o, down and (a mixture of experts)
+    experts' downs split in ({"o": set, "down": set, "expert_down": set}: PAIR for
+    bf16, a quantized weight's GGUF block values): row_units' rule, ValueError where
+    they do not split alike."""
     out = []
-    for which, k in (("o", cfg.num_heads * cfg.head_dim), ("down", cfg.intermediate_size)):
+    kinds = (("o", cfg.num_heads * cfg.head_dim), ("down", cfg.intermediate_size))
+    if cfg.moe is not None:
+        kinds += (("expert_down", cfg.moe.intermediate_size),)
+    for which, k in kinds:
         used = units[which]
         if len(used) > 1 and len({tuple(k_slice(k, size, r, u)[:2] for r in range(size)) for u in used}) > 1:
-            how = ("are quantized in some layers and not in others" if PAIR in used else
-                   f"are stored in blocks of {' and '.join(map(str, sorted(used)))} values in different layers")
-            raise ValueError(f"the model's {which} projections {how}, and these do not split alike over {size} "
+            what, where = _ROW_PARALLEL_NAMES[which]
+            how = (f"in some {where} and not in others" if PAIR in used else
+                   f"in blocks of {' and '.join(map(str, sorted(used)))} values in different {where}")
+            raise ValueError(f"{what} {how}, and these do not split alike over {size} "
                              "ranks: serve it with --dequantize at this tensor-parallel size")
         out.append(min(used) if used else PAIR)
     return tuple(out)

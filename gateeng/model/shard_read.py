@@ -23,9 +23,13 @@ from the rank's bytes only (a row-parallel weight's from the whole blocks around
 columns), llama.cpp's rotary permutation of q and k undone head by head. Its
 fingerprint streams the stored bytes in gguf_weights' order.
 
-Read this way: a Hugging Face directory's dense model (safetensors) and a dense GGUF. A
-mixture of experts is refused by name (ValueError); it is split from the whole model on
-one machine (`gateeng serve --tensor-parallel-size`).
+A mixture of experts is read the same way: each expert as a plain MLP (its rows of
+gate and up, its columns of down), from a Hugging Face directory's per-expert tensors or
+the fused [experts, rows, columns] ones transformers 5 writes (model.experts: a fused
+tensor's part is its expert's rows, read by range), or from a GGUF's stacked
+ffn_*_exps tensors (a byte range per expert; quantized experts as stored, a down's
+columns by whole blocks); the router whole on every rank, in bf16 (a GGUF's converted,
+as loading converts it).
 """
 from __future__ import annotations
 
@@ -40,11 +44,12 @@ import torch
 from gateeng.config import ModelConfig
 from gateeng.heap import trim_heap
 from gateeng.model import families, shard
+from gateeng.model.experts import fused_parts
 from gateeng.model.fingerprint import Fingerprint
 from gateeng.model.gguf_weights import (SERVED_QUANTIZED, TENSOR_TABLE, GGUFTensors, reading_plan,
                                         unpermute)
 from gateeng.model.loader import (Checkpoint, LoadedModel, default_model_path, gguf_header, read_model_config,
-                                  weight_files)
+                                  row_slices, weight_files)
 from gateeng.model.tokenizer import Tokenizer
 from gateeng.model.shard import ROW_PARALLEL, ShardLayout, part_rows, shard_name
 from gateeng.plans import reference_ops
@@ -83,9 +88,6 @@ def refusal(path, dequantize: bool = False) -> str:
     if dequantize and _is_gguf(src):
         return (f"{src.name}: a rank reads a GGUF's weights as stored, and --dequantize (the file converted "
                 "whole, then served) is not served with tensor parallelism across nodes")
-    if _config(src).moe is not None:
-        return (f"{src.name} is a mixture of experts, which is split from the whole model on one machine only "
-                "(gateeng serve --tensor-parallel-size)")
     return ""
 
 
@@ -105,7 +107,7 @@ def read_shard(path, size: int, rank: int, finite: bool = False) -> RankShard:
         return _GGUFShard(path).read(size, rank)
     cfg = read_model_config(Path(path))
     lay = shard.layout(cfg, size, rank)
-    ckpt = Checkpoint(weight_files(Path(path)))
+    ckpt = _ByRanges(Path(path), cfg)
     block = families.of(cfg).block
     out = {}
 
@@ -129,7 +131,7 @@ def read_shard(path, size: int, rank: int, finite: bool = False) -> RankShard:
 
     out["embed"] = whole(block.embed)
     out["norm"] = whole(block.norm)
-    for i, _, w, names in block.tensors(cfg):
+    for i, j, w, names in block.tensors(cfg):
         shapes = w.shapes(cfg)
         for name, shape in zip(names, shapes):
             checked(name, shape)
@@ -141,7 +143,7 @@ def read_shard(path, size: int, rank: int, finite: bool = False) -> RankShard:
             pieces = [read(name, (start - first, stop - first))
                       for name, first, (start, stop) in zip(names, starts, part_rows(cfg, w, lay))]
             t = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-        out[shard_name(i, None, w.attr)] = t
+        out[shard_name(i, j, w.attr)] = t
         trim_heap()   # the reader's buffers of this weight go back to the OS, not only to malloc
     head = block.embed if cfg.tie_word_embeddings else block.lm_head
     out["lm_head"] = read(checked(head.hf[0], head.shapes(cfg)[0]), (lay.vocab.start, lay.vocab.stop))
@@ -175,32 +177,68 @@ def fingerprint(path) -> str:
     if _is_gguf(src):
         return _GGUFShard(src).fingerprint()
     cfg = read_model_config(src)
-    ckpt = Checkpoint(weight_files(src))
+    ckpt = _ByRanges(src, cfg)
     fp = Fingerprint(cfg)
-    for name in sorted(ckpt):
+    for name in ckpt.names:
         slices = ckpt.row_slices(name)
         first = next(slices)   # its dtype names the tensor's kind
         fp.add_slices(name, str(first.dtype), ckpt.shape(name), itertools.chain([first], slices))
     return fp.hexdigest()
 
 
+class _ByRanges:
+    """A Hugging Face directory's tensors by byte ranges under the names the family
+    table reads (loader.load's, model.experts.per_expert's): an expert's part of a
+    fused tensor read as its rows of that expert's matrix."""
+
+    def __init__(self, src: Path, cfg: ModelConfig):
+        self.ckpt = Checkpoint(weight_files(src))
+        self.fused = fused_parts(self.ckpt, cfg)   # {per-part name: (fused, its shape, expert, first row, rows)}
+        for fused, shape in {(a[0], a[1]) for a in self.fused.values()}:
+            if self.ckpt.shape(fused) != shape:
+                raise ValueError(f"tensor {fused} has shape {self.ckpt.shape(fused)}, expected {shape}")
+        whole = {a[0] for a in self.fused.values()}
+        self.names = sorted([n for n in self.ckpt if n not in whole] + list(self.fused))   # the fingerprint's order
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.fused or (name in self.ckpt and name not in {a[0] for a in self.fused.values()})
+
+    def shape(self, name: str) -> tuple:
+        if name not in self.fused:
+            return self.ckpt.shape(name)
+        _, shape, _, _, rows = self.fused[name]
+        return (rows, shape[-1])
+
+    def part(self, name: str, rows: tuple, cols=None) -> torch.Tensor:
+        if name not in self.fused:
+            return self.ckpt.part(name, rows, cols)
+        fused, _, expert, first, _ = self.fused[name]
+        return self.ckpt.part(fused, (first + rows[0], first + rows[1]), cols, expert)
+
+    def row_slices(self, name: str):
+        return row_slices(self.shape(name), lambda rows: self.part(name, rows))
+
+
 class _GGUFShard:
-    """A dense GGUF's weights as one rank reads them: gguf_weights' rules for how each
-    is served (GGUFLoad), applied to the rank's bytes only."""
+    """A GGUF's weights as one rank reads them: gguf_weights' rules for how each is
+    served (GGUFLoad), applied to the rank's bytes only; a stacked expert tensor's
+    expert by expert."""
 
     def __init__(self, src: Path):
         header = gguf_header(src)
         self.cfg = read_model_config(header)
         self.file = GGUFTensors(src, header / TENSOR_TABLE)
-        self.plan = reading_plan(families.gguf_family(self.file.architecture, False), self.cfg)
+        self.plan = reading_plan(families.gguf_family(self.file.architecture, self.cfg.moe is not None), self.cfg)
         self.types = {name: t.type for name, t in self.file.tensors.items()}
         missing = [n for _, names, _, _, _ in self.plan for n in names if n not in self.types]
         if missing:
             raise ValueError(f"{src.name}: tensor {missing[0]} is missing")
 
-    def as_stored(self, names: list) -> bool:
-        """Whether a weight of these parts is served as stored (GGUFLoad's rule)."""
-        return all(self.types[n] in SERVED_QUANTIZED for n in names)
+    def as_stored(self, names: list, w: families.Weight) -> bool:
+        """Whether a weight of these parts is served as stored (GGUFLoad's rule: a
+        router never is, its logits are a bf16 matrix's)."""
+        router = w.kind == families.MOE and not w.experts
+        return not router and all(self.types[n] in SERVED_QUANTIZED for n in names)
 
     def _blocks(self, name: str) -> tuple:
         """(values, bytes) per stored block of the tensor's type (1 value for a float type)."""
@@ -208,91 +246,105 @@ class _GGUFShard:
         return GGML_QUANT_SIZES[GGMLQuantizationType[self.types[name]]]
 
     def fingerprint(self) -> str:
+        """GGUFLoad's: each tensor (a stacked expert tensor's expert, as name[j]) in the
+        reading plan's order."""
         fp = Fingerprint(self.cfg)
-        for _, names, _, _, _ in self.plan:
-            how = self.as_stored(names)
+        for (_, expert, _), names, _, _, w in self.plan:
+            how = self.as_stored(names, w)
             for name in names:
                 t = self.file.tensors[name]
-                rows = t.shape[0] if len(t.shape) == 2 else int(np.prod(t.shape))
-                step = max(1, (16 << 20) // (t.nbytes // rows))
-                slices = (self.file.raw_part(name, (a, min(rows, a + step))) for a in range(0, rows, step))
-                fp.add_slices(name, f"{t.type}->{t.type if how else 'bf16'}", t.shape, slices)
+                shape = t.shape if expert is None else t.shape[1:]
+                rows = shape[0] if len(shape) == 2 else int(np.prod(shape))
+                step = max(1, (16 << 20) // (t.nbytes // int(np.prod(t.shape[:-1]))))
+                slices = (self.file.raw_part(name, (a, min(rows, a + step)), expert=expert)
+                          for a in range(0, rows, step))
+                fp.add_slices(name if expert is None else f"{name}[{expert}]",
+                              f"{t.type}->{t.type if how else 'bf16'}", shape, slices)
         return fp.hexdigest()
 
     def read(self, size: int, rank: int) -> RankShard:
         cfg, d = self.cfg, self.cfg.head_dim
         ops = None
-        if any(self.as_stored(names) for _, names, _, _, _ in self.plan):
+        if any(self.as_stored(names, w) for _, names, _, _, w in self.plan):
             try:
                 ops = reference_ops.load()
             except reference_ops.ReferenceUnavailable as exc:
                 raise ValueError(f"{self.file.path.name}'s quantized weights are multiplied only by the reference "
                                  f"kernels, and {exc}") from exc
-        units = {"o": set(), "down": set()}
+        units = {"o": set(), "down": set()} | ({"expert_down": set()} if cfg.moe is not None else {})
         for _, names, _, _, w in self.plan:
             if w.cols in ROW_PARALLEL:
-                units[ROW_PARALLEL[w.cols]].add(self._blocks(names[0])[0] if self.as_stored(names) else PAIR)
+                units[ROW_PARALLEL[w.cols]].add(self._blocks(names[0])[0] if self.as_stored(names, w) else PAIR)
         lay = shard.layout(cfg, size, rank, shard.common_units(cfg, size, units))
 
-        def rows(names: list, spans: list, heads: list, k: int):
-            """Each part's rows [start, stop) (rotary heads unpermuted), stacked: packed
-            as stored by runs of one type (cpu_linear.Stacked where several), else bf16."""
+        def rows(names: list, spans: list, heads: list, k: int, stored: bool, expert=None):
+            """Each part's rows [start, stop) (rotary heads unpermuted; of a stacked
+            expert tensor, expert `expert`'s), stacked: packed as stored by runs of one
+            type (cpu_linear.Stacked where several) where `stored`, else bf16."""
             def raw(name, span, permuted):
-                got = self.file.raw_part(name, span)
+                got = self.file.raw_part(name, span, expert=expert)
                 return np.ascontiguousarray(unpermute(got, (span[1] - span[0]) // d)) if permuted else got
-            if self.as_stored(names):
+            if stored:
                 packed = []
                 for kind, run in itertools.groupby(zip(names, spans, heads), key=lambda e: self.types[e[0]]):
                     got = [raw(n, s, h is not None) for n, s, h in run if s[1] > s[0]]
                     if got:
-                        stored = np.concatenate(got) if len(got) > 1 else got[0]
-                        packed.append(Packed(ops.qpack(torch.from_numpy(stored), SERVED_QUANTIZED[kind]),
-                                             stored.shape[0], k))
+                        run_rows = np.concatenate(got) if len(got) > 1 else got[0]
+                        packed.append(Packed(ops.qpack(torch.from_numpy(run_rows), SERVED_QUANTIZED[kind]),
+                                             run_rows.shape[0], k))
                 return packed[0] if len(packed) == 1 else Stacked(tuple(packed))
             parts = []
             for n, s, h in zip(names, spans, heads):
                 shape = (s[1] - s[0], k) if k else (s[1] - s[0],)
-                v = self.file.values(n, self.file.raw_part(n, s), cfg.hidden_size, shape)
+                v = self.file.values(n, self.file.raw_part(n, s, expert=expert), cfg.hidden_size, shape)
                 parts.append(unpermute(v, (s[1] - s[0]) // d) if h is not None else v)
             return _owned(parts[0]) if len(parts) == 1 else torch.cat(parts)
 
-        def by_k(name: str, shape: tuple, which: str):
-            """The rank's columns of every row: its GGUF blocks packed as stored (on the
-            blocks' own split), else the bf16 values of the whole blocks around its
-            columns (the layout's slice), cut to them."""
+        def by_k(name: str, shape: tuple, which: str, stored: bool, expert=None):
+            """The rank's columns of every row (of expert `expert`'s matrix): its GGUF
+            blocks packed as stored (on the blocks' own split) where `stored`, else the
+            bf16 values of the whole blocks around its columns (the layout's slice), cut
+            to them."""
             per_block, block_bytes = self._blocks(name)
-            if self.as_stored([name]):
+            if stored:
                 ks = k_slice(shape[1], size, rank, per_block)
                 got = self.file.raw_part(name, (0, shape[0]), (ks.start // per_block * block_bytes,
-                                                               ks.stop // per_block * block_bytes))
+                                                               ks.stop // per_block * block_bytes), expert)
                 return Packed(ops.qpack(torch.from_numpy(got), SERVED_QUANTIZED[self.types[name]], ks.per),
                               shape[0], ks.stop - ks.start, ks.per)
             ks = getattr(lay, which)
             first, last = ks.start // per_block, -(-ks.stop // per_block)
-            got = self.file.raw_part(name, (0, shape[0]), (first * block_bytes, last * block_bytes))
+            got = self.file.raw_part(name, (0, shape[0]), (first * block_bytes, last * block_bytes), expert)
             v = self.file.values(name, got, cfg.hidden_size, (shape[0], (last - first) * per_block))
             return _owned(v[:, ks.start - first * per_block: ks.stop - first * per_block])
 
         out = {}
-        for (layer, _, attr), names, shapes, heads, w in self.plan:
-            for n, shape in zip(names, shapes):
-                if tuple(self.file.tensors[n].shape) != tuple(shape):
-                    raise ValueError(f"{self.file.path.name}: tensor {n} has shape "
-                                     f"{tuple(self.file.tensors[n].shape)}, expected {tuple(shape)}")
+        for (layer, expert, attr), names, shapes, heads, w in self.plan:
+            if expert in (None, 0):
+                for n, shape in zip(names, shapes):
+                    if tuple(self.file.tensors[n].shape) != tuple(shape):
+                        raise ValueError(f"{self.file.path.name}: tensor {n} has shape "
+                                         f"{tuple(self.file.tensors[n].shape)}, expected {tuple(shape)}")
+            if expert is not None:   # a stacked expert tensor: one expert's matrix of each part
+                shapes = [shape[1:] for shape in shapes]
             k = shapes[0][1] if len(shapes[0]) == 2 else 0
             heads = heads or [None] * len(names)
+            stored = self.as_stored(names, w)
             if layer is None:   # the embedding, the final norm, an untied lm_head
                 spans = [(lay.vocab.start, lay.vocab.stop)] if attr == "lm_head" else [(0, shapes[0][0])]
-                out[attr] = rows(names, spans, heads, k)
+                out[attr] = rows(names, spans, heads, k, stored)
             elif w.cols in ROW_PARALLEL:
-                out[shard_name(layer, None, attr)] = by_k(names[0], shapes[0], ROW_PARALLEL[w.cols])
+                out[shard_name(layer, expert, attr)] = by_k(names[0], shapes[0], ROW_PARALLEL[w.cols], stored, expert)
             else:
                 starts = itertools.accumulate((s[0] for s in shapes), initial=0)
                 spans = [(a - first, b - first) for first, (a, b) in zip(starts, part_rows(cfg, w, lay))]
-                out[shard_name(layer, None, attr)] = rows(names, spans, heads, k)
+                out[shard_name(layer, expert, attr)] = rows(names, spans, heads, k, stored, expert)
             trim_heap()   # the stored bytes read for this weight go back to the OS, not only to malloc
         if cfg.tie_word_embeddings:   # the lm_head's rows are the embedding's
-            (_, names, shapes, _, _), = [entry for entry in self.plan if entry[0] == (None, None, "embed")]
-            out["lm_head"] = rows(names, [(lay.vocab.start, lay.vocab.stop)], [None], shapes[0][1])
-        stored = Counter(self.types[n] for _, names, _, _, _ in self.plan if self.as_stored(names) for n in names)
+            (_, names, shapes, _, w), = [entry for entry in self.plan if entry[0] == (None, None, "embed")]
+            out["lm_head"] = rows(names, [(lay.vocab.start, lay.vocab.stop)], [None], shapes[0][1],
+                                  self.as_stored(names, w))
+        # a stacked expert tensor counts once, as GGUFLoad counts it
+        stored = Counter(self.types[n] for (_, expert, _), names, _, _, w in self.plan
+                         if expert in (None, 0) and self.as_stored(names, w) for n in names)
         return RankShard(cfg, lay, out, dict(sorted(stored.items())))
