@@ -128,7 +128,8 @@ def test_off_logprobs_of_the_embedded_model_match_float32_transformers(smollm):
 
     from gateeng.model.loader import default_model_path, ensure_hf_dir
     hf = AutoModelForCausalLM.from_pretrained(ensure_hf_dir(default_model_path()), dtype=torch.float32).eval()
-    engine = Engine(EngineConfig(dtype="float32"), loaded=smollm("float32"))
+    # An OFF request only: a fixed VERIFIED route, so the start-up prices no routes.
+    engine = Engine(EngineConfig(dtype="float32", verified_route="speculative"), loaded=smollm("float32"))
     try:
         res = engine.generate("Name three rivers in Europe.",
                               SamplingParams(max_tokens=16, ignore_eos=True, logprobs=5, prompt_logprobs=5), chat=True)

@@ -26,7 +26,8 @@ def hf_model():
 
 @pytest.fixture(scope="module")
 def engine(smollm):
-    e = Engine(EngineConfig(dtype="float32", num_kv_blocks=512), loaded=smollm("float32"))
+    # OFF requests only: a fixed VERIFIED route, so the start-up prices no routes.
+    e = Engine(EngineConfig(dtype="float32", num_kv_blocks=512, verified_route="speculative"), loaded=smollm("float32"))
     yield e
     e.shutdown()
 
