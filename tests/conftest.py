@@ -12,12 +12,12 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # tests, which put the few long tests last), so a long file collected last runs alone
 # at the end while the other process idles; run first, the short files fill in
 # around them. Only the order of files changes, never the order within one.
-LONG_FILES = ("test_verified.py", "test_triton_reference.py", "test_tensor_parallel_engine.py", "test_policy.py",
-              "test_golden.py", "test_smollm_parity.py", "test_server.py", "test_tiny_gguf.py",
-              "test_readme_lm_eval.py", "test_kquant_serving.py", "test_model_cache.py", "test_readme_rl.py",
-              "test_kv_pressure.py", "test_fleet_tp.py", "test_probe.py", "test_quantized.py", "test_prometheus.py",
-              "test_logprobs.py", "test_triton_moe.py", "test_reference.py", "test_tensor_parallel_moe.py",
-              "test_bench_serve.py")
+LONG_FILES = ("test_triton_reference.py", "test_tensor_parallel_engine.py", "test_verified.py", "test_policy.py",
+              "test_golden.py", "test_server.py", "test_tiny_gguf.py", "test_readme_lm_eval.py",
+              "test_kquant_serving.py", "test_model_cache.py", "test_readme_rl.py", "test_fleet_tp.py",
+              "test_probe.py", "test_quantized.py", "test_smollm_parity.py", "test_prometheus.py",
+              "test_reference.py", "test_tensor_parallel_moe.py", "test_bench_serve.py", "test_kv_pressure.py",
+              "test_triton_moe.py", "test_logprobs.py")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -53,9 +53,15 @@ def cpu_kernels():
 def route_costs_in_tmp(tmp_path_factory):
     """Engines in this process keep their route costs in a folder of this session's own
     (server subprocesses use $GATEENG_CACHE, as a deployment does): a test never
-    reads costs an earlier session timed."""
+    reads costs an earlier session timed. The processes of one `pytest -n` session
+    share it (the folder above each worker's basetemp is the session's), so a model
+    and settings both processes serve are timed once; route_costs writes a file whole."""
     from gateeng.engine import route_costs
-    folder = tmp_path_factory.mktemp("cache")
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        folder = tmp_path_factory.getbasetemp().parent / "cache"
+        folder.mkdir(exist_ok=True)
+    else:
+        folder = tmp_path_factory.mktemp("cache")
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(route_costs, "cache_root", lambda: folder)
         yield folder
