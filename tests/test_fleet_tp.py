@@ -3,7 +3,8 @@
 Ray actors on the two nodes (a STRICT_SPREAD placement group), each reading only its
 own shard of the model, joined in one gloo group. Its VERIFIED answers are one
 single-process server's at tensor-parallel size 1, bit for bit, and no rank's peak
-memory reaches the model's bytes. On a tiny model: `gateeng update-weights` reaches
+memory reaches the model's bytes; so are a tiny Qwen3-MoE's (each expert split, every
+rank reading its experts' parts by byte ranges). On a tiny model: `gateeng update-weights` reaches
 the replica's ranks (each reads its shard of the new checkpoint) and gives a size-1
 server's fingerprint, weight_version and answers after the same update, and a broken
 checkpoint changes nothing; a rank killed mid-stream fails its replica, every VERIFIED
@@ -68,6 +69,23 @@ def ask(target) -> list:
              (r.reproducibility.model_fingerprint, r.reproducibility.tensor_parallel_size)) for r in done]
 
 
+def single_answers(model_dir) -> list:
+    """ask() of one `gateeng serve` at tensor-parallel size 1 on the model."""
+    one = Running(config(model_dir, 1), loaded=loader.load(str(model_dir), "bfloat16"),
+                  settings=ServerConfig(port=0, metrics_port=None, http_port=None))
+    try:
+        return ask(one.target)
+    finally:
+        one.stop()
+
+
+def same_bits(got: list, want: list) -> None:
+    """A size-2 fleet's answers `got` are a size-1 server's `want`, bit for bit, under
+    the same fingerprint; each record names its size."""
+    assert [a for a, _ in got] == [a for a, _ in want]
+    assert {r for _, r in want} == {(want[0][1][0], 1)} and {r for _, r in got} == {(want[0][1][0], 2)}
+
+
 def test_tensor_parallel_ranks_on_two_nodes_give_one_servers_verified_bits_and_never_hold_the_model(
         tmp_path, cluster):
     # 1.3 GB: a rank process's own memory (a Ray worker's, torch's, the engine's: about
@@ -76,17 +94,10 @@ def test_tensor_parallel_ranks_on_two_nodes_give_one_servers_verified_bits_and_n
     save_family("llama", tmp_path / "tok")   # its byte-level tokenizer (256 ids, as the model's)
     for f in (tmp_path / "tok").glob("*token*"):
         (tmp_path / f.name).write_bytes(f.read_bytes())
-    one = Running(config(tmp_path, 1), loaded=loader.load(str(tmp_path), "bfloat16"),
-                  settings=ServerConfig(port=0, metrics_port=None, http_port=None))
-    try:
-        want = ask(one.target)
-    finally:
-        one.stop()
+    want = single_answers(tmp_path)
     running = FleetRunning(config(tmp_path, 2), cluster.address, replicas=1)
     try:
-        got = ask(running.target)
-        assert [a for a, _ in got] == [a for a, _ in want]
-        assert {r for _, r in want} == {(want[0][1][0], 1)} and {r for _, r in got} == {(want[0][1][0], 2)}
+        same_bits(ask(running.target), want)
         fleet = running.fleet
         # the two ranks on the two nodes
         table = ray.util.placement_group_table(fleet.group)
@@ -96,6 +107,17 @@ def test_tensor_parallel_ranks_on_two_nodes_give_one_servers_verified_bits_and_n
         assert len(peaks) == 2 and max(peaks) < model_bytes, (peaks, model_bytes)
     finally:
         assert running.stop() == 0
+
+
+def test_a_mixture_of_experts_ranks_on_two_nodes_give_one_servers_verified_bits(tmp_path, cluster):
+    save_family("qwen3_moe", tmp_path)
+    want = single_answers(tmp_path)
+    running = FleetRunning(config(tmp_path, 2), cluster.address, replicas=1)
+    try:
+        got = ask(running.target)
+    finally:
+        assert running.stop() == 0
+    same_bits(got, want)
 
 
 # ---- weights in place, and a rank's death, on a tiny model's fleet of one replica of two ranks ----------

@@ -1,5 +1,5 @@
 """Weights in place at --tensor-parallel-size 2 on one machine, on the tiny random-weight
-Llama: every rank reads its own shard of the new checkpoint by byte ranges and all swap
+Llama and Qwen3-MoE: every rank reads its own shard of the new checkpoint by byte ranges and all swap
 together. After the same update, a size-2 engine has a size-1 engine's fingerprint and
 weight_version and its VERIFIED bits (tokens and logprobs); a broken checkpoint (a
 tensor misshaped, a file truncated, a value that only rank 1 reads not finite) changes no
@@ -31,15 +31,18 @@ def reference_runs():
         pytest.skip("no build of the reference runs here")
 
 
-@pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
+def old_and_new(root, family: str) -> tuple:
     """(the served checkpoint, a new one of the same architecture): Hugging Face directories."""
-    root = tmp_path_factory.mktemp("tpw")
-    save_family("llama", root / "old")
-    hf_family("llama", seed=1).save_pretrained(root / "new", safe_serialization=True)
+    save_family(family, root / "old")
+    hf_family(family, seed=1).save_pretrained(root / "new", safe_serialization=True)
     for f in (root / "old").glob("*token*"):   # so that it also starts a server of its own
         (root / "new" / f.name).write_bytes(f.read_bytes())
     return root / "old", root / "new"
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    return old_and_new(tmp_path_factory.mktemp("tpw"), "llama")
 
 
 def engine(model_dir, size: int) -> Engine:
@@ -66,7 +69,14 @@ def state(e: Engine) -> tuple:
 
 
 def test_an_update_at_size_2_gives_size_1s_fingerprint_version_and_verified_bits(dirs):
-    old, new = dirs
+    update_at_2_is_update_at_1(*dirs)
+
+
+def test_a_mixture_of_experts_update_at_size_2_gives_size_1s_fingerprint_version_and_verified_bits(tmp_path):
+    update_at_2_is_update_at_1(*old_and_new(tmp_path, "qwen3_moe"))
+
+
+def update_at_2_is_update_at_1(old, new) -> None:
     one = engine(old, 1)
     try:
         before = answers(one)

@@ -29,7 +29,7 @@ import torch
 
 from gateeng.config import EngineConfig, ModelConfig
 from gateeng.engine import weights
-from gateeng.engine.errors import WeightsRefused, WeightUpdateUnavailable
+from gateeng.engine.errors import WeightsRefused
 from gateeng.model import families, shard, shard_read
 from gateeng.model.loader import DTYPES, Checkpoint, weight_files
 from gateeng.plans import factory, reference_ops, sharded
@@ -104,13 +104,7 @@ def prepare(cfg: EngineConfig, served: ModelConfig, path, group, layout: shard.S
     (tp_processes.Group), the driver's shard (`layout`) here (see the module doc).
     `paths`: each rank's own copy of it, rank 0's first, where the ranks do not share
     this file system (a fleet's ranks on other nodes); else every rank reads `path`.
-    Raises WeightsRefused, or WeightUpdateUnavailable for a mixture of experts (whose
-    shards are split from the whole model, never read by byte ranges: model.shard_read);
-    nothing served changes."""
-    if served.moe is not None:
-        raise WeightUpdateUnavailable(
-            f"a mixture of experts' weights cannot be updated in place at --tensor-parallel-size {group.size}: "
-            f"restart the server on the new weights")
+    Raises WeightsRefused; nothing served changes."""
     t0 = time.perf_counter()
     new, files = weights.checked_files(served, path)
     weights.check_headers(files, served, DTYPES[cfg.dtype])
