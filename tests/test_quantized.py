@@ -133,6 +133,22 @@ def test_an_untied_quantized_embedding_is_read_from_the_file_as_stored(files):
     assert torch.equal(ops.qrows(whole.data, torch.arange(whole.n)), want)
 
 
+def test_an_untied_embedding_keeps_the_loaded_files_rows_when_its_path_is_replaced(files, tmp_path):
+    """The embedding's rows are read from the file as it was loaded, not from whatever
+    later sits at its path."""
+    import shutil
+    path = tmp_path / "model.gguf"
+    shutil.copy(files["mixed"]["path"], path)
+    loaded = loader.load(str(path))
+    ids = torch.tensor([4242, 0, 7])
+    want = packing.embed_rows(loaded.model, ids)
+    other = tmp_path / "other.gguf"
+    other.write_bytes(bytes(path.stat().st_size))
+    other.replace(path)
+    assert torch.equal(packing.embed_rows(loaded.model, ids), want)
+    assert want.abs().sum() > 0
+
+
 def test_quantized_weights_fail_closed(files, tmp_path):
     from gateeng.engine.weights import WeightUpdateUnavailable
     loaded = loader.load(str(files["Q8_0"]["path"]))

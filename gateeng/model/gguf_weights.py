@@ -158,13 +158,13 @@ class GGUFTensors:
         return out
 
     def stored_rows(self, name: str, ggml: int) -> packing.StoredRows:
-        """A matrix's stored rows, read from the file when looked up (packing.StoredRows):
-        nothing is read here."""
+        """A matrix's stored rows, read from the file (opened here) when looked up
+        (packing.StoredRows): nothing is read here."""
         t = self.tensors[name]
         rows = t.shape[0] if len(t.shape) == 2 else 1
         if self.path.stat().st_size < t.offset + t.nbytes:
             raise ValueError(f"{self.path.name} is truncated: tensor {name} ends past the end of the file")
-        return packing.StoredRows(str(self.path), t.offset, rows, t.nbytes // rows, ggml)
+        return packing.StoredRows(open(self.path, "rb", buffering=0), t.offset, rows, t.nbytes // rows, ggml)
 
     def values(self, name: str, raw: np.ndarray, rows_per_slice: int = SLICE_ROWS, shape: Optional[tuple] = None) -> torch.Tensor:
         """The tensor's values rounded to bf16, from its stored bytes: F32, F16 and BF16

@@ -24,11 +24,13 @@ to no model, and goes with the weights when new ones are loaded.
 """
 from __future__ import annotations
 
+import io
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import torch
 
 from gateeng.config import SOFTMAX_TOPK
@@ -66,41 +68,39 @@ class QuantBlocks:
 @dataclass(frozen=True)
 class StoredRows:
     """A quantized embedding [N, K] as its GGUF file stores it: `rows` rows of
-    `row_bytes` bytes from byte `offset` of the file at `path`, `ggml` its GGML type id.
-    An embedding is looked up, never multiplied whole, so the rows of the tokens a batch
-    looks up are read from the file then (`take`, a pread per row) and dropped with the
-    batch: the process holds none of the table (the OS's page cache keeps what is read
-    often). A memory map of the table became the process's own pages as rows were
-    looked up, 64 KiB around each (the kernel's fault-around), so serving a few hundred
-    distinct tokens made most of a 1.17B Llama's 79 MiB Q6_K embedding resident."""
-    path: str
+    `row_bytes` bytes from byte `offset` of `file` (opened at load, so the rows are the
+    loaded file's even if its path is replaced), `ggml` its GGML type id. An embedding
+    is looked up, never multiplied whole, so the rows of the tokens a batch looks up
+    are read from the file then (`take`, a pread per row) and dropped with the batch:
+    the process holds none of the table (the OS's page cache keeps what is read often).
+    A memory map of the table became the process's own pages as rows were looked up,
+    64 KiB around each (the kernel's fault-around), so serving a few hundred distinct
+    tokens made most of a 1.17B Llama's 79 MiB Q6_K embedding resident."""
+    file: io.FileIO
     offset: int
     rows: int
     row_bytes: int
     ggml: int
 
+    def _read(self, out: np.ndarray, at: int, what: str) -> None:
+        if os.preadv(self.file.fileno(), [out], self.offset + at) != out.nbytes:
+            raise ValueError(f"{Path(self.file.name).name} is truncated: {what} ends past the end of the file")
+
     def take(self, ids) -> torch.Tensor:
         """uint8 [len(ids), row_bytes]: the stored rows of token ids `ids`, in their order."""
         ids = [int(i) for i in ids]
-        for i in ids:
-            if not 0 <= i < self.rows:
-                raise IndexError(f"token id {i} is out of range for an embedding of {self.rows} rows")
         out = torch.empty(len(ids), self.row_bytes, dtype=torch.uint8)
         view = out.numpy()
-        with open(self.path, "rb", buffering=0) as f:
-            fd = f.fileno()
-            for j, i in enumerate(ids):
-                if os.preadv(fd, [view[j]], self.offset + i * self.row_bytes) != self.row_bytes:
-                    raise ValueError(f"{Path(self.path).name} is truncated: embedding row {i} ends past its end")
+        for j, i in enumerate(ids):
+            if not 0 <= i < self.rows:
+                raise IndexError(f"token id {i} is out of range for an embedding of {self.rows} rows")
+            self._read(view[j], i * self.row_bytes, f"embedding row {i}")
         return out
 
     def whole(self) -> torch.Tensor:
         """uint8 [rows, row_bytes]: every stored row, read at once."""
         out = torch.empty(self.rows, self.row_bytes, dtype=torch.uint8)
-        with open(self.path, "rb", buffering=0) as f:
-            f.seek(self.offset)
-            if f.readinto(memoryview(out.numpy()).cast("B")) != out.numel():
-                raise ValueError(f"{Path(self.path).name} is truncated: the embedding ends past its end")
+        self._read(out.numpy().reshape(-1), 0, "the embedding")
         return out
 
 
