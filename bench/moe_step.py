@@ -1,0 +1,77 @@
+"""A mixture of experts' decode step on the fast plan, three ways side by side in one
+process on one engine (the rounds alternate, so a shared host's noise falls on all):
+
+- `torch routing`: each routing layer's router logits, softmax, top-k and sort in torch
+  (FastPlan.router_logits, route), then its experts in one C++ call (cpu_ops'
+  moe_experts), layer by layer from Python;
+- `C++ routing`: each routing layer in one C++ call (cpu_ops' moe_layer: routing and
+  experts), layer by layer from Python;
+- `one call`: every decoder layer of the step in one C++ call (cpu_ops' decode_layers,
+  what the fast plan runs).
+
+Prints ms per step (best and median of the rounds) and the tokens/s ratios.
+Usage: python bench/moe_step.py MODEL.gguf [--streams 1] [--rounds 8] [--steps 15]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import header, prompt_set, steady_decode  # noqa: E402
+
+from gateeng.config import EngineConfig  # noqa: E402
+from gateeng.engine.core import EngineCore  # noqa: E402
+from gateeng.model.loader import load  # noqa: E402
+from gateeng.plans import packing  # noqa: E402
+from gateeng.request import SamplingParams  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", help="a mixture of experts' GGUF with quantized experts")
+    ap.add_argument("--streams", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=15)
+    args = ap.parse_args()
+    loaded = load(args.model, "bfloat16")
+    engine = EngineCore(EngineConfig(dtype="bfloat16"), loaded=loaded)
+    plan, model = engine.fast_plan, loaded.model
+    stored = packing.of(model)
+    if stored.fused_layers is None or stored.fused_layers[5] is None:
+        sys.exit("this model's decode steps do not run in one call here (quantized experts and int8 kernels needed)")
+    one_call, moe_layer = stored.fused_layers, plan.moe_layer
+
+    def torch_routing(model, x, layer):
+        chosen, weights, margins = plan.route(plan.router_logits(x, layer.router), model.cfg.moe)
+        experts = stored.expert_layers[id(layer.experts[0][0])]
+        return plan.kernels.moe_experts(x, chosen, weights.float(), *experts,
+                                        bool(getattr(plan.kernels, "qvnni", False))), margins
+    modes = {"torch routing": (torch_routing, None), "C++ routing": (moe_layer, None), "one call": (moe_layer, one_call)}
+    tokens = args.steps * (args.rounds + 1) * len(modes) + 64
+    for p in prompt_set(args.streams, False):
+        engine.add_request(engine.new_request(p, SamplingParams(max_tokens=tokens, ignore_eos=True), chat=True))
+    steady_decode(engine)
+    ms = {name: [] for name in modes}
+    for _ in range(args.rounds):
+        for name, (layer_fn, fused) in modes.items():
+            plan.moe_layer, stored.fused_layers = layer_fn, fused
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                engine.step()
+            ms[name].append((time.perf_counter() - t0) / args.steps * 1000)
+    plan.moe_layer, stored.fused_layers = moe_layer, one_call
+    print(f"{header()}\n")
+    print(f"| decode step, {args.streams} stream(s) | ms, best | ms, median | tokens/s vs torch routing, best | median |")
+    print("| --- | --- | --- | --- | --- |")
+    base = ms["torch routing"]
+    for name, v in ms.items():
+        print(f"| {name} | {min(v):.1f} | {statistics.median(v):.1f} | {min(base) / min(v):.2f}x "
+              f"| {statistics.median(base) / statistics.median(v):.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
