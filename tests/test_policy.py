@@ -176,7 +176,7 @@ def test_embedded_model_16_prompts_x_64_tokens_equal_verified_and_a_saved_step_s
     policy = Policy.load()
     prompts = [policy.tokenizer.apply_chat_template([{"role": "user", "content": f"Tell me about topic {i}."}],
                                                     add_generation_prompt=True, tokenize=True) for i in range(16)]
-    cfg = EngineConfig(dtype="bfloat16", max_num_seqs=16)
+    cfg = EngineConfig(dtype="bfloat16")   # the defaults, whose route costs other tests' engines share
     engine = Engine(cfg, loaded=smollm("bfloat16"))
     try:
         # Greedy at 16 x 64; sampled (top-p) on half of them, 32 tokens each.
