@@ -10,11 +10,11 @@ import shutil
 import pytest
 import torch
 
-from gateeng.model import loader, shard_read
+from gateeng.model import loader, shard, shard_read
 from gateeng.plans import packing
 from tests.test_shard_read import check_ranks
 from tests.test_tensor_parallel_engine import PROMPTS
-from tests.test_tensor_parallel_moe import answers, engine
+from tests.test_tensor_parallel_moe import answers, engine, moe_config
 from tests.tiny import hf_family, save_family
 from tests.tiny_gguf import write_tiny_moe_gguf
 
@@ -84,3 +84,11 @@ def test_quantized_experts_split_over_two_processes_give_one_processs_verified_a
         assert answers(two, PROMPTS[:1]) == want
     finally:
         two.shutdown()
+
+
+def test_experts_in_blocks_too_few_for_every_rank_are_refused_naming_dequantize():
+    # 64 columns in blocks of 32: the reference's 16 lanes give rank 0 both blocks, rank 1 none
+    with pytest.raises(ValueError, match="64 columns are stored in blocks of 32 values.*--dequantize"):
+        shard.layout(moe_config(64), 2, 1, (2, 2, 32))
+    assert shard.layout(moe_config(512), 2, 1, (2, 2, 32)).expert_mlp == range(256, 512)   # 8 blocks each
+    assert shard.layout(moe_config(64), 2, 1).expert_mlp == range(32, 64)   # bf16: 16 pairs each

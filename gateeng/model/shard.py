@@ -73,8 +73,15 @@ def layout(cfg: ModelConfig, size: int, rank: int, units: tuple = (PAIR, PAIR)) 
     nq = cfg.num_heads * cfg.head_dim
     o = k_slice(nq, size, rank, units[0])
     down = k_slice(cfg.intermediate_size, size, rank, units[1])
-    expert_down = k_slice(cfg.moe.intermediate_size if cfg.moe is not None else 0, size, rank,
-                          units[2] if len(units) > 2 else PAIR)
+    expert_unit = units[2] if len(units) > 2 else PAIR
+    expert_down = k_slice(cfg.moe.intermediate_size if cfg.moe is not None else 0, size, rank, expert_unit)
+    # Experts stored in blocks too few for whole blocks on every rank (k_slice gives the
+    # last ranks none): a rank would hold no column of any expert, which is not served.
+    if cfg.moe is not None and any(ks.stop <= ks.start for ks in (
+            k_slice(cfg.moe.intermediate_size, size, r, expert_unit) for r in range(size))):
+        raise ValueError(f"each expert's {cfg.moe.intermediate_size} columns are stored in blocks of {expert_unit} "
+                         f"values, too few for every one of {size} ranks to hold whole blocks: serve it with "
+                         "--dequantize at this tensor-parallel size")
     # Heads split where they divide evenly and o's slices are whole heads (always for
     # bf16, whose K is a multiple of 32: an even split), and where no q/k norm reduces
     # over the whole projection (OLMoE's: a rank holding some heads could not compute it).
