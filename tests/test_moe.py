@@ -335,3 +335,70 @@ def test_new_weights_in_place_serve_what_a_fresh_start_on_them_serves(saved, tmp
         engine.shutdown()
     assert update.model_fingerprint == fresh.fingerprint
     assert got.token_ids == want
+
+
+def fused_state(seed: int) -> dict:
+    """A tiny Qwen3-MoE's tensors as transformers 5 holds them (fused experts)."""
+    tensors = {k: v.contiguous() for k, v in hf_family("qwen3_moe", seed=seed).state_dict().items()}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in tensors
+    return tensors
+
+
+def test_new_fused_weights_in_place_serve_what_a_fresh_start_on_them_serves(saved, tmp_path):
+    """A weight update from fused expert tensors (transformers 5's save): the fingerprint
+    and VERIFIED answers of a fresh start on that same directory."""
+    from gateeng.model.loader import load
+    new = rewrite(saved, tmp_path / "new", lambda _: fused_state(seed=1))
+    fresh = load(str(new), "bfloat16")
+    params = SamplingParams(max_tokens=10, ignore_eos=True, logprobs=2)
+    engine = Engine(EngineConfig(dtype="bfloat16", **TINY), loaded=load(str(saved), "bfloat16"))
+    try:
+        before = engine.generate(SEQS[1], params, VERIFIED)
+        update = engine.update_weights(new)
+        got = engine.generate(SEQS[1], params, VERIFIED)
+    finally:
+        engine.shutdown()
+    started = Engine(EngineConfig(dtype="bfloat16", **TINY), loaded=fresh)
+    try:
+        want = started.generate(SEQS[1], params, VERIFIED)
+    finally:
+        started.shutdown()
+    assert update.model_fingerprint == fresh.fingerprint == started.reproducibility.model_fingerprint
+    assert got.token_ids != before.token_ids   # the new weights answer otherwise
+    assert (got.token_ids, got.logprobs) == (want.token_ids, want.logprobs)
+
+
+def misshaped_gate_up(t: dict) -> dict:
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    return dict(t, **{name: t[name][:, :-1].contiguous()})
+
+
+def fused_and_per_expert(t: dict) -> dict:
+    return dict(t, **{"model.layers.0.mlp.experts.2.down_proj.weight": t["model.layers.0.mlp.experts.down_proj"][2].clone()})
+
+
+def without(name: str):
+    return lambda t: {k: v for k, v in t.items() if k != name}
+
+
+@pytest.mark.parametrize("broken, refusal", [
+    (misshaped_gate_up, r"model.layers.0.mlp.experts.gate_up_proj: shape \[4, 64, 64\] expected, got \[4, 63, 64\]"),
+    (fused_and_per_expert, "the checkpoint holds model.layers.0.mlp.experts.2.down_proj.weight both on its own "
+                           "and in model.layers.0.mlp.experts.down_proj"),
+    (without("model.layers.0.mlp.experts.down_proj"), "missing tensor model.layers.0.mlp.experts.0.down_proj.weight"),
+], ids=["misshaped", "both-layouts", "missing"])
+def test_a_broken_fused_checkpoint_is_refused_by_name_and_changes_nothing(saved, tmp_path, broken, refusal):
+    from gateeng.engine.errors import WeightsRefused
+    from gateeng.model.loader import load
+    bad = rewrite(saved, tmp_path / "bad", lambda _: broken(fused_state(seed=1)))
+    params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=2)
+    engine = Engine(EngineConfig(dtype="bfloat16", **TINY), loaded=load(str(saved), "bfloat16"))
+    try:
+        before = engine.generate(SEQS[1], params, VERIFIED), engine.reproducibility.model_fingerprint
+        with pytest.raises(WeightsRefused, match=refusal):
+            engine.update_weights(bad)
+        after = engine.generate(SEQS[1], params, VERIFIED), engine.reproducibility.model_fingerprint
+        assert engine.weight_version == 0
+    finally:
+        engine.shutdown()
+    assert (after[0].token_ids, after[0].logprobs, after[1]) == (before[0].token_ids, before[0].logprobs, before[1])

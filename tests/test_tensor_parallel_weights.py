@@ -73,32 +73,50 @@ def test_an_update_at_size_2_gives_size_1s_fingerprint_version_and_verified_bits
 
 
 def test_a_mixture_of_experts_update_at_size_2_gives_size_1s_fingerprint_version_and_verified_bits(tmp_path):
-    update_at_2_is_update_at_1(*old_and_new(tmp_path, "qwen3_moe"))
+    """Per-expert files (save_pretrained's), then fused expert tensors (transformers 5's
+    state_dict) of other weights."""
+    old, new = old_and_new(tmp_path, "qwen3_moe")
+    fused = tmp_path / "fused"
+    fused.mkdir()
+    for f in new.iterdir():
+        (fused / f.name).write_bytes(f.read_bytes())
+    tensors = {k: v.contiguous() for k, v in hf_family("qwen3_moe", seed=2).state_dict().items()}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in tensors
+    save_file(tensors, fused / "model.safetensors", metadata={"format": "pt"})
+    update_at_2_is_update_at_1(old, new, fused)
 
 
-def update_at_2_is_update_at_1(old, new) -> None:
+def update_at_2_is_update_at_1(old, new, *later) -> None:
+    """`new`, then each of `later`, at size 1 and at size 2: the same fingerprints,
+    versions and VERIFIED bits after each."""
     one = engine(old, 1)
     try:
         before = answers(one)
-        done = one.update_weights(new)
-        want = answers(one), done.model_fingerprint, done.weight_version
+        want = []
+        for path in (new, *later):
+            done = one.update_weights(path)
+            want.append((answers(one), done.model_fingerprint, done.weight_version))
     finally:
         one.shutdown()
-    assert want[0] != before   # the new weights answer otherwise
-    assert want[1] == loader.load(str(new), "bfloat16").fingerprint
+    assert want[0][0] != before   # the new weights answer otherwise
+    for path, (_, fingerprint, _) in zip((new, *later), want):
+        assert fingerprint == loader.load(str(path), "bfloat16").fingerprint
     two = engine(old, 2)
     try:
         assert answers(two) == before
         # prepared on every rank, then dropped everywhere: nothing changes
         two.discard_weights(two.prepare_weights(new))
         assert answers(two) == before and two.weight_version == 0
-        done = two.update_weights(new)
-        got = answers(two), done.model_fingerprint, done.weight_version
+        got = []
+        for path in (new, *later):
+            done = two.update_weights(path)
+            got.append((answers(two), done.model_fingerprint, done.weight_version))
         record = two.generate("abc", GREEDY, VERIFIED).reproducibility
     finally:
         two.shutdown()
-    assert got == want and got[2] == 1
-    assert (record.model_fingerprint, record.weight_version, record.tensor_parallel_size) == (want[1], 1, 2)
+    assert got == want and [g[2] for g in got] == list(range(1, len(got) + 1))
+    assert (record.model_fingerprint, record.weight_version, record.tensor_parallel_size) == \
+        (want[-1][1], len(want), 2)
 
 
 def nan_in_rank_1s_rows(tmp_path, new_dir):

@@ -4,8 +4,9 @@ aside, on the caller's thread.
 `prepare` touches nothing the engine serves. It reads a directory as `--model` does
 (config.json and *.safetensors under transformers' names; the tokenizer stays the
 server's, so none is read) and checks it against the served model: the same
-ModelConfig; every tensor the model reads present, none extra, none in two files;
-each with the served shape, a floating dtype, and finite values, also once rounded
+ModelConfig; every tensor the model reads present, none extra, none in two files
+(a mixture of experts' expert weights one tensor per expert or fused, as
+transformers 5 writes them, model.experts; never both for one weight); each with the served shape, a floating dtype, and finite values, also once rounded
 to the served dtype. Then it builds the new model and its plans through
 plans.factory, as a fresh start on that directory would (packed weights included),
 and fingerprints the checkpoint as the loader does. Any failure raises
@@ -24,6 +25,7 @@ import torch
 from gateeng.config import EngineConfig, ModelConfig
 from gateeng.engine.errors import WeightsRefused, WeightUpdateUnavailable
 from gateeng.model import families
+from gateeng.model.experts import fused_parts, per_expert
 from gateeng.model.fingerprint import model_fingerprint
 from gateeng.model.llama import LlamaModel
 from gateeng.model.loader import DTYPES, read_model_config, weight_files
@@ -187,14 +189,21 @@ def check_headers(files: list, served: ModelConfig, dtype) -> tuple:
                 problems.append(f"{name}: in both {where[name].name} and {f.name}")
             where[name] = f
     tied = block.lm_head.hf[0] if served.tie_word_embeddings else None
+    try:
+        parts = fused_parts(where, served)
+    except ValueError as exc:   # an expert weight stored both per expert and fused
+        raise WeightsRefused(str(exc)) from None
+    # A fused expert tensor stands for its per-expert parts (model.experts), with the
+    # shape fused_parts gives it.
+    fused = {whole: shape for whole, shape, *_ in parts.values()}
     for name in expected:
-        if name not in where:
+        if name not in where and name not in parts:
             problems.append(f"missing tensor {name}")
     for name in where:
-        if name not in expected and name != tied:
+        if name not in expected and name not in fused and name != tied:
             problems.append(f"extra tensor {name}: the served model has no such weight")
     for name, f in where.items():
-        want = expected.get(name) or (expected[embed] if name == tied else None)
+        want = expected.get(name) or fused.get(name) or (expected[embed] if name == tied else None)
         if want is None:
             continue
         try:
@@ -242,5 +251,7 @@ def _read_checked(files: list, served: ModelConfig, dtype) -> tuple:
     if tied in converted and not torch.equal(converted[tied], converted[embed]):
         problems.append(tied_differs(served))
     _refuse(problems)
-    return raw, converted
+    # Fused expert tensors as their per-expert parts: the names the model reads and the
+    # loader fingerprints.
+    return per_expert(raw, served), per_expert(converted, served)
 
