@@ -167,3 +167,15 @@ def test_a_rank_never_holds_the_whole_model(tmp_path):
         if rank == 0:
             assert got["fingerprint"] == loader.model_fingerprint(
                 loader.read_model_config(tmp_path), loader.Checkpoint(loader.weight_files(tmp_path)))
+
+
+def test_a_down_in_blocks_too_few_for_every_rank_is_refused_naming_dequantize(tmp_path):
+    # down's 64 columns in Q8_0 blocks of 32: the reference's 16 lanes give rank 0 both
+    # blocks, rank 1 none; refused before any rank starts (its plans could not be built)
+    path = write_tiny_gguf(tmp_path / "q.gguf", {"blk.*.ffn_down.weight": "Q8_0", "*": "BF16"}, hidden=64,
+                           heads=4, kv_heads=2, head_dim=128, intermediate=64)["path"]
+    with pytest.raises(ValueError, match="down projection's 64 columns are stored in blocks of 32 values.*"
+                                         "--dequantize at this tensor-parallel size"):
+        shard_read.read_shard(path, 2, 1)
+    cfg = shard_read.read_shard(path, 1, 0).config
+    assert shard.layout(cfg, 2, 1).mlp == range(32, 64)   # bf16: 16 pairs each

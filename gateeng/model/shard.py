@@ -75,13 +75,19 @@ def layout(cfg: ModelConfig, size: int, rank: int, units: tuple = (PAIR, PAIR)) 
     down = k_slice(cfg.intermediate_size, size, rank, units[1])
     expert_unit = units[2] if len(units) > 2 else PAIR
     expert_down = k_slice(cfg.moe.intermediate_size if cfg.moe is not None else 0, size, rank, expert_unit)
-    # Experts stored in blocks too few for whole blocks on every rank (k_slice gives the
-    # last ranks none): a rank would hold no column of any expert, which is not served.
-    if cfg.moe is not None and any(ks.stop <= ks.start for ks in (
-            k_slice(cfg.moe.intermediate_size, size, r, expert_unit) for r in range(size))):
-        raise ValueError(f"each expert's {cfg.moe.intermediate_size} columns are stored in blocks of {expert_unit} "
-                         f"values, too few for every one of {size} ranks to hold whole blocks: serve it with "
-                         "--dequantize at this tensor-parallel size")
+    # An MLP's down stored in blocks too few for whole blocks on every rank (k_slice
+    # gives the last ranks none): a rank would hold no column of that MLP, which is not
+    # served (its shard can be neither read nor packed).
+    row_parallel = []
+    if cfg.moe is None or len(cfg.moe.sparse_layers) < cfg.num_layers:
+        row_parallel.append(("each MLP's down projection's", cfg.intermediate_size, units[1]))
+    if cfg.moe is not None:
+        row_parallel.append(("each expert's", cfg.moe.intermediate_size, expert_unit))
+    for what, k, unit in row_parallel:
+        if any(ks.stop <= ks.start for ks in (k_slice(k, size, r, unit) for r in range(size))):
+            raise ValueError(f"{what} {k} columns are stored in blocks of {unit} values, too few for every one "
+                             f"of {size} ranks to hold whole blocks: serve it with --dequantize at this "
+                             "tensor-parallel size")
     # Heads split where they divide evenly and o's slices are whole heads (always for
     # bf16, whose K is a multiple of 32: an even split), and where no q/k norm reduces
     # over the whole projection (OLMoE's: a rank holding some heads could not compute it).
