@@ -39,6 +39,40 @@ def smollm():
     return get
 
 
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory):
+    """tests/tiny_gguf.py's write_tiny_gguf(qtype, **kwargs), written once per session:
+    the same arguments write the same bytes, so test files that ask for the same tiny
+    GGUF share one (and its converted model, gguf_in_transformers)."""
+    from tests.tiny_gguf import write_tiny_gguf
+    where = tmp_path_factory.mktemp("tiny_gguf")
+    cache = {}
+
+    def get(qtype, **kwargs):
+        key = repr((sorted(qtype.items()) if isinstance(qtype, dict) else qtype, sorted(kwargs.items())))
+        if key not in cache:
+            cache[key] = write_tiny_gguf(where / f"tiny-{len(cache)}.gguf", qtype, **kwargs)
+        return cache[key]
+    return get
+
+
+@pytest.fixture(scope="session")
+def gguf_in_transformers():
+    """transformers' float32 model of a GGUF file (from_pretrained(gguf_file=...), in eval
+    mode), converted once per session per path: its pure-Python read of the 49152-token
+    vocabulary takes ~10 s on 2 cores. Callers only read it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    cache = {}
+
+    def get(path):
+        if path not in cache:
+            cache[path] = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                               dtype=torch.float32).eval()
+        return cache[path]
+    return get
+
+
 @pytest.fixture(scope="session", autouse=True)
 def cpu_kernels():
     """Build the fast plan's CPU kernels and the reference's default build once,

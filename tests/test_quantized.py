@@ -13,7 +13,6 @@ from gateeng.model import loader
 from gateeng.plans import packing, reference_ops
 from gateeng.plans.kernel_names import REFERENCE, REFERENCE_ISAS
 from gateeng.request import DeterminismParams, Mode, SamplingParams
-from tests.tiny_gguf import write_tiny_gguf
 
 TYPES = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3}
 BUILDS = [pytest.param(isa, marks=pytest.mark.skipif(isa not in reference_ops.runnable(),
@@ -22,11 +21,9 @@ BUILDS = [pytest.param(isa, marks=pytest.mark.skipif(isa not in reference_ops.ru
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    where = tmp_path_factory.mktemp("quantized")
-    out = {t: write_tiny_gguf(where / f"tiny-{t}.gguf", t) for t in TYPES}
-    out["mixed"] = write_tiny_gguf(where / "tiny-mixed.gguf", {"blk.*.ffn_down.weight": "Q5_0", "*": "Q4_0"},
-                                   tie=False, intermediate=256, seed=1)
+def files(tiny_gguf):
+    out = {t: tiny_gguf(t) for t in TYPES}
+    out["mixed"] = tiny_gguf({"blk.*.ffn_down.weight": "Q5_0", "*": "Q4_0"}, tie=False, intermediate=256, seed=1)
     return out
 
 
@@ -84,13 +81,12 @@ def test_a_gguf_is_served_as_stored_by_default(files):
 
 
 @pytest.mark.parametrize("gguf_type", list(TYPES))
-def test_quantized_logits_follow_the_file_and_the_plans_agree(files, gguf_type):
+def test_quantized_logits_follow_the_file_and_the_plans_agree(files, gguf_in_transformers, gguf_type):
     """Logits of the quantized model are close to transformers' on the dequantized file,
     and the fast plan, the reference and a batch give the same VERIFIED tokens."""
-    from transformers import AutoModelForCausalLM
     path = files[gguf_type]["path"]
     loaded = loader.load(str(path))
-    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    hf = gguf_in_transformers(path)
     prompt = [1, 500, 9000, 77, 4242, 31000]
     with torch.no_grad():
         want = hf(torch.tensor([prompt])).logits[0, -1]

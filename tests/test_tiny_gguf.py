@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 import torch
 
-from tests.tiny_gguf import write_tiny_gguf
 
 MIXED = {"blk.*.ffn_down.weight": "Q6_K", "output.weight": "Q8_0", "*": "Q4_0"}
 # name: (qtype, write_tiny_gguf's other arguments)
@@ -25,9 +24,8 @@ TOLERANCE = {"F32": 0.0, "BF16": 0.005, "Q8_0": 0.01, "Q4_0": 0.15, "Q4_1": 0.1,
 
 
 @pytest.fixture(scope="module")
-def written(tmp_path_factory):
-    where = tmp_path_factory.mktemp("tiny_gguf")
-    return {name: write_tiny_gguf(where / f"tiny-{name}.gguf", qtype, **kw) for name, (qtype, kw) in CASES.items()}
+def written(tiny_gguf):
+    return {name: tiny_gguf(qtype, **kw) for name, (qtype, kw) in CASES.items()}
 
 
 def stored_tensors(path: Path) -> dict:
@@ -99,15 +97,14 @@ def hf_name(gguf_name: str) -> str:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_transformers_reads_the_weights_llama_cpp_would_store(written, case):
+def test_transformers_reads_the_weights_llama_cpp_would_store(written, gguf_in_transformers, case):
     from gguf.quants import dequantize
-    from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
     info = written[case]
     src, path = info["hf"], info["path"]
     assert path.stat().st_size < 20e6
-    loaded = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    loaded = gguf_in_transformers(path)
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "tie_word_embeddings"):
         assert getattr(loaded.config, key) == getattr(src.config, key), key
