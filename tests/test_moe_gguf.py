@@ -32,6 +32,7 @@ PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
 FILES = {"qwen3_moe-bf16": ("qwen3_moe", "BF16"), "mixtral-bf16": ("mixtral", "BF16"),
          "mixtral-q4": ("mixtral", {"*_exps.weight": "Q4_0", "*": "BF16"}),
          "qwen3_moe-q8": ("qwen3_moe", {"*ffn_down_exps.weight": "Q4_1", "*_exps.weight": "Q8_0", "*": "Q8_0"}),
+         "olmoe-q4": ("olmoe", {"*_exps.weight": "Q4_0", "*": "BF16"}),
          "mixtral-k": ("mixtral", {"*ffn_down_exps.weight": "Q6_K", "*_exps.weight": "Q4_K", "*": "BF16"},
                        dict(hidden_size=256, intermediate_size=256))}
 
@@ -243,7 +244,7 @@ def test_a_moe_gguf_is_refused_in_float32(files):
         loader.load(str(files["mixtral-q4"]["path"]), "float32")
 
 
-@pytest.mark.parametrize("name", ["mixtral-q4", "qwen3_moe-q8"])
+@pytest.mark.parametrize("name", ["mixtral-q4", "qwen3_moe-q8", "olmoe-q4"])
 def test_the_fast_plans_routing_follows_the_references_rule(files, name):
     """cpu_ops' moe_layer routes by the family's rule in its own arithmetic: on random
     rows away from ties it picks the reference's experts (moe_route, kernels/SPEC.md),
@@ -289,7 +290,7 @@ def test_the_fast_plans_routing_follows_the_references_rule(files, name):
             plan.kernels.moe_layer(xt, router, moe.top_k, softmax_first, moe.norm_topk_prob, *experts, vnni)
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe-q8", "mixtral-q4", "mixtral-k"])
+@pytest.mark.parametrize("name", ["qwen3_moe-q8", "mixtral-q4", "mixtral-k", "olmoe-q4"])
 def test_one_call_decode_layers_of_a_mixture_of_experts_give_the_op_by_op_bits(files, name):
     """On quantized experts the fast plan's C++ decode layers (a decode step in one call:
     q/k norms, routing and experts included) run the same kernels in the same order as
