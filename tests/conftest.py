@@ -12,12 +12,13 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # tests, which put the few long tests last), so a long file collected last runs alone
 # at the end while the other process idles; run first, the short files fill in
 # around them. Only the order of files changes, never the order within one.
-LONG_FILES = ("test_triton_reference.py", "test_tensor_parallel_engine.py", "test_verified.py", "test_policy.py",
-              "test_golden.py", "test_server.py", "test_tiny_gguf.py", "test_readme_lm_eval.py",
-              "test_kquant_serving.py", "test_model_cache.py", "test_readme_rl.py", "test_fleet_tp.py",
-              "test_probe.py", "test_quantized.py", "test_smollm_parity.py", "test_prometheus.py",
-              "test_reference.py", "test_tensor_parallel_moe.py", "test_bench_serve.py", "test_kv_pressure.py",
-              "test_triton_moe.py", "test_logprobs.py")
+LONG_FILES = ("test_triton_reference.py", "test_tensor_parallel_engine.py", "test_fleet_tp.py", "test_verified.py",
+              "test_policy.py", "test_golden.py", "test_server.py", "test_tiny_gguf.py", "test_readme_lm_eval.py",
+              "test_kquant_serving.py", "test_model_cache.py", "test_shard_read.py", "test_tensor_parallel_moe.py",
+              "test_readme_rl.py", "test_olmoe_gguf.py", "test_probe.py", "test_moe_gguf.py", "test_quantized.py",
+              "test_smollm_parity.py", "test_prometheus.py", "test_reference.py", "test_bench_serve.py",
+              "test_kv_pressure.py", "test_tensor_parallel_weights.py", "test_triton_moe.py", "test_shard_read_moe.py",
+              "test_logprobs.py")
 
 
 def pytest_collection_modifyitems(config, items):
