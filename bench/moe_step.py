@@ -41,7 +41,7 @@ def main():
     engine = EngineCore(EngineConfig(dtype="bfloat16"), loaded=loaded)
     plan, model = engine.fast_plan, loaded.model
     stored = packing.of(model)
-    if stored.fused_layers is None or stored.fused_layers[5] is None:
+    if stored.fused_layers is None or stored.fused_layers.routing is None:
         sys.exit("this model's decode steps do not run in one call here (quantized experts and int8 kernels needed)")
     one_call, moe_layer = stored.fused_layers, plan.moe_layer
 

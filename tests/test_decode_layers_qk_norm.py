@@ -19,7 +19,7 @@ def test_one_call_decode_layers_with_qk_norms_give_the_op_by_op_bits():
     stored = packing.of(m)
     if stored.fused_layers is None:
         pytest.skip("no row-invariant matmul here (neither AVX-512 BF16 nor an AVX2 reference build)")
-    assert len(stored.fused_layers[4]) == 2 * m.cfg.num_layers   # each layer's q and k norms
+    assert len(stored.fused_layers.qk_norms) == 2 * m.cfg.num_layers   # each layer's q and k norms
     stored.fast_rowwise_max_rows = None   # every row count on the row-invariant matmul, both ways
     plan = FastPlan(0.0, stored.packed, k, stored.dense_head)
     one_call, calls = plan.decode_layers, []

@@ -181,13 +181,12 @@ class FastPlan(CpuKernelOps):
             return None
         if stored.fast_rowwise_max_rows is not None and x.shape[0] > stored.fast_rowwise_max_rows:
             return None
-        packed, ns, parts, norms, qk_norms, moe, matmul = stored.fused_layers
-        cfg = model.cfg
-        args = (h, x, packed, ns, parts, norms, qk_norms, moe, cos, sin, kv.k, kv.v, slots.all, meta.decode_tables,
-                meta.decode_lens, cfg.num_heads, cfg.rms_norm_eps, 1.0 / math.sqrt(cfg.head_dim))
-        x, margins = (self.kernels.decode_layers(*args) if matmul is None else
-                      self.kernels.decode_layers_with(matmul, *args))
-        if moe is not None:   # the rows' smallest router margin (as the op-by-op forward leaves it)
+        f, cfg = stored.fused_layers, model.cfg
+        args = (h, x, f.packed, f.out_sizes, f.parts, f.norms, f.qk_norms, f.routing, cos, sin, kv.k, kv.v, slots.all,
+                meta.decode_tables, meta.decode_lens, cfg.num_heads, cfg.rms_norm_eps, 1.0 / math.sqrt(cfg.head_dim))
+        x, margins = (self.kernels.decode_layers(*args) if f.matmul is None else
+                      self.kernels.decode_layers_with(f.matmul, *args))
+        if f.routing is not None:   # the rows' smallest router margin (as the op-by-op forward leaves it)
             meta.router_margin = margins
         return x
 

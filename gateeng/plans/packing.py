@@ -28,7 +28,7 @@ import io
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -104,6 +104,19 @@ class StoredRows:
         return out
 
 
+class FusedLayers(NamedTuple):
+    """What FastPlan.decode_layers hands cpu_ops.cpp's decode_layers: every layer's qkv,
+    o, gate_up and down in the reference kernels' layout, a Stacked matrix's parts one
+    after the other, a routing layer's gate_up and down with no parts."""
+    packed: list         # every part's packed data, in that order
+    out_sizes: list      # each part's output size
+    parts: list          # how many parts each matrix has (4 a layer)
+    norms: list          # each layer's post-attention norm and the norm after its MLP
+    qk_norms: list       # each layer's q and k norms, or empty (no q/k norms)
+    routing: Any         # the routing layers' routers and experts (cpu_ops MoeLayers), or None
+    matmul: Optional[Callable]   # None: cpu_ops' own VDPBF16PS; else linear(x, data, n, f32, per)
+
+
 class PackedWeights:
     """One model's weights as the plans hold them (see the module doc)."""
 
@@ -127,10 +140,7 @@ class PackedWeights:
         # pack_shared's check of each weight's row-invariant matmul (id -> the matmul, or
         # None where it disagreed), and that matmul's name.
         self.rowwise_checked, self.rowwise_checked_name = {}, None
-        # (packed, output sizes, parts per matrix, norms, q/k norms, routing layers, matmul) for the
-        # one-call decode layers (pack_fast);
-        # matmul None: cpu_ops' own VDPBF16PS, else the reference's linear.
-        self.fused_layers = None
+        self.fused_layers = None   # FusedLayers: the one-call decode layers (pack_fast)
         # id(expert 0's gate_up) -> (every expert's gate_up data, down data, gate_up's and
         # down's output sizes) for FastPlan.moe_layer (pack_fast, quantized experts).
         self.expert_layers = {}
@@ -414,10 +424,8 @@ def _layer_parts(model, s: PackedWeights) -> list:
             for q in cpu_linear.parts(s.shared[id(w)])]
 
 
-def _fused_layers(model, s: PackedWeights, matmul, kernels) -> tuple:
-    """(packed data, output sizes, parts per matrix, norms, q/k norms, routing layers,
-    matmul) for FastPlan.decode_layers: a Stacked matrix's parts one after the other, a
-    routing layer's gate_up and down with no parts, its experts in cpu_ops' MoeLayers."""
+def _fused_layers(model, s: PackedWeights, matmul, kernels) -> FusedLayers:
+    """The one-call decode layers of the model's packed weights on `matmul`."""
     every = _layer_parts(model, s)
     steps = model.step_layers
     parts = [0 if w is None else len(cpu_linear.parts(s.shared[id(w)]))
@@ -431,8 +439,8 @@ def _fused_layers(model, s: PackedWeights, matmul, kernels) -> tuple:
         moe = kernels.MoeLayers([lw.router for lw in routing], [e[0] for e in experts], [e[1] for e in experts],
                                 experts[0][2], experts[0][3], rule.top_k, rule.routing == SOFTMAX_TOPK,
                                 rule.norm_topk_prob, bool(getattr(kernels, "qvnni", False)))
-    return ([q.data for q in every], [q.n for q in every], parts, [w for lw in steps for w in (lw.post_norm, lw.next_norm)],
-            qk_norms, moe, matmul)
+    return FusedLayers([q.data for q in every], [q.n for q in every], parts,
+                       [w for lw in steps for w in (lw.post_norm, lw.next_norm)], qk_norms, moe, matmul)
 
 
 def drop_weight(model, w: torch.Tensor) -> None:
