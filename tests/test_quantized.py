@@ -3,6 +3,8 @@ tests/test_kquant_serving.py) stay quantized and are
 multiplied by the reference (kernels/SPEC.md, "Quantized weights"), in every build,
 in both plans; other types are converted to bf16 and named in the log; what is not
 served quantized fails closed."""
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -112,10 +114,11 @@ def test_other_types_are_converted_to_bf16_and_named(files, capsys):
     assert "dequantized to bf16 (not served as stored): 2 Q5_0" in err, err
 
 
-def test_an_untied_quantized_embedding_is_read_from_the_file_as_stored(files):
+def test_an_untied_quantized_embedding_is_read_from_the_file_as_stored(files, monkeypatch):
     """An untied embedding stays in the file, read by rows: its rows are the file's values
-    (the reference's dequantization, SPEC.md), wherever a batch looks them up, and the
-    whole packed copy tensor parallelism hands its ranks holds the same values."""
+    (the reference's dequantization, SPEC.md), wherever a batch looks them up, a row the
+    batch looks up more than once read once, and the whole packed copy tensor
+    parallelism hands its ranks holds the same values."""
     from gateeng.model.gguf_weights import GGUFTensors
     path = files["mixed"]["path"]
     loaded = loader.load(str(path))
@@ -123,8 +126,12 @@ def test_an_untied_quantized_embedding_is_read_from_the_file_as_stored(files):
     raw = GGUFTensors(path).raw("token_embd.weight")
     want = ops.qrows(ops.qpack(torch.from_numpy(raw), TYPES["Q4_0"]), torch.arange(raw.shape[0]))
     assert id(model.embed) in packing.of(model).stored_rows and id(model.embed) not in packing.of(model).shared
-    ids = torch.tensor([7, 0, 7, raw.shape[0] - 1, 4242])
+    ids = torch.tensor([7, 0, 7, raw.shape[0] - 1, 4242, 0, 7])
+    reads, pread = [], os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, buffers, at: reads.append(at) or pread(fd, buffers, at))
     assert torch.equal(packing.embed_rows(model, ids), want[ids])
+    assert len(reads) == len(set(ids.tolist())) == 4
+    monkeypatch.undo()
     whole = packing.quantized_embedding(model)
     assert torch.equal(ops.qrows(whole.data, torch.arange(whole.n)), want)
 
