@@ -215,6 +215,20 @@ def test_a_broken_moe_gguf_is_refused_naming_the_tensor(files, tmp_path):
         load_into(files, broken(files, tmp_path, "qwen3_moe-bf16", shared_expert), "qwen3_moe-bf16")
 
 
+def test_a_qwen3moe_gguf_with_a_plain_mlp_layer_is_refused_naming_its_tensor(tmp_path):
+    """llama.cpp's qwen3moe graph routes every layer, and its metadata has no
+    mlp_only_layers or decoder_sparse_step: a file whose layer 1 holds a plain MLP
+    (tests/tiny.py's Qwen3-MoE, quantized experts beside it) is refused naming that
+    layer's tensor, never served with another layout. (Its Hugging Face directory is
+    served, VERIFIED alone and in a batch equal to the reference: tests/test_moe.py.)"""
+    hf = hf_family("qwen3_moe", bos_token_id=254, eos_token_id=255)
+    assert hf.config.mlp_only_layers == [1]
+    path = write_tiny_moe_gguf(tmp_path / "plain-layer.gguf", hf, "Q8_0")["path"]
+    with pytest.raises(ValueError, match=r"tensor blk\.1\.ffn_down\.weight is not part of a qwen3moe mixture of "
+                                         "experts gateeng serves"):
+        loader.load(str(path))
+
+
 def test_unserved_moe_architectures_and_metadata_are_refused_by_name():
     with pytest.raises(ValueError, match="mixture-of-experts GGUF of architecture 'qwen2moe' is not served"):
         families.gguf_family("qwen2moe", True)
