@@ -98,29 +98,6 @@ def _embedded_tokenizer_kv() -> tuple:
     return tuple(out)
 
 
-@functools.lru_cache(maxsize=1)
-def _array_caching_writer() -> type:
-    """A GGUFWriter that packs each metadata array of the embedded tokenizer once per
-    process: gguf packs arrays value by value in Python (~147k values, 0.6 s or more a
-    file), and those arrays are the same objects (_embedded_tokenizer_kv's) in every
-    file written. Other values are packed as gguf packs them; the bytes are gguf's."""
-    from gguf import GGUFValueType, GGUFWriter
-
-    embedded = {id(value): value for _, value, vtype, _ in _embedded_tokenizer_kv() if vtype == GGUFValueType.ARRAY}
-    packed: dict[tuple, bytes] = {}
-
-    class ArrayCachingWriter(GGUFWriter):
-        def _pack_val(self, val, vtype, add_vtype, sub_type=None):
-            if vtype != GGUFValueType.ARRAY or embedded.get(id(val)) is not val:
-                return super()._pack_val(val, vtype, add_vtype, sub_type)
-            key = (id(val), add_vtype, sub_type, self.endianess)
-            if key not in packed:
-                packed[key] = super()._pack_val(val, vtype, add_vtype, sub_type)
-            return packed[key]
-
-    return ArrayCachingWriter
-
-
 def embedded_vocab_size() -> int:
     return len(dict((k, v) for k, v, _, _ in _embedded_tokenizer_kv())["tokenizer.ggml.tokens"])
 
@@ -357,7 +334,7 @@ def write_file(path, arch: str, name: str, hf, tensors: list, spec: Mapping[str,
     base = spec.get("*", "").upper() or Counter(t for _, w, t in tensors if w.ndim >= 2).most_common(1)[0][0]
     base = {"Q4_K": "Q4_K_M", "Q5_K": "Q5_K_M"}.get(base, base)   # llama.cpp's file types name the K mixes
     file_type = int(LlamaFileType.ALL_F32 if base == "F32" else LlamaFileType[f"MOSTLY_{base}"])
-    writer = (GGUFWriter if tokenizer else _array_caching_writer())(str(path), arch)
+    writer = GGUFWriter(str(path), arch)
     writer.add_type("model")
     writer.add_name(name)
     writer.add_size_label(f"{sum(p.numel() for p in hf.parameters()) / 1e6:.1f}M")
