@@ -3,6 +3,7 @@ its priors, both plans priced alike), costs are never negative, and sound costs 
 kept once per key and read back by later starts instead of timing passes again."""
 import dataclasses
 import json
+import shutil
 
 import pytest
 
@@ -11,7 +12,7 @@ from gateeng.engine import pricing, route_costs
 from gateeng.engine.core import EngineCore
 from gateeng.engine.route import RoutePolicy
 from gateeng.step import PlanKind
-from tiny import tiny_loaded
+from tiny import hf_family, save_family, tiny_loaded
 
 FACTS = {"device": "cpu: a test CPU", "threads": 2, "model": "m1"}
 
@@ -249,24 +250,51 @@ def test_a_cache_that_cannot_be_written_is_logged_and_the_costs_still_serve(cach
     assert route.fast.seen == 3
 
 
-def test_a_second_engine_start_reads_the_costs_and_times_no_pass(cache, monkeypatch, capsys):
-    # The tiny model's own sub-millisecond timings are mostly the host's noise: the
-    # first start is handed steady ones (one 32-row group each, or a flat line).
-    cfg = EngineConfig(dtype="float32", num_kv_blocks=64, invariant_rows=32)
-    steady = timings(STEADY_FAST, {1: 20.0, 8: 20.5, 32: 21.0})
+# An engine start on a tiny model: its own sub-millisecond timings are mostly the
+# host's noise, so a start that times passes is handed steady ones (one 32-row group
+# each, or a flat line).
+ENGINE = EngineConfig(dtype="float32", num_kv_blocks=64, invariant_rows=32)
+STEADY = timings(STEADY_FAST, {1: 20.0, 8: 20.5, 32: 21.0})
+
+
+def start(monkeypatch, cfg: EngineConfig, loaded, times: bool) -> EngineCore:
+    """An EngineCore of `loaded`, whose start times passes (the steady ones) where
+    `times`, and fails the test if it times any where not."""
     with monkeypatch.context() as m:
-        m.setattr(pricing, "price_plans", lambda time_pass, rows, **_: [t for t in steady if t[1] in rows])
-        first = EngineCore(cfg, tiny_loaded())
+        m.setattr(pricing, "price_plans", (lambda time_pass, rows, **_: [t for t in STEADY if t[1] in rows]) if times
+                  else (lambda *a, **k: pytest.fail("a start timed passes where costs were kept")))
+        return EngineCore(cfg, loaded)
+
+
+def test_a_second_engine_start_reads_the_costs_and_times_no_pass(cache, monkeypatch, capsys):
+    first = start(monkeypatch, ENGINE, tiny_loaded(), times=True)
     [kept] = cache.glob("*.json")
     assert first.route.fast.seen == 3
     capsys.readouterr()
-    with monkeypatch.context() as m:
-        m.setattr(pricing, "price_plans", lambda *a, **k: pytest.fail("the second start timed passes"))
-        second = EngineCore(cfg, tiny_loaded())
+    second = start(monkeypatch, ENGINE, tiny_loaded(), times=False)
     assert f"route costs from {kept}" in capsys.readouterr().err
     assert second.route.describe() == first.route.describe()
     # Another setting that changes a pass's cost is another key.
-    with monkeypatch.context() as m:
-        m.setattr(pricing, "price_plans", lambda time_pass, rows, **_: [t for t in steady if t[1] in rows])
-        EngineCore(dataclasses.replace(cfg, block_size=32), tiny_loaded())
+    start(monkeypatch, dataclasses.replace(ENGINE, block_size=32), tiny_loaded(), times=True)
+    assert len(list(cache.glob("*.json"))) == 2
+
+
+def test_a_new_checkpoint_of_the_same_model_reads_the_costs_and_another_model_times_its_own(
+        cache, monkeypatch, capsys, tmp_path):
+    """Each saved step of a training run is the same model with other weights: the key
+    names the model's layout, not its values, so a start on the next step reads the
+    costs the first one timed."""
+    from gateeng.model import loader
+    save_family("llama", tmp_path / "step0")
+    shutil.copytree(tmp_path / "step0", tmp_path / "step1")
+    hf_family("llama", seed=1).save_pretrained(tmp_path / "step1", safe_serialization=True)
+    save_family("qwen2", tmp_path / "other")
+    step0, step1, other = (loader.load(str(tmp_path / name), "float32") for name in ("step0", "step1", "other"))
+    assert step0.fingerprint != step1.fingerprint and step0.layout == step1.layout != other.layout
+    start(monkeypatch, ENGINE, step0, times=True)
+    [kept] = cache.glob("*.json")
+    capsys.readouterr()
+    start(monkeypatch, ENGINE, step1, times=False)
+    assert f"route costs from {kept}" in capsys.readouterr().err
+    start(monkeypatch, ENGINE, other, times=True)
     assert len(list(cache.glob("*.json"))) == 2

@@ -74,7 +74,7 @@ def assemble(cfg: EngineConfig, loaded: LoadedModel, max_model_len: int, owned: 
                                   shape.head_dim, DTYPES[cfg.dtype], cfg.block_size, device=cfg.device,
                                   weights=plans.invariant.selfcheck_weights(model))
         if cfg.plan == FAST and cfg.verified_route == ADAPTIVE and selfcheck.passed:
-            facts = route_prices.cost_facts(cfg, plans.builds, plans.invariant, loaded.fingerprint)
+            facts = route_prices.cost_facts(cfg, plans.builds, plans.invariant, loaded.layout or loaded.fingerprint)
             route_prices.seed(cfg, route, runner, block_manager, max_model_len, facts)
     else:
         selfcheck = before.selfcheck

@@ -4,10 +4,11 @@ and plan settings and kept beside the compiled kernels:
     cache_root()/route-costs/<key>.json    the facts, when the passes ran, their seconds,
                                            the CPU they got, and why pricing refused them
 
-<key> hashes the facts a pass's cost depends on (EngineCore names the machine's,
-the build's, the model's and the settings'; pricing adds the rows and keys it
-prices). The file holds the facts too, and one whose facts differ from those asked
-for is a miss, so a key's 64 bits never serve another machine's or model's costs.
+<key> hashes the facts a pass's cost depends on (route_prices.cost_facts names the
+machine's, the build's, the model layout's and the settings'; pricing adds the
+rows and keys it prices). The file holds the facts too, and one whose facts differ
+from those asked for is a miss, so a key's 64 bits never serve another machine's
+or model's costs.
 
 Invariants:
 - A file is written whole (disk.write_whole): a reader or a later start finds the

@@ -33,19 +33,23 @@ def seed(cfg: EngineConfig, route, runner, blocks, max_model_len: int, facts: di
                  measure_again=cfg.recalibrate_route)
 
 
-def cost_facts(cfg: EngineConfig, builds: str, invariant_plan, fingerprint: str) -> dict:
+def cost_facts(cfg: EngineConfig, builds: str, invariant_plan, layout: str) -> dict:
     """What a decode pass's cost depends on besides the rows and keys priced: the
-    route-cost cache's key (route_costs.py). The fast plan's start-up choice of
-    matmul by row count (plans.packing.pack_fast's probe) is left out: it is timed
-    too, and a key that moved with it would time the passes again on a busy host,
-    whose probe is the one that errs; traffic refines the fast plan's costs."""
+    route-cost cache's key (route_costs.py). Of the model, its `layout` (its config
+    and how each weight is stored, model.fingerprint), not the weights' values: a
+    new checkpoint of the same model, each step of a training run, costs what the
+    one before did (as a weight update keeps the route's prices). The fast plan's
+    start-up choice of matmul by row count (plans.packing.pack_fast's probe) is left
+    out: it is timed too, and a key that moved with it would time the passes again
+    on a busy host, whose probe is the one that errs; traffic refines the fast
+    plan's costs."""
     device, isa = reproducibility.device_identity(cfg.device)
     return {
         "device": f"{cfg.device}: {device}", "isa": isa, "threads": torch.get_num_threads(),
         "isa_caps": {name: os.environ.get(name, "") for name in reproducibility.ISA_CAPS},
         "torch": torch.__version__, "gateeng": __version__, "builds": builds,
         "invariant_plan": invariant_plan.describe(cfg.dtype), "packed_weights": cfg.pack_fast_weights,
-        "model": fingerprint, "dtype": cfg.dtype, "group_rows": invariant_plan.group_rows,
+        "model_layout": layout, "dtype": cfg.dtype, "group_rows": invariant_plan.group_rows,
         "block_size": cfg.block_size, "max_num_seqs": cfg.max_num_seqs,
         "tensor_parallel_size": cfg.tensor_parallel_size, "fast_logit_noise": cfg.fast_logit_noise,
     }

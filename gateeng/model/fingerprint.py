@@ -12,6 +12,10 @@ A GGUF served natively (model.gguf_weights) hashes its stored tensors instead, i
 model's order: name, stored type and how it is served (as stored, or converted to
 bf16), shape and the stored bytes. The same file served as stored and dequantized are
 two models with two fingerprints.
+
+A model's layout (`Fingerprint.layout`, `model_layout`) is the same less the tensors'
+bytes: what a forward pass costs depends on, so that every checkpoint of one model
+(each step of a training run) has one layout (engine.route_costs keys by it).
 """
 from __future__ import annotations
 
@@ -42,6 +46,7 @@ class Fingerprint:
 
     def __init__(self, config: ModelConfig):
         self._h = hashlib.sha256(_config_json(config).encode())
+        self._layout = self._h.copy()
 
     def add(self, name: str, kind: str, shape, data) -> None:
         """`data`: a contiguous numpy array or CPU tensor (its bytes)."""
@@ -51,13 +56,20 @@ class Fingerprint:
         """A tensor whose bytes come as consecutive `slices` (contiguous numpy arrays or
         CPU tensors, e.g. its rows a few at a time): the same hash as its bytes whole,
         without ever holding them whole."""
-        self._h.update(json.dumps([name, kind, list(shape)]).encode())
+        entry = json.dumps([name, kind, list(shape)]).encode()
+        self._h.update(entry)
+        self._layout.update(entry)
         for data in slices:
             self._h.update(data.reshape(-1).view(torch.uint8).numpy() if isinstance(data, torch.Tensor)
                            else data.reshape(-1).view("uint8"))
 
     def hexdigest(self) -> str:
         return self._h.hexdigest()
+
+    def layout(self) -> str:
+        """The sha256 of the ModelConfig and each tensor's name, kind and shape, in the
+        order added: the fingerprint less the bytes."""
+        return self._layout.hexdigest()
 
 
 def model_fingerprint(config: ModelConfig, tensors: Mapping[str, torch.Tensor]) -> str:
@@ -67,3 +79,10 @@ def model_fingerprint(config: ModelConfig, tensors: Mapping[str, torch.Tensor]) 
         t = tensors[name].detach().to("cpu").contiguous()
         fp.add(name, str(t.dtype), t.shape, t)
     return fp.hexdigest()
+
+
+def model_layout(config: ModelConfig) -> str:
+    """The layout of a model loaded from a checkpoint (loader.load): its ModelConfig
+    alone, since the loader gives every weight the shape the config says, in the
+    dtype it serves, whatever the checkpoint stored."""
+    return hashlib.sha256(("checkpoint " + _config_json(config)).encode()).hexdigest()

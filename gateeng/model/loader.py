@@ -40,7 +40,7 @@ from gateeng.model.llama import LlamaModel
 from gateeng.model.cache import converted
 from gateeng.model.experts import per_expert
 from gateeng.model.families import DECODER, config_from_hf
-from gateeng.model.fingerprint import model_fingerprint
+from gateeng.model.fingerprint import model_fingerprint, model_layout
 from gateeng.model.hf_config import read_config
 from gateeng.model.tokenizer import Tokenizer
 
@@ -221,6 +221,10 @@ class LoadedModel:
     config: ModelConfig
     fingerprint: str
     source: str
+    # What a forward pass's cost depends on of the model (model.fingerprint: its config
+    # and each weight's name, stored kind and shape, not their values); '' where not
+    # known, for which the fingerprint stands in.
+    layout: str = ""
 
 
 def serves_as_stored(dtype: str, device: str, dequantize: bool) -> bool:
@@ -250,7 +254,7 @@ def load(path: Optional[str], dtype: str = BFLOAT16, device: str = "cpu", dequan
     model = LlamaModel(cfg, DTYPES[dtype], device)
     model.load_hf_state_dict(checkpoint)
     tok = Tokenizer.from_dir(hf_dir)
-    return LoadedModel(model, tok, cfg, model_fingerprint(cfg, checkpoint), str(src))
+    return LoadedModel(model, tok, cfg, model_fingerprint(cfg, checkpoint), str(src), model_layout(cfg))
 
 
 def gguf_header(src: Path) -> Path:
@@ -283,7 +287,8 @@ def load_gguf(src: Path, blocks_on: Optional[str] = None, quantized: bool = True
     weights = GGUFLoad(tensors, cfg, ops, quantized=quantized, blocks_on=blocks_on)
     weights.into(model)
     log(weights.describe())
-    return LoadedModel(model, Tokenizer.from_dir(header), cfg, weights.fingerprint.hexdigest(), str(src))
+    return LoadedModel(model, Tokenizer.from_dir(header), cfg, weights.fingerprint.hexdigest(), str(src),
+                       weights.fingerprint.layout())
 
 
 def read_model_config(hf_dir: Path) -> ModelConfig:
