@@ -6,7 +6,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Triton kernels run on the CPU through the interpreter (must be set before triton loads).
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# The files that take the longest (40 s and more on 2 cores), longest first. `make
+# The files that take the longest (15 s and more on 2 cores), longest first. `make
 # test` hands whole files to two processes in collection order (pytest-xdist --dist
 # loadfile --no-loadscope-reorder; by default xdist orders files by their count of
 # tests, which put the few long tests last), so a long file collected last runs alone
@@ -18,7 +18,9 @@ LONG_FILES = ("test_triton_reference.py", "test_tensor_parallel_engine.py", "tes
               "test_readme_rl.py", "test_olmoe_gguf.py", "test_probe.py", "test_moe_gguf.py", "test_quantized.py",
               "test_smollm_parity.py", "test_prometheus.py", "test_reference.py", "test_bench_serve.py",
               "test_kv_pressure.py", "test_tensor_parallel_weights.py", "test_triton_moe.py", "test_shard_read_moe.py",
-              "test_logprobs.py")
+              "test_logprobs.py", "test_fleet.py", "test_tensor_parallel_store.py", "test_tls.py", "test_replay.py",
+              "test_server_async.py", "test_kquant_kernels.py", "test_cpp_build.py", "test_cpus.py", "test_kernels.py",
+              "test_packaging.py")
 
 
 def pytest_collection_modifyitems(config, items):
