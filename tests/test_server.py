@@ -155,7 +155,9 @@ def test_verified_is_the_reference_on_every_route_and_off_streams_add_up(server,
     ref = Engine(EngineConfig(plan="invariant"), loaded=loaded)
     want = ref.generate(prompt, params, chat=True)
     ref.shutdown()
-    offline = Engine(EngineConfig(), loaded=loaded)
+    # The speculative route in process (the server runs the adaptive one): VERIFIED is
+    # the reference on both, and this start prices no routes.
+    offline = Engine(EngineConfig(verified_route="speculative"), loaded=loaded)
     local = offline.generate(prompt, params, VERIFIED, chat=True)
     offline.shutdown()
     unary = client.complete(prompt, params, VERIFIED, chat=True)
