@@ -24,8 +24,11 @@ def test_32_requests_on_small_cache_all_complete_and_verified_ones_are_the_refer
     want = {i: c.token_ids for i, c in zip(verified, ref.generate([ps[i] for i in verified],
                                                                     [params[i] for i in verified]))}
     ref.shutdown()
-    # 12 blocks x 16 tokens = 192 KV slots for 32 requests of ~40 tokens each.
-    tight = Engine(EngineConfig(dtype="float32", num_kv_blocks=12), loaded=loaded)
+    # 12 blocks x 16 tokens = 192 KV slots for 32 requests of ~40 tokens each. The
+    # speculative route: every VERIFIED token is decoded on the fast plan and verified
+    # while requests are preempted and recomputed around it, and the start prices no
+    # routes (timing passes on a cache this small is no part of what is shown here).
+    tight = Engine(EngineConfig(dtype="float32", num_kv_blocks=12, verified_route="speculative"), loaded=loaded)
     got = tight.generate(ps, params, [VERIFIED if i in want else None for i in range(32)])
     assert tight.core.scheduler.num_preemptions > 0
     # Preemption and recompute must lose nothing: every request runs to its length...
