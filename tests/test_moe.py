@@ -177,6 +177,9 @@ def test_a_model_whose_router_ties_two_experts_routes_by_the_written_rule():
     try:
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(type(plan), "route", recording)
+            # The per-op path, which calls route; the one call gives its bits, ties included
+            # (test_the_references_one_call_routing_layer_is_the_per_op_path).
+            mp.setattr(type(plan), "moe_layer", lambda *a: None)
             engine.generate(SEQS[0], SamplingParams(max_tokens=4, ignore_eos=True))
     finally:
         engine.shutdown()
@@ -402,3 +405,50 @@ def test_a_broken_fused_checkpoint_is_refused_by_name_and_changes_nothing(saved,
     finally:
         engine.shutdown()
     assert (after[0].token_ids, after[0].logprobs, after[1]) == (before[0].token_ids, before[0].logprobs, before[1])
+
+
+def one_call_and_per_op(plan, model, x: torch.Tensor, layer) -> tuple:
+    """A routing layer on rows x by the reference's one call (plan.moe_layer) and by the
+    per-op path (LlamaModel._moe with no one call: router_logits, route, each expert's
+    linear, silu_mul, linear, then combine): each (output, router margins)."""
+    got = plan.moe_layer(model, x, layer)
+    assert got is not None
+    meta = type("Meta", (), {"router_margin": None})()
+    plan.moe_layer = lambda *a: None   # the instance's: the per-op path
+    try:
+        want = model._moe(plan, x, layer, meta)
+    finally:
+        del plan.moe_layer
+    return got, (want, meta.router_margin)
+
+
+def assert_one_call_is_per_op(loaded, tie: bool = True) -> None:
+    """The reference's one-call routing layer gives the per-op path's output and router
+    margins bit for bit, in every routing layer, at 1 row and at several (rows sharing
+    experts and not), and with router rows 1 and 2 equal (a tie at the k-th place)."""
+    from gateeng.plans.reference import ReferencePlan
+    model = loaded.model
+    gen = torch.Generator().manual_seed(3)
+    layers = [layer for layer in model.step_layers if layer.experts is not None]
+    assert layers
+    for tied in (False, True) if tie else (False,):
+        if tied:
+            for layer in layers:
+                with torch.no_grad():
+                    layer.router[2] = layer.router[1]
+        plan = ReferencePlan(model, reference_ops.load())
+        for rows in (1, 2, 7, 64):
+            x = (torch.randn(rows, model.cfg.hidden_size, generator=gen) * 2).to(torch.bfloat16)
+            x[rows // 2] = x[0]   # rows with the same experts
+            for layer in layers:
+                (out, margins), (want, want_margins) = one_call_and_per_op(plan, model, x, layer)
+                assert out.dtype == torch.bfloat16 and out.shape == x.shape and out.abs().sum() > 0
+                assert torch.equal(out.view(torch.int16), want.view(torch.int16))
+                assert torch.equal(margins.view(torch.int32), want_margins.view(torch.int32))
+                if tied and rows == 64:
+                    assert (margins == 0).any()   # some row's k-th place is the tie
+
+
+def test_the_references_one_call_routing_layer_is_the_per_op_path(family):
+    _, hf = family
+    assert_one_call_is_per_op(tiny_loaded("bfloat16", hf))

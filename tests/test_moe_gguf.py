@@ -21,6 +21,7 @@ from gateeng.plans.generic import FastPlan
 from gateeng.request import DeterminismParams, Mode, SamplingParams
 from test_model import prefill_logits
 from test_model_families import SEQS, TINY
+from test_moe import assert_one_call_is_per_op
 from tiny import hf_family
 from tiny_gguf import byte_tokenizer_kv, moe_tensors, write_file, write_tiny_moe_gguf
 
@@ -34,7 +35,10 @@ FILES = {"qwen3_moe-bf16": ("qwen3_moe", "BF16"), "mixtral-bf16": ("mixtral", "B
          "qwen3_moe-q8": ("qwen3_moe", {"*ffn_down_exps.weight": "Q4_1", "*_exps.weight": "Q8_0", "*": "Q8_0"}),
          "olmoe-q4": ("olmoe", {"*_exps.weight": "Q4_0", "*": "BF16"}),
          "mixtral-k": ("mixtral", {"*ffn_down_exps.weight": "Q6_K", "*_exps.weight": "Q4_K", "*": "BF16"},
-                       dict(hidden_size=256, intermediate_size=256))}
+                       dict(hidden_size=256, intermediate_size=256)),
+         # gate and up in different types: each expert's gate_up a stack of two parts
+         "qwen3_moe-mixed": ("qwen3_moe", {"*ffn_gate_exps.weight": "Q4_0", "*ffn_up_exps.weight": "Q8_0",
+                                           "*ffn_down_exps.weight": "Q4_1", "*": "BF16"})}
 
 
 def tiny_moe(family: str, seed: int = 0, **over):
@@ -333,3 +337,15 @@ def test_one_call_decode_layers_of_a_mixture_of_experts_give_the_op_by_op_bits(f
         assert len(fused_margins) == len(metas) and all(torch.equal(a, m.router_margin)
                                                         for a, m in zip(fused_margins, metas))
         assert all(bool((m >= 0).all()) for m in fused_margins)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe-bf16", "mixtral-q4", "qwen3_moe-q8", "olmoe-q4", "mixtral-k",
+                                  "qwen3_moe-mixed"])
+def test_the_references_one_call_routing_layer_is_the_per_op_path_on_stored_experts(files, name):
+    """bf16 experts, and experts served as stored (Q4_0; Q8_0 with Q4_1; the K-quants; gate
+    and up in two types), through the reference's one call and its per-op path alike."""
+    loaded = loader.load(str(files[name]["path"]))
+    if name == "qwen3_moe-mixed":
+        layer = loaded.model.step_layers[0]
+        assert len(packing.of(loaded.model).shared[id(layer.experts[0][0])].parts) == 2
+    assert_one_call_is_per_op(loaded)

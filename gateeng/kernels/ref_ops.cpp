@@ -1897,6 +1897,97 @@ torch::Tensor moe_combine(torch::Tensor y, torch::Tensor weights) {
   return out;
 }
 
+// A matrix as linear multiplies it: its packed parts (one, or a stack whose parts are
+// stored in different types: SPEC.md, "Stacked projections"), each with its output size
+// and lanes (`per`, as linear takes it); x @ W.T is the parts' outputs side by side.
+struct Matrix {
+  std::vector<torch::Tensor> parts;
+  std::vector<int64_t> n, per;
+  Matrix(std::vector<torch::Tensor> parts, std::vector<int64_t> n, std::vector<int64_t> per)
+      : parts(std::move(parts)), n(std::move(n)), per(std::move(per)) {
+    TORCH_CHECK(!this->parts.empty() && this->n.size() == this->parts.size() && this->per.size() == this->parts.size(),
+                "a matrix has parts, each with its output size and lanes");
+    for (const auto& part : this->parts) TORCH_CHECK(part.is_contiguous(), "a packed part must be contiguous");
+  }
+  int64_t rows() const { return std::accumulate(n.begin(), n.end(), int64_t{0}); }
+  torch::Tensor apply(const torch::Tensor& x, bool f32) const {
+    if (parts.size() == 1) return linear(x, parts[0], n[0], f32, per[0]);
+    std::vector<torch::Tensor> outs;
+    for (size_t i = 0; i < parts.size(); ++i) outs.push_back(linear(x, parts[i], n[i], f32, per[i]));
+    return torch::cat(outs, 1);
+  }
+};
+
+// A routing layer as the reference computes it (SPEC.md, "Mixture of experts"): its
+// router (bf16, binary32 logits), every expert's gate_up and down, and the rule.
+struct MoeLayer {
+  Matrix router;
+  std::vector<Matrix> gate_up, down;
+  int64_t k;
+  bool softmax_first, renorm;
+  MoeLayer(Matrix router, std::vector<Matrix> gate_up, std::vector<Matrix> down, int64_t k, bool softmax_first,
+           bool renorm)
+      : router(std::move(router)), gate_up(std::move(gate_up)), down(std::move(down)), k(k),
+        softmax_first(softmax_first), renorm(renorm) {
+    const int64_t experts = this->router.rows();
+    TORCH_CHECK(static_cast<int64_t>(this->gate_up.size()) == experts &&
+                    static_cast<int64_t>(this->down.size()) == experts, "one gate_up and one down per router row");
+    TORCH_CHECK(k >= 1 && k <= experts, "1 <= k <= experts");
+    for (const auto& part : this->router.parts)
+      TORCH_CHECK(part.scalar_type() == torch::kBFloat16, "the router is a bf16 weight (never quantized)");
+  }
+};
+
+// A routing layer's MLP output for x [M, H] bf16, and each row's router margin: the
+// router's binary32 logits (linear), the routing rule (moe_route), each active expert's
+// gate_up, silu_mul and down once over the rows routed to it (row-invariant kernels: a
+// row's outputs are those of the row alone), then moe_combine, in ascending expert id
+// order. The same functions the per-op path calls one by one, so the same bits. With at
+// least two active experts per thread the experts split across the threads (each
+// expert's kernels then run inline on its thread: a parallel_for inside a parallel
+// region does), else each matmul's column blocks split as in linear.
+std::vector<torch::Tensor> moe_layer(torch::Tensor x, const MoeLayer& layer) {
+  check_bf16(x, "x");
+  TORCH_CHECK(x.dim() == 2, "x must be [rows, hidden]");
+  x = x.contiguous();
+  const int64_t m = x.size(0), h = x.size(1), k = layer.k, experts = layer.router.rows();
+  std::vector<torch::Tensor> routed = moe_route(layer.router.apply(x, true), k, layer.softmax_first, layer.renorm);
+  const int64_t* ids = routed[0].data_ptr<int64_t>();
+  // The (row, slot) pairs grouped by expert, each expert's in row order (a counting sort).
+  std::vector<int64_t> start(experts + 1, 0), order(m * k);
+  for (int64_t p = 0; p < m * k; ++p) ++start[ids[p] + 1];
+  for (int64_t e = 0; e < experts; ++e) start[e + 1] += start[e];
+  {
+    std::vector<int64_t> at(start.begin(), start.end() - 1);
+    for (int64_t p = 0; p < m * k; ++p) order[at[ids[p]]++] = p;
+  }
+  std::vector<int64_t> active;
+  for (int64_t e = 0; e < experts; ++e)
+    if (start[e + 1] > start[e]) active.push_back(e);
+  auto y = torch::empty({m, k, h}, x.options());   // each (row, slot)'s expert output
+  const u16* xp = cbits(x);
+  u16* yp = bits(y);
+  auto run = [&](int64_t begin, int64_t end) {
+    for (int64_t a = begin; a < end; ++a) {
+      const int64_t e = active[a], n = start[e + 1] - start[e];
+      auto rows = torch::empty({n, h}, x.options());
+      u16* rp = bits(rows);
+      for (int64_t i = 0; i < n; ++i) std::memcpy(rp + i * h, xp + order[start[e] + i] / k * h, h * sizeof(u16));
+      const auto out = layer.down[e].apply(silu_mul(layer.gate_up[e].apply(rows, false)), false);
+      TORCH_CHECK(out.size(1) == h, "an expert's down must give hidden-size rows");
+      const u16* op = cbits(out);
+      for (int64_t i = 0; i < n; ++i) std::memcpy(yp + order[start[e] + i] * h, op + i * h, h * sizeof(u16));
+    }
+  };
+  const int64_t count = static_cast<int64_t>(active.size());
+  if (count >= 2 * at::get_num_threads()) {
+    at::parallel_for(0, count, 1, run);
+  } else {
+    run(0, count);
+  }
+  return {moe_combine(y, routed[1]), routed[2]};
+}
+
 // The spec's functions one at a time, for the tests against the oracle.
 torch::Tensor map_f32(torch::Tensor x, int64_t which) {
   check_f32(x, "x");
@@ -1966,6 +2057,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_route", &moe_route, "(ids, weights, margins) of each row's k experts from its router logits",
         py::arg("logits"), py::arg("k"), py::arg("softmax_first"), py::arg("renorm"));
   m.def("moe_combine", &moe_combine, "each row's experts' outputs weighted and summed in order, bf16");
+  py::class_<Matrix>(m, "Matrix", "a packed weight as linear multiplies it: its parts, output sizes and lanes")
+      .def(py::init<std::vector<torch::Tensor>, std::vector<int64_t>, std::vector<int64_t>>(), py::arg("parts"),
+           py::arg("n"), py::arg("per"));
+  py::class_<MoeLayer>(m, "MoeLayer", "a routing layer's router, experts and rule, for moe_layer")
+      .def(py::init<Matrix, std::vector<Matrix>, std::vector<Matrix>, int64_t, bool, bool>(), py::arg("router"),
+           py::arg("gate_up"), py::arg("down"), py::arg("k"), py::arg("softmax_first"), py::arg("renorm"));
+  m.def("moe_layer", &moe_layer, "(output, router margins): a routing layer routed and run, the reference's way",
+        py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("layer"));
   m.def("map_f32", &map_f32, "the spec's exp (0) or log (1), elementwise");
   m.def("dot_rows", &dot_rows, "the spec's dot of a[r] and b[r] per row");
   m.def("sum_f32", &sum_f32, "the spec's sum of all elements");

@@ -9,7 +9,8 @@ gate_up and down, `router` [experts, hidden] and `experts`, a ModuleList whose j
 module holds expert j's `gate_up` [2 expert_inter, hidden] (gate, up stacked) and
 `down` [hidden, expert_inter]: each expert a plain MLP, so each is a projection the
 plans pack and multiply like any other. `_moe` says what the layer computes; the
-plan says how (router_logits, route, combine; kernels/SPEC.md, "Mixture of experts").
+plan says how (router_logits, route, combine; kernels/SPEC.md, "Mixture of experts"),
+or computes the same layer in one call (moe_layer: the CPU plans' C++ routing layers).
 """
 from __future__ import annotations
 
@@ -225,8 +226,10 @@ class LlamaModel(torch.nn.Module):
         (plan.route, ascending expert ids, binary32 weights from the binary32 router
         logits), each active expert's plain MLP once over the rows routed to it (each
         row's bits its own: the plan's matmul is row-invariant where it must be), then
-        each row's weighted sum in ascending expert order (plan.combine). The rows'
-        smallest router margin so far goes to meta.router_margin (the gate reads it)."""
+        each row's weighted sum in ascending expert order (plan.combine). A plan with a
+        one-call routing layer (plan.moe_layer; the reference's gives these steps' bits)
+        runs it instead, but on a tensor-parallel shard. The rows' smallest router margin
+        so far goes to meta.router_margin (the gate reads it)."""
         moe, tp = self.cfg.moe, self.tp
         fused = plan.moe_layer(self, x, layer) if tp is None else None
         if fused is not None:

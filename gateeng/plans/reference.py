@@ -101,12 +101,35 @@ class ReferencePlan(ReferenceBase):
                         for w in model.projections() + [model.lm_head] + model.routers()}
         self._lm_head = id(model.lm_head)
         self._version = self.reference_version(model)
+        # Each routing layer in one C++ call (moe_layer), keyed by id of expert 0's gate_up;
+        # a tensor-parallel shard's experts sum over the ranks (model.shard): not here.
+        self._moe_layers = {} if model.tp is not None else {
+            id(layer.experts[0][0]): self._moe(model, layer) for layer in model.step_layers
+            if layer.experts is not None}
+
+    def _moe(self, model, layer):
+        """A routing layer's router, experts and rule as ref_ops' MoeLayer takes them."""
+        def matrix(w):
+            parts = cpu_linear.parts(self._packed[id(w)])
+            return self.ops.Matrix([q.data for q in parts], [q.n for q in parts], [q.per for q in parts])
+        moe = model.cfg.moe
+        return self.ops.MoeLayer(matrix(layer.router), [matrix(g) for g, _ in layer.experts],
+                                 [matrix(d) for _, d in layer.experts], moe.top_k, moe.routing == SOFTMAX_TOPK,
+                                 moe.norm_topk_prob)
 
     def describe(self, dtype: str = BFLOAT16) -> str:
         return self._version
 
     def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return cpu_linear.side_by_side(self._packed[id(w)], lambda q: self.ops.linear(x, q.data, q.n, False, q.per))
+
+    def moe_layer(self, model, x, layer):
+        """A routing layer in one C++ call (ref_ops.cpp moe_layer): router_logits, route,
+        each active expert's gate_up, silu_mul and down over its rows, and combine, the
+        same kernels the per-op path calls one by one, so the same bits, without a
+        Python call per expert. (output, router margins)."""
+        moe = self._moe_layers.get(id(layer.experts[0][0]))
+        return None if moe is None else tuple(self.ops.moe_layer(x, moe))
 
     def router_logits(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """A router's logits: the binary32 dots x @ w.T, not rounded to bf16."""
