@@ -92,7 +92,11 @@ def test_quantized_logits_follow_the_file_and_the_plans_agree(files, gguf_in_tra
     prompt = [1, 500, 9000, 77, 4242, 31000]
     with torch.no_grad():
         want = hf(torch.tensor([prompt])).logits[0, -1]
-    engine = Engine(EngineConfig(plan="fast", num_kv_blocks=64, max_model_len=128), loaded=loaded)
+    # The speculative route: every VERIFIED token comes from the fast plan, checked by the
+    # reference (the adaptive route may decode them on the reference directly), and the
+    # start prices no routes.
+    engine = Engine(EngineConfig(plan="fast", num_kv_blocks=64, max_model_len=128, verified_route="speculative"),
+                    loaded=loaded)
     verified, params = DeterminismParams(Mode.VERIFIED), SamplingParams(max_tokens=8, ignore_eos=True, logprobs=1)
     try:
         alone = engine.submit(prompt, params, verified).result()
@@ -159,7 +163,8 @@ def test_quantized_weights_fail_closed(files, tmp_path):
         loaded.model.hf_state_dict()
     with pytest.raises(RuntimeError, match="no plain copy"):
         packing.restore_plain_weights(loaded.model)
-    engine = Engine(EngineConfig(num_kv_blocks=32, max_model_len=64), loaded=loaded)
+    engine = Engine(EngineConfig(num_kv_blocks=32, max_model_len=64, verified_route="speculative"),   # unpriced
+                    loaded=loaded)
     try:
         with pytest.raises(WeightUpdateUnavailable, match="--dequantize"):
             engine.update_weights(str(tmp_path))
