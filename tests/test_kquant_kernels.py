@@ -163,6 +163,24 @@ def test_the_fast_plans_int8_matmul_on_k_quants_is_row_invariant_and_close_to_th
     assert torch.equal(kernels.qlinear_k_avx2(x, packed, 40, False), many.to(torch.bfloat16))
 
 
+
+@pytest.mark.skipif(not _k_int8(), reason="this CPU has no AVX2: the fast plan takes the reference's matmul")
+def test_the_int8_matmul_by_record_is_each_records_own_kernel():
+    """cpu_ops' qlinear_int8 (the one-call decode layers' matmul where a model's layers
+    mix record types): each packed weight's bits from the int8 kernel of its record."""
+    from gguf import GGMLQuantizationType, quants
+    from gateeng.plans import cpu_ops
+    kernels, ops = cpu_ops.load(), reference_ops.load()
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    own = kernels.qlinear_vnni if kernels.qvnni else kernels.qlinear_avx2
+    w = np.random.default_rng(5).standard_normal((24, 512)).astype(np.float32)
+    q4_0 = ops.qpack(torch.from_numpy(quants.quantize(w, GGMLQuantizationType.Q4_0).view(np.uint8)), 2)
+    cases = [(q4_0, own)] + [(ops.qpack(torch.from_numpy(random_blocks(kind, 24, 512, seed=5)), K_TYPES[kind]),
+                              kernels.qlinear_k_avx2) for kind in K_TYPES]
+    for packed, kernel in cases:
+        for f32 in (True, False):
+            assert torch.equal(kernels.qlinear_int8(x, packed, 24, f32), kernel(x, packed, 24, f32))
+
 def kquant_case(kind: str):
     """Raw GGUF rows of a K-quant W [21, 512] (B = 2; row 1's scales binary16 subnormals)
     and x [3, 512]: row 0 with denormal inputs (read as zero), row 1 with a cancellation

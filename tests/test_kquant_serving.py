@@ -9,7 +9,7 @@ import torch
 from gateeng.config import EngineConfig
 from gateeng.engine.engine import Engine
 from gateeng.model import loader
-from gateeng.plans import cpu_linear, packing, reference_ops
+from gateeng.plans import cpu_linear, cpu_ops, packing, reference_ops
 from gateeng.plans.kernel_names import ISA_ENV, REFERENCE
 from gateeng.request import DeterminismParams, Mode, SamplingParams
 from tests.tiny_gguf import write_tiny_gguf
@@ -87,9 +87,13 @@ def test_verified_answers_are_the_same_alone_in_a_batch_and_on_either_plan(files
         # The speculative route: the fast plan's VERIFIED tokens are its own, checked by
         # the reference (the adaptive route may decode them on the reference directly),
         # and the start prices no routes.
+        loaded = loader.load(str(path))
         engine = Engine(EngineConfig(plan=plan, num_kv_blocks=64, max_model_len=128, verified_route="speculative"),
-                        loaded=loader.load(str(path)))
+                        loaded=loaded)
         try:
+            kernels = cpu_ops.load()
+            if plan == "fast" and getattr(kernels, "qavx2", False):   # no Python between the layers' matmuls
+                assert packing.of(loaded.model).fused_layers.matmul in (kernels.qlinear_k_avx2, kernels.qlinear_int8)
             alone = engine.submit(PROMPT, PARAMS, VERIFIED).result()
             many = engine.submit_many([[5, 6, 7, 8, 9], PROMPT, PROMPT[:3]], [PARAMS] * 3, VERIFIED)
             assert bits(many[1].result()) == bits(alone)

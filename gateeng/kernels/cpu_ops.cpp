@@ -1155,6 +1155,32 @@ void route_rows(const u16* x, const u16* router, int64_t m, int64_t e, int64_t h
 }
 
 #ifdef GATEENG_QINT8
+// x @ w.T on any weight the int8 kernels take, by its record: Q8_0, Q4_0 and Q4_1 on
+// qlinear_vnni where `vnni` (and built with it), else qlinear_avx2; the K-quants on
+// qlinear_k_avx2.
+torch::Tensor qlinear_int8_on(torch::Tensor x, torch::Tensor packed, int64_t n, bool f32, int64_t per, bool vnni) {
+  TORCH_CHECK(packed.dim() == 3, "packed must come from the reference's qpack");
+  const int64_t rec = packed.size(2);
+  if (rec == qint8::REC_Q8_0 || rec == qint8::REC_Q4_0 || rec == qint8::REC_Q4_1) {
+#ifdef GATEENG_AVX512_VNNI
+    if (vnni) return qlinear_vnni(x, packed, n, f32, per);
+#endif
+    return qlinear_avx2(x, packed, n, f32, per);
+  }
+  return qlinear_k_avx2(x, packed, n, f32, per);
+}
+
+// qlinear_int8_on with VNNI wherever built: a model whose layers mix record types (a
+// Q4_K_M file's Q4_K and Q6_K) hands decode_layers_with this one C++ matmul, so no
+// Python runs between its layers' matmuls.
+torch::Tensor qlinear_int8(torch::Tensor x, torch::Tensor packed, int64_t n, bool f32, int64_t per) {
+#ifdef GATEENG_AVX512_VNNI
+  return qlinear_int8_on(x, packed, n, f32, per, true);
+#else
+  return qlinear_int8_on(x, packed, n, f32, per, false);
+#endif
+}
+
 // A routing layer's experts on the fast plan, in one call: the (row, slot) pairs grouped
 // by expert (a counting sort, so each expert's rows keep their order), each active
 // expert's gate_up, SiLU gate and down once over its rows on the int8 kernels above
@@ -1179,14 +1205,7 @@ torch::Tensor experts_combined(const torch::Tensor& x, const int64_t* ids, const
     for (int64_t p = 0; p < pairs; ++p) order[at[ids[p]]++] = p;
   }
   auto linear = [&](const torch::Tensor& in, const torch::Tensor& packed, int64_t n) {
-    const int64_t rec = packed.size(2);
-    if (rec == qint8::REC_Q8_0 || rec == qint8::REC_Q4_0 || rec == qint8::REC_Q4_1) {
-#ifdef GATEENG_AVX512_VNNI
-      if (vnni) return qlinear_vnni(in, packed, n, false, 0);
-#endif
-      return qlinear_avx2(in, packed, n, false, 0);
-    }
-    return qlinear_k_avx2(in, packed, n, false, 0);
+    return qlinear_int8_on(in, packed, n, false, 0, vnni);
   };
   const u16* xs = reinterpret_cast<const u16*>(x.data_ptr<at::BFloat16>());
   std::vector<u16> y(pairs * h);   // each pair's expert output, bf16 bits
@@ -1531,6 +1550,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("f32"),
         py::arg("per") = 0);
   m.def("qlinear_k_avx2", &qlinear_k_avx2, "x @ w.T on a K-quant weight packed by the reference's qpack (int8 AVX2)",
+        py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("f32"),
+        py::arg("per") = 0);
+  m.def("qlinear_int8", &qlinear_int8, "x @ w.T on a weight packed by the reference's qpack, on the int8 kernel "
+        "of its record (qlinear_vnni where built, else qlinear_avx2; qlinear_k_avx2)",
         py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("f32"),
         py::arg("per") = 0);
   m.def("moe_experts", &moe_experts, "a routing layer's experts on the int8 kernels, combined (the fast plan)",

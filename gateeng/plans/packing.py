@@ -389,7 +389,10 @@ def _pack_quantized(model, s: PackedWeights, kernels, ref) -> None:
         s.expert_layers = _expert_layers(model, s, lambda data: kernel(data) is not ref.linear)
     if _plain_layers(model, s):
         kernels_used = {kernel(q.data) for q in _layer_parts(model, s)}
+        # Layers of several record types (a Q4_K_M file's Q4_K and Q6_K): the one C++
+        # matmul that picks `kernel`'s int8 kernel by record, so no Python runs per matmul.
         matmul = (next(iter(kernels_used)) if len(kernels_used) == 1 else
+                  kernels.qlinear_int8 if ref.linear not in kernels_used else
                   lambda x, data, n, f32, per: kernel(data)(x, data, n, f32, per))
         s.fused_layers = _fused_layers(model, s, matmul, kernels)
 
