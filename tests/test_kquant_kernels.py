@@ -10,6 +10,7 @@ import torch
 
 from gateeng.plans import reference_ops
 from gateeng.plans.kernel_names import REFERENCE_ISAS
+from test_quantized import tiny_normal
 from tests import oracle
 
 K_TYPES = {"Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
@@ -97,11 +98,12 @@ def test_every_build_multiplies_k_quants_as_the_oracle(kind, isa):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).to(torch.bfloat16)
         x[0, :7] = 2.0 ** -128                    # denormal inputs: read as zero
         x[1, 256:512] = x[1, :256]                # cancellations across super-blocks
+        x[1, 7:9] = 2.0 ** -114                   # the smallest inputs the AVX2 4-bit kernel scales
         packed = ops.qpack(torch.from_numpy(raw), K_TYPES[kind])
         assert ops.qtype(packed) == K_TYPES[kind]
         assert torch.equal(ops.qunpack(packed, n, 0), torch.from_numpy(raw))
-        xb = x.view(torch.int16).numpy().view(np.uint16)
-        for f32 in (True, False):
+        for x, f32 in [(x, True), (x, False), (tiny_normal(x), True)]:
+            xb = x.view(torch.int16).numpy().view(np.uint16)
             got = ops.qlinear(x, packed, n, f32)
             want = oracle.kqlinear(xb, q, scale, mins, sub, f32=f32)
             assert np.array_equal(got.view(torch.int32 if f32 else torch.int16).numpy(),

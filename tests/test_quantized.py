@@ -58,16 +58,27 @@ def test_every_build_multiplies_quantized_weights_as_the_oracle(gguf_type, isa):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).to(torch.bfloat16)
         x[0, :7] = 2.0 ** -128                    # denormal inputs: read as zero
         x[1, 32:64] = x[1, :32]                   # cancellations across blocks
+        x[1, 64:66] = 2.0 ** -114                 # the smallest inputs the AVX2 4-bit kernel scales
         packed = ops.qpack(torch.from_numpy(raw), TYPES[gguf_type])
-        xb = x.view(torch.int16).numpy().view(np.uint16)
-        for f32 in (True, False):
+        for x, f32 in [(x, True), (x, False), (tiny_normal(x), True)]:
+            xb = x.view(torch.int16).numpy().view(np.uint16)
             got = ops.qlinear(x, packed, n, f32)
             want = oracle.qlinear(xb, q, d, mins, f32=f32)
             assert np.array_equal(got.view(torch.int32 if f32 else torch.int16).numpy(),
                                   np.asarray(want).view(np.int32 if f32 else np.int16)), (gguf_type, n, k, f32)
             assert torch.equal(got, ops.linear(x, packed, n, f32))   # linear takes a quantized packed weight
+            assert torch.equal(got, ops.qlinear(x, packed, n, f32, True))   # the portable loops
         rows = ops.qrows(packed, torch.arange(n))
         assert np.array_equal(rows.view(torch.int16).numpy(), np.asarray(oracle.qvalues(q, d, mins)).view(np.int16))
+
+
+def tiny_normal(x: torch.Tensor) -> torch.Tensor:
+    """x with normal inputs below 2^-114, whose x / 4096 would be denormal: the AVX2
+    build's 4-bit kernel multiplies such a call's integers unscaled (ref_ops.cpp
+    scaled_nibbles); the bits are the spec's either way."""
+    x = x.clone()
+    x[0] = reference_ops.tiny_normals(x.shape[1])
+    return x
 
 
 def test_a_gguf_is_served_as_stored_by_default(files):

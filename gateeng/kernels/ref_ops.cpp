@@ -998,39 +998,67 @@ void qtile_dpbf16(const QType& t, const QLayout& lay, const u16* x, int64_t k, c
 #endif
 
 #if defined(GATEENG_REF_AVX2)
-// A record's integers of pair p for the 8 columns of half h, even and odd elements.
-template <QKind KD>
-inline void qpair_avx2(const QType& t, const uint8_t* rec, int p, int h, __m256i& e, __m256i& o) {
-  if constexpr (KD == QKind::Q8) {
-    const __m256i v = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + t.q_off + p * 32 + h * 16)));
-    e = _mm256_srai_epi32(_mm256_slli_epi32(v, 16), 16);
-    o = _mm256_srai_epi32(v, 16);
-    return;
+// A record's integers of pairs p and p + 1 (p even: both in one byte of a 4-bit type) for
+// the 8 columns of half h, even and odd elements, as binary32 (exact).
+template <QKind KD, bool SCALED>
+inline void qpairs_avx2(const QType& t, const uint8_t* rec, int p, int h, __m256& e0, __m256& o0, __m256& e1,
+                        __m256& o1) {
+  if constexpr (SCALED) {
+    // Each nibble in place, as 2^23 + s n for its place s (1, 256; 16, 4096), exact,
+    // minus 2^23 + s bias: s q, exact (at most 2^19 in magnitude). See scaled_nibbles.
+    static_assert(KD == QKind::Q4 || KD == QKind::Q4K, "the scaled integers are 4-bit ones");
+    __m256i v = _mm256_or_si256(_mm256_cvtepu16_epi32(_mm_loadu_si128(
+        reinterpret_cast<const __m128i*>(rec + t.q_off + (p / 2) * 32 + h * 16))), _mm256_set1_epi32(0x4B000000));
+    __asm__("" : "+x"(v));   // one OR for the four: the compiler would otherwise redo it per mask
+    const float b = static_cast<float>(t.bias);
+    const auto at = [&](int mask, float s) {
+      return _mm256_sub_ps(_mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(0x4B000000 | mask))),
+                           _mm256_set1_ps(8388608.f + s * b));
+    };
+    e0 = at(0x000F, 1.f);
+    o0 = at(0x0F00, 256.f);
+    e1 = at(0x00F0, 16.f);
+    o1 = at(0xF000, 4096.f);
+  } else if constexpr (KD == QKind::Q8) {
+    for (int i = 0; i < 2; ++i) {
+      const __m256i v = _mm256_cvtepi8_epi16(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + t.q_off + (p + i) * 32 + h * 16)));
+      (i ? e1 : e0) = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 16), 16));
+      (i ? o1 : o0) = _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 16));
+    }
   } else {
-    const __m256i nib = _mm256_set1_epi32(0x0F);
+    // Per column, its even and odd bytes side by side: pair p in the low nibbles, p + 1 in the high.
     const __m256i v = _mm256_cvtepu16_epi32(
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + t.q_off + (p / 2) * 32 + h * 16)));
-    const int sh = (p % 2) * 4;
-    e = _mm256_and_si256(_mm256_srli_epi32(v, sh), nib);
-    o = _mm256_and_si256(_mm256_srli_epi32(v, 8 + sh), nib);
+    const __m256i nib = _mm256_set1_epi32(0x0F);
+    __m256i n[4] = {_mm256_and_si256(v, nib), _mm256_and_si256(_mm256_srli_epi32(v, 8), nib),
+                    _mm256_and_si256(_mm256_srli_epi32(v, 4), nib), _mm256_and_si256(_mm256_srli_epi32(v, 12), nib)};
     if constexpr (KD == QKind::Q5K) {
-      u32 mask;
-      std::memcpy(&mask, rec + t.hi_off + 4 * p, 4);
-      const __m256i bits = _mm256_set1_epi32(static_cast<int>(mask >> (16 * h))), one = _mm256_set1_epi32(1);
-      const __m256i at = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
-      e = _mm256_or_si256(e, _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(bits, at), one), 4));
-      o = _mm256_or_si256(o, _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(bits, _mm256_add_epi32(at, one)), one), 4));
+      const __m256i one = _mm256_set1_epi32(1), at = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+      for (int i = 0; i < 2; ++i) {
+        u32 mask;
+        std::memcpy(&mask, rec + t.hi_off + 4 * (p + i), 4);
+        const __m256i bits = _mm256_set1_epi32(static_cast<int>(mask >> (16 * h)));
+        n[2 * i] = _mm256_or_si256(n[2 * i], _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(bits, at), one), 4));
+        n[2 * i + 1] = _mm256_or_si256(
+            n[2 * i + 1], _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(bits, _mm256_add_epi32(at, one)), one), 4));
+      }
     } else if constexpr (KD == QKind::Q6K) {
       const __m256i hi = _mm256_cvtepu16_epi32(
           _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + t.hi_off + (p / 4) * 32 + h * 16)));
       const __m256i three = _mm256_set1_epi32(3);
-      const int s2 = (p % 4) * 2;
-      e = _mm256_or_si256(e, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hi, s2), three), 4));
-      o = _mm256_or_si256(o, _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hi, 8 + s2), three), 4));
+      for (int i = 0; i < 2; ++i) {
+        const int s2 = ((p + i) % 4) * 2;
+        n[2 * i] = _mm256_or_si256(n[2 * i], _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hi, s2), three), 4));
+        n[2 * i + 1] = _mm256_or_si256(
+            n[2 * i + 1], _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(hi, 8 + s2), three), 4));
+      }
     }
     const __m256i bias = _mm256_set1_epi32(t.bias);
-    e = _mm256_sub_epi32(e, bias);
-    o = _mm256_sub_epi32(o, bias);
+    e0 = _mm256_cvtepi32_ps(_mm256_sub_epi32(n[0], bias));
+    o0 = _mm256_cvtepi32_ps(_mm256_sub_epi32(n[1], bias));
+    e1 = _mm256_cvtepi32_ps(_mm256_sub_epi32(n[2], bias));
+    o1 = _mm256_cvtepi32_ps(_mm256_sub_epi32(n[3], bias));
   }
 }
 
@@ -1050,14 +1078,90 @@ inline __m256 qmin_avx2(const QType& t, const uint8_t* rec, int j, int h) {
                               _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rec + t.m_off + j * 16 + h * 8)))));
 }
 
-// The AVX2 tile: MR rows x 16 columns as two 8-lane halves, LN lanes at a time. A
-// pair's even and odd integers come out of the record as binary32 (exact) and take
-// one FMA each, odd first: VDPBF16PS's two steps, under Flush's DAZ/FTZ.
-template <int MR, int LN, QKind KD>
+// A 4-bit integer sits at bit 0, 4, 8 or 12 of a column's two bytes of a pair of pairs
+// (pair p's even and odd element, then pair p + 1's: places s = 1, 256, 16, 4096).
+// Masked in place under the bits of 2^23 it reads as 2^23 + s n, so one subtraction
+// gives s q exactly (qpairs_avx2), where shifting it down and converting took three
+// operations. The x element it multiplies is then taken as x / s: exact for a normal
+// x of at least 2^-114 (its quotient stays normal; a denormal x reads as a zero of its
+// sign either way). Both factors are still bf16 values, and (x / s) * (s q) is x * q
+// exactly, so each FMA rounds the same sum: the spec's bits, as the probe and the
+// oracle tests check. Whether every x of the call is such a value (else the integers
+// are converted one by one, unscaled).
+inline bool scaled_nibbles(const u16* x, int64_t n) {
+  bool ok = true;
+  for (int64_t i = 0; i < n; ++i) {
+    const int e = (x[i] >> 7) & 0xFF;   // the biased exponent; 1..12: 2^-126 <= |x| < 2^-114
+    ok &= e == 0 || e > 12;
+  }
+  return ok;
+}
+
+// LN lanes' records of one step (recs, one after another) added into their lane sums
+// (lanes[0..LN)): per sub-block, MR rows x 16 columns as two 8-lane halves, each lane's
+// chains in registers. A pair's even and odd integers come out of the record as
+// binary32 (exact) and take one FMA each, odd first: VDPBF16PS's two steps, under
+// Flush's DAZ/FTZ. x: each lane's block's first pair in xo and xe (the rows' odd and
+// even elements as binary32, `pairs` a row); tx: its sums of 32 values (`kq` a row).
+template <int MR, int LN, QKind KD, bool SCALED>
+inline void qlanes_avx2(const QType& t, const uint8_t* recs, const float* const* xo, const float* const* xe,
+                        int64_t pairs, const float* const* tx, int64_t kq, float (*lanes)[MR][16]) {
+  constexpr int SP = KD == QKind::Q6K ? 8 : 16;   // pairs per sub-block
+  constexpr int SUBS = KD == QKind::Q8 || KD == QKind::Q4 ? 1 : (KD == QKind::Q6K ? 16 : 8);
+  for (int sb = 0; sb < SUBS; ++sb) {
+    __m256 acc[LN][MR][2];
+#pragma GCC unroll 8
+    for (int j = 0; j < LN; ++j)
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) acc[j][i][0] = acc[j][i][1] = _mm256_setzero_ps();
+    for (int p = sb * SP; p < (sb + 1) * SP; p += 2) {
+      // Unrolled, so every chain stays in a register (a loop over them kept them in memory).
+#pragma GCC unroll 8
+      for (int j = 0; j < LN; ++j) {
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+          __m256 e0, o0, e1, o1;
+          qpairs_avx2<KD, SCALED>(t, recs + j * t.rec, p, h, e0, o0, e1, o1);
+#pragma GCC unroll 8
+          for (int i = 0; i < MR; ++i) {
+            const float* xoi = xo[j] + i * pairs + p;
+            const float* xei = xe[j] + i * pairs + p;
+            __m256 a = _mm256_fmadd_ps(_mm256_broadcast_ss(xoi), o0, acc[j][i][h]);
+            a = _mm256_fmadd_ps(_mm256_broadcast_ss(xei), e0, a);
+            a = _mm256_fmadd_ps(_mm256_broadcast_ss(xoi + 1), o1, a);
+            acc[j][i][h] = _mm256_fmadd_ps(_mm256_broadcast_ss(xei + 1), e1, a);
+          }
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < LN; ++j) {
+      const uint8_t* rec = recs + j * t.rec;
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        const __m256 d = qscale_avx2<KD>(t, rec, sb, h);
+        const __m256 m = t.mins ? qmin_avx2<KD>(t, rec, sb, h) : _mm256_setzero_ps();
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; ++i) {
+          __m256 v = _mm256_mul_ps(d, acc[j][i][h]);
+          if (t.mins) {
+            const __m256 mt = _mm256_mul_ps(m, _mm256_set1_ps(tx[j][i * kq + sb * t.sub / QK]));
+            v = t.kq() ? _mm256_sub_ps(v, mt) : _mm256_add_ps(v, mt);
+          }
+          float* lane = lanes[j][i] + h * 8;
+          _mm256_store_ps(lane, _mm256_add_ps(_mm256_load_ps(lane), v));
+        }
+      }
+    }
+  }
+}
+
+// The AVX2 tile: MR rows x 16 columns of one column block, LN lanes at a time
+// (qlanes_avx2), then the lanes folded by the tree. SCALED: xo and xe are scaled_nibbles'.
+template <int MR, int LN, QKind KD, bool SCALED>
 void qtile_avx2(const QType& t, const QLayout& lay, const float* xo, const float* xe, int64_t k, const float* tx,
                 const uint8_t* w, const uint8_t* next, const Out& out, int64_t row, int64_t col) {
   const int64_t per = lay.per, pairs = k / 2, kq = k / QK;
-  const int sp = t.sub / 2;
   alignas(32) float lanes[16][MR][16];
   for (int l = 0; l < 16; ++l)
     for (int i = 0; i < MR; ++i)
@@ -1068,44 +1172,18 @@ void qtile_avx2(const QType& t, const QLayout& lay, const float* xo, const float
       const int64_t count = std::min<int64_t>(LN, live - j0);
       const uint8_t* recs = w + (lay.base[s] + j0) * t.rec;
       prefetch_records(next, (lay.base[s] + j0) * t.rec, count * t.rec);
-      for (int sb = 0; sb < t.subs(); ++sb) {
-        __m256 acc[LN][MR][2];
-        for (int j = 0; j < LN; ++j)
-          for (int i = 0; i < MR; ++i) acc[j][i][0] = acc[j][i][1] = _mm256_setzero_ps();
-        for (int p = sb * sp; p < (sb + 1) * sp; ++p) {
-          for (int j = 0; j < LN; ++j) {
-            if (j >= count) break;
-            const int64_t xp = ((j0 + j) * per + s) * t.values / 2 + p;
-            for (int h = 0; h < 2; ++h) {
-              __m256i ei, oi;
-              qpair_avx2<KD>(t, recs + j * t.rec, p, h, ei, oi);
-              const __m256 e = _mm256_cvtepi32_ps(ei), o = _mm256_cvtepi32_ps(oi);
-              for (int i = 0; i < MR; ++i) {
-                const __m256 xov = _mm256_broadcast_ss(xo + i * pairs + xp);
-                const __m256 xev = _mm256_broadcast_ss(xe + i * pairs + xp);
-                acc[j][i][h] = _mm256_fmadd_ps(xev, e, _mm256_fmadd_ps(xov, o, acc[j][i][h]));
-              }
-            }
-          }
-        }
-        for (int j = 0; j < count; ++j) {
-          const int64_t g = (j0 + j) * per + s;
-          const uint8_t* rec = recs + j * t.rec;
-          for (int h = 0; h < 2; ++h) {
-            const __m256 d = qscale_avx2<KD>(t, rec, sb, h);
-            const __m256 m = t.mins ? qmin_avx2<KD>(t, rec, sb, h) : _mm256_setzero_ps();
-            for (int i = 0; i < MR; ++i) {
-              __m256 v = _mm256_mul_ps(d, acc[j][i][h]);
-              if (t.mins) {
-                const __m256 mt = _mm256_mul_ps(m, _mm256_set1_ps(tx[i * kq + (g * t.values + sb * t.sub) / QK]));
-                v = t.kq() ? _mm256_sub_ps(v, mt) : _mm256_add_ps(v, mt);
-              }
-              float* lane = lanes[j0 + j][i] + h * 8;
-              _mm256_store_ps(lane, _mm256_add_ps(_mm256_load_ps(lane), v));
-            }
-          }
-        }
+      const float* xol[LN];
+      const float* xel[LN];
+      const float* txl[LN];
+      for (int j = 0; j < count; ++j) {
+        const int64_t g = (j0 + j) * per + s;   // the lane's block
+        xol[j] = xo + g * t.values / 2;
+        xel[j] = xe + g * t.values / 2;
+        txl[j] = tx + g * t.values / QK;
       }
+      with_rows<LN>(static_cast<int>(count), [&](auto lanes_now) {
+        qlanes_avx2<MR, decltype(lanes_now)::value, KD, SCALED>(t, recs, xol, xel, pairs, txl, kq, lanes + j0);
+      });
     }
   }
   alignas(32) float lvl[5][MR][16];
@@ -1164,15 +1242,30 @@ torch::Tensor qlinear_lanes(torch::Tensor x, torch::Tensor packed, int64_t n, bo
   });
 #elif defined(GATEENG_REF_AVX2)
   const int64_t pairs = k / 2;
+  const bool scaled = (t.kind == QKind::Q4 || t.kind == QKind::Q4K) && scaled_nibbles(xp, m * k);
   std::vector<float> xo(m * pairs), xe(m * pairs);   // exact: a bf16 is a binary32
   for (int64_t i = 0; i < m * pairs; ++i) xo[i] = bf(xp[2 * i + 1]), xe[i] = bf(xp[2 * i]);
+  if (scaled) {   // x / s for the place s of the integer it multiplies (scaled_nibbles)
+    Flush flush;
+    for (int64_t i = 0; i < m * pairs; ++i) {
+      xo[i] = xo[i] * (i % 2 ? 1.f / 4096 : 1.f / 256);
+      xe[i] = xe[i] * (i % 2 ? 1.f / 16 : 1.f);
+    }
+  }
   with_kind(t, [&](auto kind) {
-    for_each_tile<4>(m, cbs, [&](auto rows, int64_t r, int64_t b, int64_t nb) {
-      constexpr int MR = decltype(rows)::value;
-      qtile_avx2<MR, std::max(1, 4 / MR), decltype(kind)::value>(
-          t, lay, xo.data() + r * pairs, xe.data() + r * pairs, k, tx.data() + r * kq, wp + b * stride,
-          nb >= 0 ? wp + nb * stride : nullptr, out, r, b * 16);
-    });
+    constexpr QKind KD = decltype(kind)::value;
+    auto tiles = [&](auto scaled_now) {
+      for_each_tile<4>(m, cbs, [&](auto rows, int64_t r, int64_t b, int64_t nb) {
+        constexpr int MR = decltype(rows)::value;
+        qtile_avx2<MR, std::max(1, 4 / MR), KD, decltype(scaled_now)::value>(
+            t, lay, xo.data() + r * pairs, xe.data() + r * pairs, k, tx.data() + r * kq, wp + b * stride,
+            nb >= 0 ? wp + nb * stride : nullptr, out, r, b * 16);
+      });
+    };
+    if constexpr (KD == QKind::Q4 || KD == QKind::Q4K) {
+      if (scaled) return tiles(std::true_type{});
+    }
+    tiles(std::false_type{});
   });
 #else
   for_each_tile<4>(m, cbs, [&](auto rows, int64_t r, int64_t b, int64_t) {

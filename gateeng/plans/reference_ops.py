@@ -143,6 +143,13 @@ def probe_inputs(seed: int = 0) -> tuple:
     return x.to(torch.bfloat16), w.to(torch.bfloat16)
 
 
+def tiny_normals(k: int) -> torch.Tensor:
+    """bf16 [k]: normal values just below 2^-114 (binary32 exponent -115), both signs: the
+    largest the AVX2 build's 4-bit kernel must not scale (ref_ops.cpp scaled_nibbles)."""
+    j = torch.arange(k)
+    return ((1 - 2 * (j % 2)) * (1 + (j % 7) / 8) * 2.0 ** -115).to(torch.bfloat16)
+
+
 # (GGML type id, bytes per block of 32 values) of the quantized types the probe checks.
 QUANT_PROBES = ((8, 34), (2, 18), (3, 20))
 
@@ -174,11 +181,14 @@ def probe(module) -> str:
     rounded = module.linear(x, module.pack(w), w.shape[0], False)
     if not torch.equal(rounded.view(torch.int16), want.to(torch.bfloat16).view(torch.int16)):
         return "matmul: the bf16 outputs are not the binary32 sums rounded to nearest even"
+    tiny = x.clone()   # a row of normal inputs below 2^-114: the 4-bit kernels' other path (ref_ops.cpp)
+    tiny[4] = tiny_normals(x.shape[1])
     for ggml, block in QUANT_PROBES:
         packed = module.qpack(quantized_probe(w.shape[0], x.shape[1], block, seed=ggml), ggml)
-        fast, spec = (module.qlinear(x, packed, w.shape[0], True, portable) for portable in (False, True))
-        if not torch.equal(fast.view(torch.int32), spec.view(torch.int32)):
-            return f"quantized matmul (GGML type {ggml}) differs from the portable code"
+        for xq in (x, tiny):
+            fast, spec = (module.qlinear(xq, packed, w.shape[0], True, portable) for portable in (False, True))
+            if not torch.equal(fast.view(torch.int32), spec.view(torch.int32)):
+                return f"quantized matmul (GGML type {ggml}) differs from the portable code"
     gen = torch.Generator().manual_seed(1)
     for d, group in ((64, 3), (128, 8)):   # the vector scores' head dims and group sizes
         k_cache, v_cache = (torch.randn(12, 16, 2, d, generator=gen).to(torch.bfloat16) for _ in range(2))
