@@ -31,7 +31,7 @@ class Engine:
                  observer: Optional[Observer] = None, ranks=None):
         self.core = EngineCore(config, loaded, observer, ranks)
         self.failure: Optional[BaseException] = None   # set if the step loop died
-        self.on_death: list = []   # callables(exc), called on the engine thread when it dies
+        self.on_death: list = []   # callables(exc), called on the engine thread when it dies, before its requests fail
         self.accepting = True
         self._inbox: "queue.SimpleQueue" = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -255,9 +255,12 @@ class Engine:
             except Exception as exc:   # a bug must not hang every caller
                 self.failure = exc
                 self.accepting = False
-                core.fail_all(exc)
+                # on_death runs before the requests are failed: a fleet replica exits
+                # there, so its front sees the replica die and re-runs them, where a
+                # request failed first could reach the client as the engine's error.
                 for callback in list(self.on_death):
                     callback(exc)
+                core.fail_all(exc)
                 raise
             core.idle(after_work=stepped)
             stepped = False
