@@ -130,6 +130,27 @@ def test_the_triton_plan_serves_a_quantized_gguf_as_the_cpu_reference(tmp_path, 
         assert same(tri.full_logits(blocks.model, b), ref.full_logits(cpu.model, a)[:, :96])
 
 
+def test_the_triton_reference_multiplies_a_stack_of_two_types_part_by_part(tmp_path):
+    """A stack of two types as in llama.cpp's Q4_K_M (q and k in Q4_K, v in Q6_K; the
+    rest in Q8_0, quick to write): the Triton reference keeps q, k and v as two runs of
+    blocks (packing.StackedBlocks) with the file's fingerprint, and their product is the
+    CPU reference's bit for bit."""
+    from gateeng.model.loader import load_gguf
+    from gateeng.plans.gpu import TritonReferencePlan
+    from gateeng.plans.reference import ReferencePlan
+    from tests.tiny_gguf import write_tiny_gguf
+    mix = {"blk.*.attn_v.weight": "Q6_K", "blk.*.attn_[qk].weight": "Q4_K", "*": "Q8_0"}
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", mix, tie=False, layers=1, hidden=256, heads=2, kv_heads=1,
+                           head_dim=32, intermediate=256)["path"]   # q, k, v: 64 + 32 + 32 rows
+    cpu, blocks = load_gguf(path), load_gguf(path, blocks_on="cpu")
+    assert cpu.fingerprint == blocks.fingerprint
+    w = blocks.model.layers[0].qkv
+    assert [b.q.shape[0] for b in packing.block_parts(packing.of(blocks.model).blocks[id(w)])] == [64 + 32, 32]
+    ref, tri = ReferencePlan(cpu.model, reference_ops.load(), 4), TritonReferencePlan(4, blocks.model)
+    x = randn(3, 256, seed=12)
+    assert same(tri.linear(x, w), ref.linear(x, cpu.model.layers[0].qkv))
+
+
 # ---- quantized weights (SPEC.md, "Quantized weights"): against the numpy oracle ------
 
 def quant_inputs(kind: str, m: int, n: int, k: int, seed: int, case: str = "plain"):

@@ -18,7 +18,7 @@ named in the start-up log. A stacked projection (q, k and v; gate and up) whose 
 are stored in different such types (llama.cpp's Q4_K_M: v in Q6_K beside q and k in
 Q4_K) is served as stored too, each run of parts of one type packed on its own
 (cpu_linear.Stacked). The Triton reference (`blocks_on`) takes the same types as
-stored, a stack only where its parts share one type (else the stack is converted to bf16).
+stored, a stack of several types run by run as well (packing.StackedBlocks).
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from gateeng.model.families import GGUF_EXPERTS
 from gateeng.model.fingerprint import Fingerprint
 from gateeng.plans import packing
 from gateeng.plans.cpu_linear import Packed, Stacked
-from gateeng.plans.packing import QuantBlocks
+from gateeng.plans.packing import QuantBlocks, StackedBlocks
 
 # The types multiplied as stored, by GGML type id (ref_ops.cpp's QTYPES), on the CPU
 # reference kernels and on the Triton reference (QuantBlocks).
@@ -341,8 +341,8 @@ class GGUFLoad:
         """w from the stored tensors `names` (expert `expert`'s matrix of each, for an
         expert's weight), stacked by rows: packed as stored where each is of a type
         served quantized (parts of different types: each run of one type packed on its
-        own, a cpu_linear.Stacked; the Triton reference's blocks take one type only), else
-        converted to bf16. `heads`: per name, the rotary heads whose rows the file
+        own, a cpu_linear.Stacked; for the Triton reference, a packing.StackedBlocks),
+        else converted to bf16. `heads`: per name, the rotary heads whose rows the file
         permuted (None: as stored). A router is always converted: its logits are a bf16
         matrix's (kernels/SPEC.md, "Mixture of experts"). `looked_up`: w is only looked up
         by rows (an untied embedding): served quantized, it stays in the file, read by
@@ -350,7 +350,6 @@ class GGUFLoad:
         heads = heads or [None] * len(names)
         kinds = [self.tensors.tensors[n].type for n in names]
         if (self.quantized and all(k in SERVED_QUANTIZED for k in kinds)
-                and (self.blocks_on is None or len(set(kinds)) == 1)
                 and not any(w is r for r in model.routers())):
             if (self.blocks_on is None and len(names) == 1 and heads[0] is None and expert is None
                     and len(self.tensors.tensors[names[0]].shape) == 2):   # one matrix as stored: in slices
@@ -364,9 +363,9 @@ class GGUFLoad:
             runs = [(kind, [self._rows(n, True, h, expert) for _, n, h in run])
                     for kind, run in itertools.groupby(zip(kinds, names, heads), key=lambda entry: entry[0])]
             if self.blocks_on is not None:
-                (kind, rows), = runs
-                raw = np.concatenate(rows) if len(rows) > 1 else rows[0]
-                packing.set_blocks(model, w, split_blocks(raw, kind, w.shape[1]).to(self.blocks_on))
+                blocks = tuple(split_blocks(np.concatenate(rows) if len(rows) > 1 else rows[0], kind,
+                                            w.shape[1]).to(self.blocks_on) for kind, rows in runs)
+                packing.set_blocks(model, w, blocks[0] if len(blocks) == 1 else StackedBlocks(blocks))
                 return
             packed = []
             while runs:   # each run's stored rows let go once packed

@@ -72,7 +72,8 @@ class TritonInvariantPlan(InvariantPlan):
 class TritonReferencePlan(ReferenceBase):
     """Every op of the reference in Triton; rows run unpadded, one forward per step.
     `model`'s quantized weights (plans.packing.set_blocks) are multiplied and looked up
-    as stored (kernels/SPEC.md, "Quantized weights"); every other weight is bf16."""
+    as stored (kernels/SPEC.md, "Quantized weights"), a stack of parts in different
+    types part by part; every other weight is bf16."""
 
     def __init__(self, block_size: int = BLOCK_SIZE, model=None):
         from gateeng.kernels import triton_reference
@@ -89,7 +90,11 @@ class TritonReferencePlan(ReferenceBase):
 
     def linear(self, x, w, f32: bool = False):
         b = self._blocks.get(id(w))
-        return self.ops.matmul(x, w, f32=f32) if b is None else self.ops.qmatmul(x, b.q, b.d, b.m, f32, b.sc, b.mn)
+        if b is None:
+            return self.ops.matmul(x, w, f32=f32)
+        # A stack of parts in different types: each part's outputs are its own columns' dots.
+        outs = [self.ops.qmatmul(x, p.q, p.d, p.m, f32, p.sc, p.mn) for p in packing.block_parts(b)]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
     def router_logits(self, x, w):
         """A router's logits: the binary32 dots x @ w.T, not rounded to bf16. (route and

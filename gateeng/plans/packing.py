@@ -66,6 +66,20 @@ class QuantBlocks:
 
 
 @dataclass(frozen=True)
+class StackedBlocks:
+    """A stacked projection whose parts a GGUF stores in different quantized types, as
+    the Triton reference reads it: each run of parts of one type its own QuantBlocks, in
+    row order, multiplied part by part and side by side, as cpu_linear.Stacked is (each
+    output of the reference's dot is its own column's, so these are the stack's bits)."""
+    parts: tuple   # of QuantBlocks
+
+
+def block_parts(blocks) -> tuple:
+    """The QuantBlocks of a QuantBlocks or StackedBlocks weight, in row order."""
+    return blocks.parts if isinstance(blocks, StackedBlocks) else (blocks,)
+
+
+@dataclass(frozen=True)
 class StoredRows:
     """A quantized embedding [N, K] as its GGUF file stores it: `rows` rows of
     `row_bytes` bytes from byte `offset` of `file` (opened at load, so the rows are the
@@ -126,7 +140,7 @@ class PackedWeights:
     def __init__(self, lm_head: torch.Tensor):
         self.packed = {}   # id(weight) -> x @ weight.T for the fast plan (pack_fast)
         self.shared = {}   # id(weight) -> cpu_linear.Packed: the one packed copy (pack_shared, set_packed)
-        self.blocks = {}   # id(weight) -> QuantBlocks: a quantized weight on a device (set_blocks)
+        self.blocks = {}   # id(weight) -> QuantBlocks or StackedBlocks: a quantized weight on a device (set_blocks)
         self.stored_rows = {}   # id(weight) -> StoredRows: an untied embedding as stored (set_stored_rows)
         # Weights served as stored in a GGUF file (model.gguf_weights): {type: tensors}, and
         # the reference kernels their packed copies need (embedding rows, plain copies).
@@ -201,10 +215,11 @@ def lm_head_max_norm(model) -> float:
     return s.lm_head_max_norm
 
 
-def set_blocks(model, w: torch.Tensor, blocks: QuantBlocks) -> None:
+def set_blocks(model, w: torch.Tensor, blocks) -> None:
     """w's one copy is `blocks`, a quantized weight as the Triton reference reads it
-    (kernels/triton_reference.py qmatmul, qrows): w keeps its shape, without
-    storage. Call after LlamaModel.finalize."""
+    (QuantBlocks, or a StackedBlocks of parts stored in different types;
+    kernels/triton_reference.py qmatmul, qrows): w keeps its shape, without storage.
+    Call after LlamaModel.finalize."""
     _release(w)
     of(model).blocks[id(w)] = blocks
 
