@@ -1,8 +1,9 @@
-"""The fast plan's K-quant matmul (kernels/cpu_ops.cpp `qlinear_k_avx2`) against the
+"""The fast plan's K-quant matmul (kernels/cpu_ops.cpp `qlinear_k_avx2`, or
+`qlinear_k_vnni` where the CPU has AVX-512 VNNI) against the
 memory it reads: on a 1.17B Llama's shapes (TinyLlama-1.1B's: hidden 2048, MLP 5632,
 4 KV heads of 64, vocab 32000), per type, the time of one call and the bytes it reads
 per second, beside a plain streaming read of as many bytes (torch.sum over float32,
-the ceiling), `qlinear_avx2` on Q4_0 of the same shape, and, given --llama-lib,
+the ceiling), the fast plan's Q4_0 kernel on the same shape, and, given --llama-lib,
 llama.cpp's own dot products (ggml_vec_dot_q4_K_q8_K and its kin, one call per row,
 the rows split over as many OpenMP threads) on the same weights as stored.
 
@@ -97,12 +98,20 @@ def copies(one: torch.Tensor) -> list:
     return [one] + [one.clone() for _ in range(max(1, SPAN // one.numel()) - 1)]
 
 
+def fast_kernel(kernels, kind: str):
+    """The fast plan's int8 kernel for `kind`: AVX-512 VNNI where built, else AVX2."""
+    vnni = getattr(kernels, "qvnni", False)
+    if kind == "Q4_0":
+        return kernels.qlinear_vnni if vnni else kernels.qlinear_avx2
+    return kernels.qlinear_k_vnni if vnni else kernels.qlinear_k_avx2
+
+
 def contenders(kind: str, n: int, k: int, m: int, ref, kernels, ggml) -> dict:
     """name: (bytes one call reads, the calls of one pass over the copies)."""
     raw = torch.from_numpy(random_stored(kind, n, k, seed=n + k))
     packed = copies(ref.qpack(raw, SERVED_QUANTIZED[kind]))
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).to(torch.bfloat16)
-    fn = kernels.qlinear_avx2 if kind == "Q4_0" else kernels.qlinear_k_avx2
+    fn = fast_kernel(kernels, kind)
     out = {f"gateeng {kind}": (packed[0].numel(), lambda: [fn(x, p, n, False, 0) for p in packed])}
     if ggml is not None and m == 1:
         stored = copies(raw)
@@ -144,6 +153,7 @@ def main() -> int:
         sys.exit("this build of the CPU kernels has no qlinear_k_avx2 (an AVX2 CPU is needed)")
     ref = reference_ops.load(reference_ops.requested() or reference_ops.runnable()[0])
     ggml = ggml_matvec(args.llama_lib) if args.llama_lib else None
+    print(f"\ngateeng's kernels: {fast_kernel(kernels, 'Q4_0').__name__}, {fast_kernel(kernels, 'Q4_K').__name__}")
     print("\nPer call: ms, the GB/s of the bytes it reads, and in brackets that as a share of the streaming "
           "read of as many bytes (torch.sum over float32) in the same rounds.\n")
     cols = ["Q4_0"] + args.types

@@ -183,6 +183,37 @@ def test_the_int8_matmul_by_record_is_each_records_own_kernel():
         for f32 in (True, False):
             assert torch.equal(kernels.qlinear_int8(x, packed, 24, f32), kernel(x, packed, 24, f32))
 
+
+def _k_vnni() -> bool:
+    from gateeng.plans import cpu_ops
+    return hasattr(cpu_ops.load(), "qlinear_k_vnni")
+
+
+@pytest.mark.skipif(not _k_vnni(), reason="this CPU has no AVX-512 VNNI: the fast plan takes qlinear_k_avx2")
+@pytest.mark.parametrize("kind", list(K_TYPES))
+def test_the_vnni_k_quant_matmul_has_the_avx2_kernels_bits(kind):
+    """cpu_ops' qlinear_k_vnni: qlinear_k_avx2's bits, at 1 to 9 rows (tiles of 1 to 4
+    rows), binary32 and bf16 out, over a whole K and over a tensor-parallel rank's
+    slice of it (packed with the whole K's per), 37 columns (a short column block)."""
+    from gateeng.plans import cpu_ops
+    kernels, ops = cpu_ops.load(), reference_ops.load()
+    n, k, per = 37, 256 * 33, 3                     # B = 33: per = 3, the last lanes short
+    raw = random_blocks(kind, n, k, seed=11)
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(11)).to(torch.bfloat16)
+    x[2] *= 2.0 ** -118                             # inputs whose int8 scales are tiny
+    size_bytes = oracle.K_QUANTS[kind]
+    cases = [(x, ops.qpack(torch.from_numpy(raw), K_TYPES[kind]), 0)]
+    for first, last in ((0, 24), (24, 33)):        # rank 0 and 1 of 2: 8 lanes each
+        part = np.ascontiguousarray(raw[:, first * size_bytes:last * size_bytes])
+        cases.append((x[:, first * 256:last * 256].contiguous(), ops.qpack(torch.from_numpy(part), K_TYPES[kind], per),
+                       per))
+    for xs, packed, whole_per in cases:
+        for rows in (1, 2, 3, 4, 5, 9):
+            for f32 in (True, False):
+                want = kernels.qlinear_k_avx2(xs[:rows].contiguous(), packed, n, f32, whole_per)
+                got = kernels.qlinear_k_vnni(xs[:rows].contiguous(), packed, n, f32, whole_per)
+                assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (kind, rows, f32, whole_per)
+
 def kquant_case(kind: str):
     """Raw GGUF rows of a K-quant W [21, 512] (B = 2; row 1's scales binary16 subnormals)
     and x [3, 512]: row 0 with denormal inputs (read as zero), row 1 with a cancellation

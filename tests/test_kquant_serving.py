@@ -93,7 +93,8 @@ def test_verified_answers_are_the_same_alone_in_a_batch_and_on_either_plan(files
         try:
             kernels = cpu_ops.load()
             if plan == "fast" and getattr(kernels, "qavx2", False):   # no Python between the layers' matmuls
-                assert packing.of(loaded.model).fused_layers.matmul in (kernels.qlinear_k_avx2, kernels.qlinear_int8)
+                int8 = (kernels.qlinear_k_avx2, getattr(kernels, "qlinear_k_vnni", None), kernels.qlinear_int8)
+                assert packing.of(loaded.model).fused_layers.matmul in int8
             alone = engine.submit(PROMPT, PARAMS, VERIFIED).result()
             many = engine.submit_many([[5, 6, 7, 8, 9], PROMPT, PROMPT[:3]], [PARAMS] * 3, VERIFIED)
             assert bits(many[1].result()) == bits(alone)

@@ -783,49 +783,86 @@ void tile(int64_t rec_bytes, const std::vector<int64_t>& base, const std::vector
 
 }  // namespace kavx2
 
+namespace kavx2 {
+
+// What both K-quant kernels start from: the record's bits (4, 5 or 6: Q4_K, Q5_K, Q6_K),
+// the output, the layout's steps and each row's inputs by block of 32 (quantize_rows).
+struct KCall {
+  int kd = 0;
+  int64_t m = 0, k = 0, rec = 0, cbs = 0;
+  torch::Tensor out;
+  std::vector<int64_t> base, live;
+  std::vector<int8_t> xq;
+  std::vector<float> xd, xs;
+  std::vector<int32_t> xqs;
+  bool empty() const { return xq.empty(); }
+};
+
+KCall k_call(torch::Tensor x, const torch::Tensor& packed, int64_t n, bool f32, int64_t whole_per) {
+  gateeng::check_qpacked(x, packed, n, 256);
+  KCall c;
+  c.rec = packed.size(2);
+  TORCH_CHECK(c.rec == REC_Q4_K || c.rec == REC_Q5_K || c.rec == REC_Q6_K,
+              "packed must come from the reference's qpack (a Q4_K, Q5_K or Q6_K record)");
+  c.kd = c.rec == REC_Q4_K ? 4 : c.rec == REC_Q5_K ? 5 : 6;
+  c.m = x.size(0), c.k = x.size(1), c.cbs = packed.size(0);
+  x = x.contiguous();
+  c.out = torch::empty({c.m, n}, x.options().dtype(f32 ? torch::kFloat : torch::kBFloat16));
+  if (c.m == 0 || n == 0) return c;
+  layout_steps(packed.size(1), whole_per, c.base, c.live);
+  c.xq.resize(c.m * c.k);
+  c.xd.resize(c.m * (c.k / 32)), c.xs.resize(c.m * (c.k / 32)), c.xqs.resize(c.m * (c.k / 32));
+  quantize_rows(reinterpret_cast<const u16*>(x.data_ptr<at::BFloat16>()), c.m, c.k, c.xq.data(), c.xd.data(),
+                c.xqs.data(), c.xs.data());
+  return c;
+}
+
+// Every tile of the call: tiles[MR - 1](its first row r, rows, the column block's records, b * 16).
+template <typename Tiles>
+void k_tiles(const KCall& c, const torch::Tensor& packed, Tiles&& tile) {
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  qint8::for_each_tile(c.cbs, c.m, wp, packed.size(1) * c.rec,
+                       [&](int64_t b, int64_t r, int64_t rows, const uint8_t* w, const uint8_t*) {
+                         tile(r, rows, w, b * 16);
+                       });
+}
+
+// out's pointer, binary32 or bf16.
+inline void* k_out(const KCall& c, bool f32) {
+  return f32 ? static_cast<void*>(c.out.data_ptr<float>()) : static_cast<void*>(c.out.data_ptr<at::BFloat16>());
+}
+
+}  // namespace kavx2
+
 // x @ w.T on a K-quant packed weight (the reference's qpack of Q4_K, Q5_K or Q6_K), int8 AVX2.
 torch::Tensor qlinear_k_avx2(torch::Tensor x, torch::Tensor packed, int64_t n, bool f32, int64_t whole_per) {
   using namespace kavx2;
-  gateeng::check_qpacked(x, packed, n, 256);
-  const int64_t rec = packed.size(2);
-  TORCH_CHECK(rec == REC_Q4_K || rec == REC_Q5_K || rec == REC_Q6_K,
-              "packed must come from the reference's qpack (a Q4_K, Q5_K or Q6_K record)");
-  const int kd = rec == REC_Q4_K ? 4 : rec == REC_Q5_K ? 5 : 6;
-  const int64_t m = x.size(0), k = x.size(1), nb = packed.size(1), cbs = packed.size(0);
-  x = x.contiguous();
-  auto out = torch::empty({m, n}, x.options().dtype(f32 ? torch::kFloat : torch::kBFloat16));
-  if (m == 0 || n == 0) return out;
-  std::vector<int64_t> base, live;
-  layout_steps(nb, whole_per, base, live);
-  std::vector<int8_t> xq(m * k);
-  std::vector<float> xd(m * (k / 32)), xs(m * (k / 32));
-  std::vector<int32_t> xqs(m * (k / 32)), xpair(m * k / 2), xbias(kd == 6 ? m * k / 8 : 0);
-  quantize_rows(reinterpret_cast<const u16*>(x.data_ptr<at::BFloat16>()), m, k, xq.data(), xd.data(), xqs.data(),
-                xs.data());
+  const KCall c = k_call(x, packed, n, f32, whole_per);
+  if (c.empty()) return c.out;
+  const int64_t m = c.m, k = c.k;
+  std::vector<int32_t> xpair(m * k / 2), xbias(c.kd == 6 ? m * k / 8 : 0);
   for (int64_t j = 0; j < m * k / 2; ++j) {
-    const uint32_t two = static_cast<uint8_t>(xq[2 * j]) | static_cast<uint32_t>(static_cast<uint8_t>(xq[2 * j + 1])) << 8;
+    const uint32_t two = static_cast<uint8_t>(c.xq[2 * j]) | static_cast<uint32_t>(static_cast<uint8_t>(c.xq[2 * j + 1])) << 8;
     xpair[j] = static_cast<int32_t>(two | two << 16);
   }
   for (size_t j = 0; j < xbias.size(); ++j) {
     int32_t sum = 0;
-    for (int e = 0; e < 8; ++e) sum += xq[8 * j + e];
+    for (int e = 0; e < 8; ++e) sum += c.xq[8 * j + e];
     const uint32_t b = static_cast<uint16_t>(static_cast<int16_t>(32 * sum));   // |32 x 8 x 127| fits int16
     xbias[j] = static_cast<int32_t>(b | b << 16);
   }
   auto pick = [&](auto rows) -> decltype(&tile<1, 4>) {
     constexpr int MR = decltype(rows)::value;
-    return kd == 4 ? &tile<MR, 4> : kd == 5 ? &tile<MR, 5> : &tile<MR, 6>;
+    return c.kd == 4 ? &tile<MR, 4> : c.kd == 5 ? &tile<MR, 5> : &tile<MR, 6>;
   };
   decltype(&tile<1, 4>) tiles[4] = {pick(std::integral_constant<int, 1>{}), pick(std::integral_constant<int, 2>{}),
                                     pick(std::integral_constant<int, 3>{}), pick(std::integral_constant<int, 4>{})};
-  const uint8_t* wp = packed.data_ptr<uint8_t>();
-  void* op = f32 ? static_cast<void*>(out.data_ptr<float>()) : static_cast<void*>(out.data_ptr<at::BFloat16>());
-  qint8::for_each_tile(cbs, m, wp, nb * rec, [&](int64_t b, int64_t r, int64_t rows, const uint8_t* w,
-                                                 const uint8_t*) {
-    tiles[rows - 1](rec, base, live, w, xpair.data() + r * (k / 2), xbias.data() + (xbias.empty() ? 0 : r * (k / 8)),
-                    xd.data() + r * (k / 32), xs.data() + r * (k / 32), k, op, f32, n, r, b * 16);
+  void* op = k_out(c, f32);
+  k_tiles(c, packed, [&](int64_t r, int64_t rows, const uint8_t* w, int64_t col) {
+    tiles[rows - 1](c.rec, c.base, c.live, w, xpair.data() + r * (k / 2), xbias.data() + (xbias.empty() ? 0 : r * (k / 8)),
+                    c.xd.data() + r * (k / 32), c.xs.data() + r * (k / 32), k, op, f32, n, r, col);
   });
-  return out;
+  return c.out;
 }
 #endif
 
@@ -893,6 +930,162 @@ void tile(int64_t rec_bytes, int64_t nb, const std::vector<int64_t>& base, const
 torch::Tensor qlinear_vnni(torch::Tensor x, torch::Tensor packed, int64_t n, bool f32, int64_t per) {
   using namespace qvnni;
   return qint8::qlinear_on(x, packed, n, f32, per, {tile<1>, tile<2>, tile<3>, tile<4>});
+}
+#endif
+
+// The K-quants on VPDPBUSD (AVX-512 VNNI on 8-lane vectors): the same int8 inputs as
+// qlinear_k_avx2 and the same integers and float steps, so the same bits. A quad of
+// pairs (8 inputs) of the 16 columns, as pair_quad gives it, is interleaved by 16-bit
+// words so that each dword holds 4 inputs of one column (columns 0-3 and 8-11 in one
+// vector, 4-7 and 12-15 in the other), and one VPDPBUSD per vector adds those 4
+// products (stored unsigned integer x int8 input) into the column's int32 sum of its
+// sub-block, exactly. Each sub-block's sum (Q6_K's less 32 x its inputs' sum) times its
+// scale (VPMULLD) is the integer qlinear_k_avx2 reaches through int16 runs and VPMADDWD;
+// from there both take the same binary32 steps. GATEENG_KVNNI_EMULATED builds it where
+// the CPU has no VNNI, each VPDPBUSD computed exactly with AVX2 (two VPMADDWD), so that
+// the tile's bits can be checked against qlinear_k_avx2 on any AVX2 CPU.
+#if defined(GATEENG_QINT8) && (defined(GATEENG_AVX512_VNNI) || defined(GATEENG_KVNNI_EMULATED))
+#define GATEENG_KVNNI 1
+namespace kvnni {
+using namespace qint8;
+using kavx2::M_OFF_45;
+using kavx2::PREFETCH_RECORDS;
+using kavx2::REC_Q4_K;
+using kavx2::REC_Q5_K;
+using kavx2::REC_Q6_K;
+using kavx2::SC_OFF_45;
+using kavx2::SC_OFF_6;
+
+// acc + the sum of each dword's 4 products u (unsigned bytes) x s (signed bytes).
+inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, s);
+#else
+  const __m256i low = _mm256_set1_epi16(0x00FF);   // bytes as int16 (each product fits; VPMADDWD sums in int32)
+  const __m256i ue = _mm256_and_si256(u, low), uo = _mm256_srli_epi16(u, 8);
+  const __m256i se = _mm256_srai_epi16(_mm256_slli_epi16(s, 8), 8), so = _mm256_srai_epi16(s, 8);
+  return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(ue, se), _mm256_madd_epi16(uo, so)));
+#endif
+}
+
+// 16 columns' bytes at p as int32, columns 0-3 and 8-11 into lo, 4-7 and 12-15 into hi.
+template <bool SIGNED>
+inline void quads_i32(const uint8_t* p, __m256i& lo, __m256i& hi) {
+  const __m128i v = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)),
+                                     _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15));
+  lo = SIGNED ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v);
+  hi = SIGNED ? _mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)) : _mm256_cvtepu8_epi32(_mm_srli_si128(v, 8));
+}
+
+// 16 columns' binary16 values at p as binary32, in quads_i32's order.
+inline void quads_fp16(const uint8_t* p, __m256& lo, __m256& hi) {
+  const __m256 a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256 b = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p) + 1));
+  lo = _mm256_permute2f128_ps(a, b, 0x20);
+  hi = _mm256_permute2f128_ps(a, b, 0x31);
+}
+
+// KD: 4, 5 or 6. xq: the rows' int8 inputs; xbias: Q6_K's 32 x (the sum of each 16
+// inputs); xd, xs: each block of 32 inputs' scale and sum of x.
+template <int MR, int KD>
+void tile(int64_t rec_bytes, const std::vector<int64_t>& base, const std::vector<int64_t>& live, const uint8_t* w,
+          const int8_t* xq, const int32_t* xbias, const float* xd, const float* xs, int64_t k,
+          void* out, bool f32, int64_t n, int64_t row, int64_t col) {
+  constexpr int SUBS = KD == 6 ? 16 : 8, SUB_J = 32 / SUBS;   // sub-blocks; the quads (8 inputs) in each
+  constexpr int64_t sc_off = KD == 6 ? SC_OFF_6 : SC_OFF_45;
+  constexpr int LINES = static_cast<int>(((KD == 4 ? REC_Q4_K : KD == 5 ? REC_Q5_K : REC_Q6_K) + 63) / 64);
+  const int64_t k16 = k / 16, k32 = k / 32;
+  const int64_t ahead = PREFETCH_RECORDS * rec_bytes;
+  __m256 acc[MR][2];
+  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  for_each_record(rec_bytes, base, live, w, nullptr, [&](int64_t g, const uint8_t* rec) {
+    __m256 d[2], dm[2];
+    quads_fp16(rec, d[0], d[1]);
+    if constexpr (KD != 6) quads_fp16(rec + 32, dm[0], dm[1]);
+    const int8_t* xg = xq + g * 256;
+    for (int xb = 0; xb < 8; ++xb) {   // the inputs' blocks of 32
+      __m256i isum[MR][2];
+      for (int i = 0; i < MR; ++i) isum[i][0] = isum[i][1] = _mm256_setzero_si256();
+      for (int sb = xb * SUBS / 8; sb < (xb + 1) * SUBS / 8; ++sb) {
+        __m256i sum[MR][2];
+        for (int i = 0; i < MR; ++i) sum[i][0] = sum[i][1] = _mm256_setzero_si256();
+        for (int j = sb * SUB_J; j < (sb + 1) * SUB_J; ++j) {
+          for (int l = 2 * j; l < 2 * j + 2 && l < LINES; ++l)
+            _mm_prefetch(reinterpret_cast<const char*>(rec + ahead + 64 * l), _MM_HINT_T0);
+          __m256i a[4];
+          kavx2::pair_quad<KD>(rec, j, a);
+          const __m256i lo01 = _mm256_unpacklo_epi16(a[0], a[1]), hi01 = _mm256_unpackhi_epi16(a[0], a[1]);
+          const __m256i lo23 = _mm256_unpacklo_epi16(a[2], a[3]), hi23 = _mm256_unpackhi_epi16(a[2], a[3]);
+          for (int i = 0; i < MR; ++i) {
+            int32_t x4[2];
+            std::memcpy(x4, xg + i * k + 8 * j, sizeof(x4));
+            const __m256i b0 = _mm256_set1_epi32(x4[0]), b1 = _mm256_set1_epi32(x4[1]);
+            sum[i][0] = dpbusd(dpbusd(sum[i][0], lo01, b0), lo23, b1);
+            sum[i][1] = dpbusd(dpbusd(sum[i][1], hi01, b0), hi23, b1);
+          }
+        }
+        __m256i sc[2];
+        quads_i32<KD == 6>(rec + sc_off + sb * 16, sc[0], sc[1]);
+        for (int i = 0; i < MR; ++i) {
+          for (int h = 0; h < 2; ++h) {
+            __m256i v = sum[i][h];
+            if constexpr (KD == 6) v = _mm256_sub_epi32(v, _mm256_set1_epi32(xbias[i * k16 + g * 16 + sb]));
+            isum[i][h] = _mm256_add_epi32(isum[i][h], _mm256_mullo_epi32(v, sc[h]));
+          }
+        }
+      }
+      __m256 mins[2];
+      if constexpr (KD != 6) {   // sub-block xb's minimums
+        __m256i m[2];
+        quads_i32<false>(rec + M_OFF_45 + xb * 16, m[0], m[1]);
+        mins[0] = _mm256_mul_ps(dm[0], _mm256_cvtepi32_ps(m[0]));
+        mins[1] = _mm256_mul_ps(dm[1], _mm256_cvtepi32_ps(m[1]));
+      }
+      const int64_t at32 = g * 8 + xb;
+      for (int i = 0; i < MR; ++i) {
+        const __m256 scale = _mm256_set1_ps(xd[i * k32 + at32]);
+        for (int h = 0; h < 2; ++h) {
+          acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i][h]), _mm256_mul_ps(d[h], scale), acc[i][h]);
+          if constexpr (KD != 6) acc[i][h] = _mm256_fnmadd_ps(mins[h], _mm256_set1_ps(xs[i * k32 + at32]), acc[i][h]);
+        }
+      }
+    }
+  });
+  __m256 cols[MR][2];   // columns 0-7, 8-15
+  for (int i = 0; i < MR; ++i) {
+    cols[i][0] = _mm256_permute2f128_ps(acc[i][0], acc[i][1], 0x20);
+    cols[i][1] = _mm256_permute2f128_ps(acc[i][0], acc[i][1], 0x31);
+  }
+  store_rows<MR>(cols, out, f32, n, row, col);
+}
+
+}  // namespace kvnni
+
+// x @ w.T on a K-quant packed weight (the reference's qpack of Q4_K, Q5_K or Q6_K), int8
+// VNNI: qlinear_k_avx2's bits.
+torch::Tensor qlinear_k_vnni(torch::Tensor x, torch::Tensor packed, int64_t n, bool f32, int64_t whole_per) {
+  using namespace kvnni;
+  const kavx2::KCall c = kavx2::k_call(x, packed, n, f32, whole_per);
+  if (c.empty()) return c.out;
+  const int64_t m = c.m, k = c.k;
+  std::vector<int32_t> xbias(c.kd == 6 ? m * k / 16 : 0);
+  for (size_t j = 0; j < xbias.size(); ++j) {
+    int32_t sum = 0;
+    for (int e = 0; e < 16; ++e) sum += c.xq[16 * j + e];
+    xbias[j] = 32 * sum;
+  }
+  auto pick = [&](auto rows) -> decltype(&tile<1, 4>) {
+    constexpr int MR = decltype(rows)::value;
+    return c.kd == 4 ? &tile<MR, 4> : c.kd == 5 ? &tile<MR, 5> : &tile<MR, 6>;
+  };
+  decltype(&tile<1, 4>) tiles[4] = {pick(std::integral_constant<int, 1>{}), pick(std::integral_constant<int, 2>{}),
+                                    pick(std::integral_constant<int, 3>{}), pick(std::integral_constant<int, 4>{})};
+  void* op = kavx2::k_out(c, f32);
+  kavx2::k_tiles(c, packed, [&](int64_t r, int64_t rows, const uint8_t* w, int64_t col) {
+    tiles[rows - 1](c.rec, c.base, c.live, w, c.xq.data() + r * k, xbias.data() + (xbias.empty() ? 0 : r * (k / 16)),
+                    c.xd.data() + r * (k / 32), c.xs.data() + r * (k / 32), k, op, f32, n, r, col);
+  });
+  return c.out;
 }
 #endif
 
@@ -1157,7 +1350,7 @@ void route_rows(const u16* x, const u16* router, int64_t m, int64_t e, int64_t h
 #ifdef GATEENG_QINT8
 // x @ w.T on any weight the int8 kernels take, by its record: Q8_0, Q4_0 and Q4_1 on
 // qlinear_vnni where `vnni` (and built with it), else qlinear_avx2; the K-quants on
-// qlinear_k_avx2.
+// qlinear_k_vnni where `vnni`, else qlinear_k_avx2 (the same bits).
 torch::Tensor qlinear_int8_on(torch::Tensor x, torch::Tensor packed, int64_t n, bool f32, int64_t per, bool vnni) {
   TORCH_CHECK(packed.dim() == 3, "packed must come from the reference's qpack");
   const int64_t rec = packed.size(2);
@@ -1167,6 +1360,9 @@ torch::Tensor qlinear_int8_on(torch::Tensor x, torch::Tensor packed, int64_t n, 
 #endif
     return qlinear_avx2(x, packed, n, f32, per);
   }
+#ifdef GATEENG_AVX512_VNNI
+  if (vnni) return qlinear_k_vnni(x, packed, n, f32, per);
+#endif
   return qlinear_k_avx2(x, packed, n, f32, per);
 }
 
@@ -1184,7 +1380,7 @@ torch::Tensor qlinear_int8(torch::Tensor x, torch::Tensor packed, int64_t n, boo
 // A routing layer's experts on the fast plan, in one call: the (row, slot) pairs grouped
 // by expert (a counting sort, so each expert's rows keep their order), each active
 // expert's gate_up, SiLU gate and down once over its rows on the int8 kernels above
-// (qlinear_vnni where `vnni`, else qlinear_avx2; qlinear_k_avx2 for K-quant records),
+// (qlinear_vnni and qlinear_k_vnni where `vnni`, else qlinear_avx2 and qlinear_k_avx2),
 // then each row's weighted sum of its k outputs in binary32 in slot order, rounded to
 // bf16. x [M, H] bf16 (contiguous), ids [M, k] (ids < the experts), weights [M, k];
 // gate_up and down: every expert's packed weight (the reference's qpack, whole K).
@@ -1553,7 +1749,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("f32"),
         py::arg("per") = 0);
   m.def("qlinear_int8", &qlinear_int8, "x @ w.T on a weight packed by the reference's qpack, on the int8 kernel "
-        "of its record (qlinear_vnni where built, else qlinear_avx2; qlinear_k_avx2)",
+        "of its record (qlinear_vnni and qlinear_k_vnni where built, else qlinear_avx2 and qlinear_k_avx2)",
         py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("f32"),
         py::arg("per") = 0);
   m.def("moe_experts", &moe_experts, "a routing layer's experts on the int8 kernels, combined (the fast plan)",
@@ -1573,6 +1769,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("qvnni") = true;
 #else
   m.attr("qvnni") = false;
+#endif
+#ifdef GATEENG_KVNNI
+  m.def("qlinear_k_vnni", &qlinear_k_vnni, "x @ w.T on a K-quant weight packed by the reference's qpack (int8 VNNI)",
+        py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("f32"),
+        py::arg("per") = 0);
 #endif
 #ifdef GATEENG_AVX512_BF16
   m.def("linear_dpbf16", &linear_dpbf16, "x @ w.T on a weight packed by the reference's pack (row-invariant)",

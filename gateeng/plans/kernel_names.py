@@ -13,8 +13,8 @@ REF_LINEAR = "ref_linear"
 ROWWISE_MATMULS = {CPU_DPBF16: "VDPBF16PS", REF_AVX2: "AVX2 FMA (the reference's matmul)",
                    REF_LINEAR: "the reference's matmul (quantized weights as stored)"}
 # The fast plan's own matmul on quantized weights (kernels/cpu_ops.cpp `qlinear_vnni`
-# where the CPU has AVX-512 VNNI, else `qlinear_avx2`, the same bits; the K-quants'
-# `qlinear_k_avx2`): inputs
+# and, for the K-quants, `qlinear_k_vnni` where the CPU has AVX-512 VNNI, else
+# `qlinear_avx2` and `qlinear_k_avx2`, the same bits): inputs
 # quantized to int8 per block of 32, integer dot products; row-invariant, not the
 # reference's bits.
 CPU_QVNNI, CPU_QAVX2 = "cpu_qvnni", "cpu_qavx2"

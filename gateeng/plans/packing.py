@@ -365,15 +365,16 @@ def pack_fast(model, kernels=None, ref=None) -> None:
 
 def _pack_quantized(model, s: PackedWeights, kernels, ref) -> None:
     """pack_fast for weights served as stored: the fast plan multiplies them with
-    cpu_ops' int8 kernels where the CPU has them (Q8_0, Q4_0, Q4_1: AVX-512 VNNI, else
-    AVX2; the K-quants: AVX2), each its own arithmetic, else with the reference's
+    cpu_ops' int8 kernels where the CPU has them (Q8_0, Q4_0, Q4_1 and the K-quants:
+    AVX-512 VNNI, else AVX2), each its own arithmetic, else with the reference's
     matmul, the one kernel that takes every layout (bf16 weights beside them too)."""
     weights = model.projections()
     ref = ref or s.quant_ops   # the build that packed them reads them in any case
     avx2 = getattr(kernels, "qavx2", False)
-    int8, name = ((kernels.qlinear_vnni, kernel_names.CPU_QVNNI) if getattr(kernels, "qvnni", False) else
-                  (kernels.qlinear_avx2, kernel_names.CPU_QAVX2) if avx2 else (None, kernel_names.REF_LINEAR))
-    kint8 = kernels.qlinear_k_avx2 if avx2 else None
+    int8, kint8, name = ((kernels.qlinear_vnni, kernels.qlinear_k_vnni, kernel_names.CPU_QVNNI)
+                         if getattr(kernels, "qvnni", False) else
+                         (kernels.qlinear_avx2, kernels.qlinear_k_avx2, kernel_names.CPU_QAVX2) if avx2 else
+                         (None, None, kernel_names.REF_LINEAR))
 
     def kernel(data: torch.Tensor):
         """The fast matmul of one packed weight."""
@@ -382,8 +383,7 @@ def _pack_quantized(model, s: PackedWeights, kernels, ref) -> None:
         return (int8 if ref.qblock(data) == 32 else kint8) or ref.linear
     every = [q for w in weights + [model.lm_head] for q in cpu_linear.parts(s.shared[id(w)])]
     used = {kernel(p.data) for p in every}
-    s.fast_quantized_matmul = (kernel_names.REF_LINEAR if used == {ref.linear} else
-                               kernel_names.CPU_QAVX2 if int8 not in used else name)
+    s.fast_quantized_matmul = kernel_names.REF_LINEAR if used == {ref.linear} else name
 
     def fast(w, f32=False):
         p = s.shared[id(w)]
