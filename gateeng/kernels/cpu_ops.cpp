@@ -703,6 +703,22 @@ inline void pair_quad(const uint8_t* rec, int j, __m256i (&a)[4]) {
   }
 }
 
+// One input block of 32's binary32 step, the same in both K-quant kernels (so, from
+// the same integers, the same bits): per column, acc += float(isum) * (d * the
+// block's input scale), then for Q4_K and Q5_K acc -= mins * (the block's sum of x).
+// The two 8-lane halves hold whichever columns the kernel keeps there, d and mins alike.
+template <int MR, int KD>
+inline void block_step(__m256 (&acc)[MR][2], const __m256i (&isum)[MR][2], const __m256 (&d)[2],
+                       const __m256 (&mins)[2], const float* xd, const float* xs, int64_t k32, int64_t at32) {
+  for (int i = 0; i < MR; ++i) {
+    const __m256 scale = _mm256_set1_ps(xd[i * k32 + at32]);
+    for (int h = 0; h < 2; ++h) {
+      acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i][h]), _mm256_mul_ps(d[h], scale), acc[i][h]);
+      if constexpr (KD != 6) acc[i][h] = _mm256_fnmadd_ps(mins[h], _mm256_set1_ps(xs[i * k32 + at32]), acc[i][h]);
+    }
+  }
+}
+
 // KD: 4, 5 or 6 (Q4_K, Q5_K, Q6_K). xpair: each input pair's int8s twice in a dword
 // (the broadcast operand); xbias: Q6_K's 32 x (the sum of 8 inputs) twice as int16;
 // xd, xs: each block of 32 inputs' scale and sum of x.
@@ -756,20 +772,13 @@ void tile(int64_t rec_bytes, const std::vector<int64_t>& base, const std::vector
           }
         }
       }
-      __m256 mins[2];
+      __m256 mins[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};   // Q6_K: none
       if constexpr (KD != 6) {   // sub-block xb's minimums
         const __m256i m = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + M_OFF_45 + xb * 16)));
         mins[0] = _mm256_mul_ps(dm[0], _mm256_cvtepi32_ps(_mm256_and_si256(m, even)));
         mins[1] = _mm256_mul_ps(dm[1], _mm256_cvtepi32_ps(_mm256_srli_epi32(m, 16)));
       }
-      const int64_t at32 = g * 8 + xb;
-      for (int i = 0; i < MR; ++i) {
-        const __m256 scale = _mm256_set1_ps(xd[i * k32 + at32]);
-        for (int h = 0; h < 2; ++h) {
-          acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i][h]), _mm256_mul_ps(d[h], scale), acc[i][h]);
-          if constexpr (KD != 6) acc[i][h] = _mm256_fnmadd_ps(mins[h], _mm256_set1_ps(xs[i * k32 + at32]), acc[i][h]);
-        }
-      }
+      block_step<MR, KD>(acc, isum, d, mins, xd, xs, k32, g * 8 + xb);
     }
   });
   __m256 cols[MR][2];   // columns 0-7, 8-15
@@ -1034,21 +1043,14 @@ void tile(int64_t rec_bytes, const std::vector<int64_t>& base, const std::vector
           }
         }
       }
-      __m256 mins[2];
+      __m256 mins[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};   // Q6_K: none
       if constexpr (KD != 6) {   // sub-block xb's minimums
         __m256i m[2];
         quads_i32<false>(rec + M_OFF_45 + xb * 16, m[0], m[1]);
         mins[0] = _mm256_mul_ps(dm[0], _mm256_cvtepi32_ps(m[0]));
         mins[1] = _mm256_mul_ps(dm[1], _mm256_cvtepi32_ps(m[1]));
       }
-      const int64_t at32 = g * 8 + xb;
-      for (int i = 0; i < MR; ++i) {
-        const __m256 scale = _mm256_set1_ps(xd[i * k32 + at32]);
-        for (int h = 0; h < 2; ++h) {
-          acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i][h]), _mm256_mul_ps(d[h], scale), acc[i][h]);
-          if constexpr (KD != 6) acc[i][h] = _mm256_fnmadd_ps(mins[h], _mm256_set1_ps(xs[i * k32 + at32]), acc[i][h]);
-        }
-      }
+      kavx2::block_step<MR, KD>(acc, isum, d, mins, xd, xs, k32, g * 8 + xb);
     }
   });
   __m256 cols[MR][2];   // columns 0-7, 8-15
