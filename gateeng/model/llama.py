@@ -228,7 +228,7 @@ class LlamaModel(torch.nn.Module):
         row's bits its own: the plan's matmul is row-invariant where it must be), then
         each row's weighted sum in ascending expert order (plan.combine). A plan with a
         one-call routing layer (plan.moe_layer; the reference's gives these steps' bits)
-        runs it instead, but on a tensor-parallel shard. The rows' smallest router margin
+        runs it instead, except on a tensor-parallel shard. The rows' smallest router margin
         so far goes to meta.router_margin (the gate reads it)."""
         moe, tp = self.cfg.moe, self.tp
         fused = plan.moe_layer(self, x, layer) if tp is None else None
