@@ -1201,6 +1201,286 @@ void qtile_avx2(const QType& t, const QLayout& lay, const float* xo, const float
     store8(out, row + i, col + 8, _mm256_load_ps(lvl[lay.levels][i] + 8));
   }
 }
+
+// ---- a block's chain as an exact integer sum (AVX2) ----
+// A (sub-)block's chain (SPEC.md, "Block sums", "Sub-block sums") rounds nothing when
+// every partial sum is a binary32 number. If x's values in it are all integer multiples
+// m * 2^u of one unit 2^u and sum |m| * max |q| < 2^24, every partial sum is a multiple
+// of 2^u below 2^24 units, so each FMA's exact result is representable (with 2^u >=
+// 2^-126 never flushed, with 2^u <= 2^104 never overflowing). The chain then equals the
+// exact sum 2^u * sum q * m, in any order, and its +0 start keeps a zero sum +0 (round
+// to nearest never makes -0 from +0 and a product). That sum is computed in int32 by
+// VPMADDWD, two products an instruction where the FMAs took one, each a chain's step
+// no longer waits on: the same bits. Where x fails the bound, the FMA chain itself.
+// Which applies depends on x and the type's max |q| alone, so it is decided once per row
+// and (sub-)block of x, for every column (ExactBlocks).
+
+// The largest |q| of a type served by exact blocks: Q4_0's n - 8, Q4_1's and Q4_K's n,
+// Q6_K's n - 32.
+inline int64_t exact_qmax(const QType& t) { return t.kind == QKind::Q6K ? 32 : (t.bias == 8 ? 8 : 15); }
+
+// Per row and block of x of a (sub-)block's size S (32; Q6_K's 16): its class (0: the
+// FMA chain; 1: every m fits int16; 2: m = hi * 2^14 + lo, lo in [0, 2^14), both
+// int16), its unit 2^u and sum m, and per pair its (m_even, m_odd) as two int16 in an
+// int32 (lo's; hi's for class 2).
+struct ExactBlocks {
+  int64_t size = 0, nb = 0, pairs = 0, qmax = 0;
+  std::vector<uint8_t> kind;    // [rows][nb]
+  std::vector<float> unit;      // [rows][nb]
+  std::vector<int32_t> msum;    // [rows][nb]
+  std::vector<int32_t> lo, hi;  // [rows][pairs]
+  ExactBlocks(const u16* x, int64_t m, int64_t k, int64_t size, int64_t qmax)
+      : size(size), nb(k / size), pairs(k / 2), qmax(qmax), kind(m * nb), unit(m * nb), msum(m * nb),
+        lo(m * pairs), hi(m * pairs) {
+    TORCH_CHECK(size == 16 || size == 32, "exact blocks of 16 or 32 values");
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t g = 0; g < nb; ++g) classify(x + i * k + g * size, i * nb + g, i * pairs + g * (size / 2));
+  }
+  void classify(const u16* v, int64_t at, int64_t pat) {
+    // The unit: the lowest set bit over the block's values (bf16 v = M * 2^(e - 134),
+    // M = 128 + its 7 stored bits; e = 0 reads as zero, e = 255 is inf or NaN).
+    const int n = static_cast<int>(size);
+    int lowest = INT32_MAX;
+    for (int i = 0; i < n; ++i) {
+      const int e = (v[i] >> 7) & 0xFF;
+      if (e == 255) return;   // the FMA chain
+      if (e == 0) continue;
+      lowest = std::min(lowest, e - 134 + __builtin_ctz(0x80 | (v[i] & 0x7F)));
+    }
+    if (lowest == INT32_MAX) lowest = 0;   // every value reads as zero: the sum is +0
+    if (lowest < -126 || lowest > 104) return;
+    int32_t mv[QK];
+    int64_t total = 0;
+    for (int i = 0; i < n; ++i) {
+      const int e = (v[i] >> 7) & 0xFF;
+      const int sh = e - 134 - lowest;   // at least -ctz(M): M >> -sh is exact
+      if (e != 0 && sh > 16) return;     // M * 2^sh >= 2^24: past the bound
+      const int32_t mag = e == 0 ? 0 : (sh >= 0 ? (0x80 | (v[i] & 0x7F)) << sh : (0x80 | (v[i] & 0x7F)) >> -sh);
+      mv[i] = (v[i] & 0x8000) ? -mag : mag;
+      total += mag;
+    }
+    if (total * qmax >= (int64_t{1} << 24)) return;
+    int32_t big = 0, sum = 0;
+    for (int i = 0; i < n; ++i) big = std::max(big, std::abs(mv[i])), sum += mv[i];
+    const bool one = big < (1 << 15);
+    for (int p = 0; p < n / 2; ++p) {
+      const int32_t e0 = mv[2 * p], o0 = mv[2 * p + 1];
+      if (one) {
+        lo[pat + p] = static_cast<int32_t>((static_cast<u32>(static_cast<u16>(o0)) << 16) | static_cast<u16>(e0));
+      } else {
+        lo[pat + p] = static_cast<int32_t>((static_cast<u32>(o0 & 0x3FFF) << 16) | static_cast<u32>(e0 & 0x3FFF));
+        hi[pat + p] = static_cast<int32_t>((static_cast<u32>(static_cast<u16>(o0 >> 14)) << 16) |
+                                           static_cast<u16>(e0 >> 14));
+      }
+    }
+    kind[at] = one ? 1 : 2;
+    unit[at] = from_bits(static_cast<u32>(lowest + 127) << 23);
+    msum[at] = sum;
+  }
+};
+
+// A record's stored integers n (q plus the bias) of pairs 2pp and 2pp + 1 for the 8
+// columns of half h, as words, per column (even, odd): the 4-bit types' nibbles, with
+// Q6_K's two high bits.
+template <QKind KD>
+inline void nwords_avx2(const QType& t, const uint8_t* rec, int pp, int h, __m256i& n0, __m256i& n1) {
+  const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + t.q_off + pp * 32 + h * 16)));
+  n0 = _mm256_and_si256(v, _mm256_set1_epi16(0x0F));
+  n1 = _mm256_srli_epi16(v, 4);
+  if constexpr (KD == QKind::Q6K) {   // pair p's bits 2(p mod 4), 2(p mod 4) + 1 of byte p / 4
+    const __m256i hv = _mm256_srli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(
+                                             reinterpret_cast<const __m128i*>(rec + t.hi_off + (pp / 2) * 32 + h * 16))),
+                                         4 * (pp % 2));
+    const __m256i top = _mm256_set1_epi16(0x30);
+    n0 = _mm256_or_si256(n0, _mm256_and_si256(_mm256_slli_epi16(hv, 4), top));
+    n1 = _mm256_or_si256(n1, _mm256_and_si256(_mm256_slli_epi16(hv, 2), top));
+  }
+}
+
+// The integer sums n * m of one (sub-)block, pairs 2pp0 .. 2pp0 + 2 NPP - 1 of a
+// record, for the 8 columns of half h and MR rows, each row's m from its ExactBlocks
+// pairs (lo; with TWO also hi, added as hi * 2^14). Integer adds: exact in any order.
+template <int MR, bool TWO, QKind KD, int NPP>
+inline void exact_sums_avx2(const QType& t, const uint8_t* rec, int pp0, int h, const int32_t* const* lo,
+                            const int32_t* const* hi, __m256i* acc) {
+  __m256i hacc[MR];
+#pragma GCC unroll 4
+  for (int i = 0; i < MR; ++i) acc[i] = hacc[i] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+  for (int pp = 0; pp < NPP; ++pp) {
+    __m256i n0, n1;
+    nwords_avx2<KD>(t, rec, pp0 + pp, h, n0, n1);
+#pragma GCC unroll 4
+    for (int i = 0; i < MR; ++i) {
+      acc[i] = _mm256_add_epi32(acc[i], _mm256_add_epi32(_mm256_madd_epi16(n0, _mm256_set1_epi32(lo[i][2 * pp])),
+                                                         _mm256_madd_epi16(n1, _mm256_set1_epi32(lo[i][2 * pp + 1]))));
+      if constexpr (TWO)
+        hacc[i] = _mm256_add_epi32(hacc[i], _mm256_add_epi32(_mm256_madd_epi16(n0, _mm256_set1_epi32(hi[i][2 * pp])),
+                                                             _mm256_madd_epi16(n1, _mm256_set1_epi32(hi[i][2 * pp + 1]))));
+    }
+  }
+  if constexpr (TWO) {
+#pragma GCC unroll 4
+    for (int i = 0; i < MR; ++i) acc[i] = _mm256_add_epi32(_mm256_slli_epi32(hacc[i], 14), acc[i]);
+  }
+}
+
+// A (sub-)block's FMA chain for one row: its record, its first pair there, the row's odd
+// and even elements from that pair, and where its sums for the 16 columns go.
+struct ChainJob {
+  const uint8_t* rec;
+  int p0;
+  const float *xo, *xe;
+  float* out;
+};
+
+// N chains side by side (each FMA waits on its chain's last: N of them hide that
+// latency), each over SP pairs as qlanes_avx2 steps them, per column half.
+template <QKind KD, int SP, int N>
+inline void chains_avx2(const QType& t, const ChainJob* job) {
+  __m256 s[N][2];
+#pragma GCC unroll 4
+  for (int k = 0; k < N; ++k) s[k][0] = s[k][1] = _mm256_setzero_ps();
+  for (int p = 0; p < SP; p += 2) {
+#pragma GCC unroll 4
+    for (int k = 0; k < N; ++k) {
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        __m256 e0, o0, e1, o1;
+        qpairs_avx2<KD, false>(t, job[k].rec, job[k].p0 + p, h, e0, o0, e1, o1);
+        __m256 a = _mm256_fmadd_ps(_mm256_broadcast_ss(job[k].xo + p), o0, s[k][h]);
+        a = _mm256_fmadd_ps(_mm256_broadcast_ss(job[k].xe + p), e0, a);
+        a = _mm256_fmadd_ps(_mm256_broadcast_ss(job[k].xo + p + 1), o1, a);
+        s[k][h] = _mm256_fmadd_ps(_mm256_broadcast_ss(job[k].xe + p + 1), e1, a);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int k = 0; k < N; ++k) _mm256_store_ps(job[k].out, s[k][0]), _mm256_store_ps(job[k].out + 8, s[k][1]);
+}
+
+template <QKind KD, int SP>
+inline void run_chains_avx2(const QType& t, const ChainJob* job, int n) {
+  for (; n >= 4; n -= 4, job += 4) chains_avx2<KD, SP, 4>(t, job);
+  if (n == 3) chains_avx2<KD, SP, 3>(t, job);
+  if (n == 2) chains_avx2<KD, SP, 2>(t, job);
+  if (n == 1) chains_avx2<KD, SP, 1>(t, job);
+}
+
+// One record of a type whose integers are 4-bit (Q4_0, Q4_1, Q4_K) or 6-bit (Q6_K), for
+// MR rows x 16 columns, into the rows' lane sums (lane[i]): per (sub-)block, each row
+// whose x is exact there (ExactBlocks) by integer sums over the record's integers, each
+// other row's sums its FMA chain's (chained[sub-block][row], run before); then c = D * s
+// (Q4_1: plus m * t; Q4_K: less M * t) added to the lane, sub-block by sub-block:
+// qlanes_avx2's steps. g: the record's block of K; tx: the tile's rows, whole.
+template <int MR, QKind KD>
+inline void qrecord_exact_avx2(const QType& t, const uint8_t* rec, const ExactBlocks& ex, int64_t row, int64_t g,
+                               const float* tx, const float* const (*chained)[MR], float* const* lane) {
+  static_assert(KD == QKind::Q4 || KD == QKind::Q4K || KD == QKind::Q6K, "the types served by exact blocks");
+  constexpr int SUBS = KD == QKind::Q4 ? 1 : (KD == QKind::Q4K ? 8 : 16);
+  constexpr int SP = KD == QKind::Q6K ? 8 : 16;   // pairs per sub-block
+  const int64_t pairs = ex.pairs, kq = pairs / (QK / 2);
+  // The record two ahead (at least 4 KiB), a slice per sub-block: a column block's
+  // records, and the thread's column blocks, lie one after another, and one burst for a
+  // whole K-quant record would overrun the core's outstanding misses.
+  const int64_t slice = (t.rec / SUBS + 63) / 64 * 64;
+  for (int sb = 0; sb < SUBS; ++sb) {
+    for (int64_t off = sb * slice; off < std::min<int64_t>((sb + 1) * slice, t.rec); off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(rec + std::max<int64_t>(2 * t.rec, 4096) + off), _MM_HINT_T0);
+    const int64_t gx = g * SUBS + sb;        // x's block of the sub-block's size (ExactBlocks)
+    const int64_t p0 = gx * SP;              // its first pair in a row
+    const int64_t tq = p0 / (QK / 2);        // its 32 values' sum t (Q4_1, Q4_K)
+    int kinds = 0;
+    const int32_t* lo[MR];
+    const int32_t* hi[MR];
+    for (int i = 0; i < MR; ++i) {
+      kinds |= 1 << ex.kind[(row + i) * ex.nb + gx];
+      lo[i] = ex.lo.data() + (row + i) * pairs + p0;
+      hi[i] = ex.hi.data() + (row + i) * pairs + p0;
+    }
+    for (int h = 0; h < 2; ++h) {
+      __m256i acc[MR];
+      if (kinds & 4) {
+        exact_sums_avx2<MR, true, KD, SP / 2>(t, rec, sb * SP / 2, h, lo, hi, acc);
+      } else if (kinds & 2) {
+        exact_sums_avx2<MR, false, KD, SP / 2>(t, rec, sb * SP / 2, h, lo, hi, acc);
+      }
+      const __m256 d = qscale_avx2<KD>(t, rec, sb, h);
+      const __m256 mn = t.mins ? qmin_avx2<KD>(t, rec, sb, h) : _mm256_setzero_ps();
+      for (int i = 0; i < MR; ++i) {
+        const int64_t at = (row + i) * ex.nb + gx;
+        // The exact sum (q * m summed as n * m less bias * sum m, times the unit), or the chain's.
+        const __m256 s = ex.kind[at] == 0
+                             ? _mm256_load_ps(chained[sb][i] + h * 8)
+                             : _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(
+                                                 acc[i], _mm256_set1_epi32(t.bias * ex.msum[at]))),
+                                             _mm256_set1_ps(ex.unit[at]));
+        __m256 v = _mm256_mul_ps(d, s);
+        if (t.mins) {
+          const __m256 mt = _mm256_mul_ps(mn, _mm256_set1_ps(tx[i * kq + tq]));
+          v = t.kq() ? _mm256_sub_ps(v, mt) : _mm256_add_ps(v, mt);
+        }
+        float* l = lane[i] + h * 8;
+        _mm256_store_ps(l, _mm256_add_ps(_mm256_load_ps(l), v));
+      }
+    }
+  }
+}
+
+// The AVX2 tile by exact blocks: qtile_avx2's lanes and tree, each record through
+// qrecord_exact_avx2. xo, xe, tx: the tile's rows; ex: every row of the call.
+template <int MR, QKind KD>
+void qtile_exact_avx2(const QType& t, const QLayout& lay, const float* xo, const float* xe, const float* tx,
+                      const ExactBlocks& ex, const uint8_t* w, const Out& out, int64_t row, int64_t col) {
+  const int64_t per = lay.per;
+  alignas(32) float lanes[16][MR][16];
+  for (int l = 0; l < 16; ++l)
+    for (int i = 0; i < MR; ++i)
+      for (int c = 0; c < 16; ++c) lanes[l][i][c] = 0.f;
+  constexpr int SUBS = KD == QKind::Q4 ? 1 : (KD == QKind::Q4K ? 8 : 16);
+  constexpr int SP = KD == QKind::Q6K ? 8 : 16;   // pairs per sub-block
+  // The chains of a group of records (a step's, one per lane, for a one-block record;
+  // else one record's sub-blocks) run first, side by side, their sums kept for the
+  // records' own order of steps. At most 16 (sub-)blocks a group.
+  alignas(32) float sums[16 * MR][16];
+  const float* chained[16][MR];
+  ChainJob jobs[16 * MR];
+  for (int64_t s = 0; s < per; ++s) {
+    const int64_t live = lay.live[s];
+    const int64_t group = SUBS == 1 ? live : 1;
+    for (int64_t j0 = 0; j0 < live; j0 += group) {
+      int n = 0;
+      for (int64_t j = j0; j < j0 + group; ++j)
+        for (int sb = 0; sb < SUBS; ++sb)
+          for (int i = 0; i < MR; ++i) {
+            const int64_t p0 = ((j * per + s) * SUBS + sb) * SP;   // the (sub-)block's first pair in a row
+            if (ex.kind[(row + i) * ex.nb + p0 / SP] != 0) continue;
+            jobs[n] = {w + (lay.base[s] + j) * t.rec, sb * SP, xo + i * ex.pairs + p0, xe + i * ex.pairs + p0, sums[n]};
+            chained[(j - j0) * SUBS + sb][i] = sums[n++];
+          }
+      run_chains_avx2<KD, SP>(t, jobs, n);
+      for (int64_t j = j0; j < j0 + group; ++j) {
+        float* lane[MR];
+        for (int i = 0; i < MR; ++i) lane[i] = lanes[j][i];
+        qrecord_exact_avx2<MR, KD>(t, w + (lay.base[s] + j) * t.rec, ex, row, j * per + s, tx,
+                                   chained + (j - j0) * SUBS, lane);
+      }
+    }
+  }
+  alignas(32) float lvl[5][MR][16];
+  for (int l = 0; l < (1 << lay.levels); ++l) {
+    int lev = 0;
+    for (; (l >> lev) & 1; ++lev) {
+      for (int i = 0; i < MR; ++i)
+        for (int c = 0; c < 16; ++c) lanes[l][i][c] = lvl[lev][i][c] + lanes[l][i][c];
+    }
+    std::memcpy(lvl[lev], lanes[l], sizeof(lanes[l]));
+  }
+  for (int i = 0; i < MR; ++i) {
+    store8(out, row + i, col, _mm256_load_ps(lvl[lay.levels][i]));
+    store8(out, row + i, col + 8, _mm256_load_ps(lvl[lay.levels][i] + 8));
+  }
+}
 #endif
 
 // x @ w.T on a quantized packed weight (qpack, with `per`): bf16 out (rounded), or
@@ -1243,30 +1523,47 @@ torch::Tensor qlinear_lanes(torch::Tensor x, torch::Tensor packed, int64_t n, bo
   });
 #elif defined(GATEENG_REF_AVX2)
   const int64_t pairs = k / 2;
-  const bool scaled = (t.kind == QKind::Q4 || t.kind == QKind::Q4K) && scaled_nibbles(xp, m * k);
   std::vector<float> xo(m * pairs), xe(m * pairs);   // exact: a bf16 is a binary32
   for (int64_t i = 0; i < m * pairs; ++i) xo[i] = bf(xp[2 * i + 1]), xe[i] = bf(xp[2 * i]);
+  // Two ways to the same bits. A tile of one row takes exact blocks (its integers
+  // decoded for that row alone: the integer sums cost less than the FMAs); a tile of
+  // more rows shares each decoded integer among its rows' FMA chains, which then cost
+  // less, except Q6_K's, whose decoding costs more. Q8_0 and Q5_K take the chains.
+  const bool q4 = t.kind == QKind::Q4 || t.kind == QKind::Q4K;
+  const bool exact = t.kind == QKind::Q6K || (q4 && m % 4 == 1);
+  const ExactBlocks ex(xp, exact ? m : 0, k, t.sub, exact_qmax(t));
+  const bool scaled = q4 && m > 1 && scaled_nibbles(xp, m * k);
+  std::vector<float> xos, xes;
   if (scaled) {   // x / s for the place s of the integer it multiplies (scaled_nibbles)
     Flush flush;
+    xos.resize(m * pairs), xes.resize(m * pairs);
     for (int64_t i = 0; i < m * pairs; ++i) {
-      xo[i] = xo[i] * (i % 2 ? 1.f / 4096 : 1.f / 256);
-      xe[i] = xe[i] * (i % 2 ? 1.f / 16 : 1.f);
+      xos[i] = xo[i] * (i % 2 ? 1.f / 4096 : 1.f / 256);
+      xes[i] = xe[i] * (i % 2 ? 1.f / 16 : 1.f);
     }
   }
   with_kind(t, [&](auto kind) {
     constexpr QKind KD = decltype(kind)::value;
-    auto tiles = [&](auto scaled_now) {
-      for_each_tile<4>(m, cbs, [&](auto rows, int64_t r, int64_t b, int64_t nb) {
-        constexpr int MR = decltype(rows)::value;
-        qtile_avx2<MR, std::max(1, 4 / MR), KD, decltype(scaled_now)::value>(
-            t, lay, xo.data() + r * pairs, xe.data() + r * pairs, k, tx.data() + r * kq, wp + b * stride,
-            nb >= 0 ? wp + nb * stride : nullptr, out, r, b * 16);
-      });
-    };
-    if constexpr (KD == QKind::Q4 || KD == QKind::Q4K) {
-      if (scaled) return tiles(std::true_type{});
-    }
-    tiles(std::false_type{});
+    for_each_tile<4>(m, cbs, [&](auto rows, int64_t r, int64_t b, int64_t nb) {
+      constexpr int MR = decltype(rows)::value;
+      constexpr int LN = std::max(1, 4 / MR);
+      const uint8_t* next = nb >= 0 ? wp + nb * stride : nullptr;
+      if constexpr (KD == QKind::Q6K || ((KD == QKind::Q4 || KD == QKind::Q4K) && MR == 1)) {
+        qtile_exact_avx2<MR, KD>(t, lay, xo.data() + r * pairs, xe.data() + r * pairs, tx.data() + r * kq, ex,
+                                 wp + b * stride, out, r, b * 16);
+      } else if constexpr (KD == QKind::Q4 || KD == QKind::Q4K) {
+        if (scaled) {
+          qtile_avx2<MR, LN, KD, true>(t, lay, xos.data() + r * pairs, xes.data() + r * pairs, k, tx.data() + r * kq,
+                                       wp + b * stride, next, out, r, b * 16);
+        } else {
+          qtile_avx2<MR, LN, KD, false>(t, lay, xo.data() + r * pairs, xe.data() + r * pairs, k, tx.data() + r * kq,
+                                        wp + b * stride, next, out, r, b * 16);
+        }
+      } else {
+        qtile_avx2<MR, LN, KD, false>(t, lay, xo.data() + r * pairs, xe.data() + r * pairs, k, tx.data() + r * kq,
+                                      wp + b * stride, next, out, r, b * 16);
+      }
+    });
   });
 #else
   for_each_tile<4>(m, cbs, [&](auto rows, int64_t r, int64_t b, int64_t) {

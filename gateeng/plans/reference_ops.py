@@ -150,6 +150,24 @@ def tiny_normals(k: int) -> torch.Tensor:
     return ((1 - 2 * (j % 2)) * (1 + (j % 7) / 8) * 2.0 ** -115).to(torch.bfloat16)
 
 
+def exact_block_inputs(k: int, seed: int = 0) -> torch.Tensor:
+    """bf16 [5, k] whose 32-value blocks take each path of the AVX2 build's one-row tiles
+    on 4- and 6-bit integers (ref_ops.cpp ExactBlocks; multiply a row alone to reach
+    them), all with odd significands (the lowest set bit 2^(e - 7)):
+    row 0's values within 2^8 of each other (one int16 limb); row 1's two per 16 values
+    2^9 above the rest (two limbs); row 2's spread over 2^40 (the FMA chain); row 3's
+    blocks alternate a unit of 2^-126 (the smallest exact) and 2^-127 (the chain); row
+    4's a unit of 2^104 (the largest exact) and 2^105."""
+    gen = torch.Generator().manual_seed(seed)
+    odd = ((1 + (2 * torch.randint(0, 64, (5, k), generator=gen) + 1) / 128)
+           * (1 - 2 * torch.randint(0, 2, (5, k), generator=gen)))
+    j = torch.arange(k)
+    block = (j // 32) % 2
+    exps = torch.stack([-torch.randint(0, 8, (k,), generator=gen), torch.where(j % 16 == 0, 0, -9),
+                        -torch.randint(0, 41, (k,), generator=gen), -119 - block, 111 + block])
+    return (odd * 2.0 ** exps.double()).to(torch.bfloat16)
+
+
 # (GGML type id, bytes per block of 32 values) of the quantized types the probe checks.
 QUANT_PROBES = ((8, 34), (2, 18), (3, 20))
 
@@ -185,7 +203,7 @@ def probe(module) -> str:
     tiny[4] = tiny_normals(x.shape[1])
     for ggml, block in QUANT_PROBES:
         packed = module.qpack(quantized_probe(w.shape[0], x.shape[1], block, seed=ggml), ggml)
-        for xq in (x, tiny):
+        for xq in (x, tiny, *exact_block_inputs(x.shape[1]).split(1)):
             fast, spec = (module.qlinear(xq, packed, w.shape[0], True, portable) for portable in (False, True))
             if not torch.equal(fast.view(torch.int32), spec.view(torch.int32)):
                 return f"quantized matmul (GGML type {ggml}) differs from the portable code"
