@@ -13,7 +13,10 @@
 //     rows and output columns only;
 //   - denormals are flushed, as VDPBF16PS does: each kernel runs under `Flush`
 //     (inputs read as zero, results flushed to zero of their sign);
-//   - exp and log are the spec's own polynomials, never libm.
+//   - exp and log are the spec's own polynomials, never libm;
+//   - the one other way to a result: a quantized block's chain of FMAs that provably
+//     rounds nothing is its exact value, summed in integers (ExactBlocks). Whether
+//     it applies depends on the row's own x, never on the batch.
 // A row's output depends on that row's inputs only: row-invariant at any row count.
 
 #include <torch/extension.h>
