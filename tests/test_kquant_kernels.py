@@ -103,7 +103,8 @@ def test_every_build_multiplies_k_quants_as_the_oracle(kind, isa):
         assert ops.qtype(packed) == K_TYPES[kind]
         assert torch.equal(ops.qunpack(packed, n, 0), torch.from_numpy(raw))
         blocks = reference_ops.exact_block_inputs(k, seed=n).split(1)   # each path of the AVX2 one-row tiles
-        for x, f32 in [(x, True), (x, False), (tiny_normal(x), True)] + [(b, f32) for b in blocks for f32 in (True, False)]:
+        cases = [(x, True), (x, False), (tiny_normal(x), True)] + [(b, f32) for b in blocks for f32 in (True, False)]
+        for x, f32 in cases:
             xb = x.view(torch.int16).numpy().view(np.uint16)
             got = ops.qlinear(x, packed, n, f32)
             want = oracle.kqlinear(xb, q, scale, mins, sub, f32=f32)

@@ -61,7 +61,8 @@ def test_every_build_multiplies_quantized_weights_as_the_oracle(gguf_type, isa):
         x[1, 64:66] = 2.0 ** -114                 # the smallest inputs the AVX2 4-bit kernel scales
         packed = ops.qpack(torch.from_numpy(raw), TYPES[gguf_type])
         blocks = reference_ops.exact_block_inputs(k, seed=n).split(1)   # each path of the AVX2 one-row tiles
-        for x, f32 in [(x, True), (x, False), (tiny_normal(x), True)] + [(b, f32) for b in blocks for f32 in (True, False)]:
+        cases = [(x, True), (x, False), (tiny_normal(x), True)] + [(b, f32) for b in blocks for f32 in (True, False)]
+        for x, f32 in cases:
             xb = x.view(torch.int16).numpy().view(np.uint16)
             got = ops.qlinear(x, packed, n, f32)
             want = oracle.qlinear(xb, q, d, mins, f32=f32)

@@ -1160,6 +1160,25 @@ inline void qlanes_avx2(const QType& t, const uint8_t* recs, const float* const*
   }
 }
 
+// The AVX2 tiles' lane sums (MR rows x 16 columns each) folded by the tree's lowest
+// `levels` levels, and stored.
+template <int MR>
+inline void fold_lanes_avx2(float (*lanes)[MR][16], int levels, const Out& out, int64_t row, int64_t col) {
+  alignas(32) float lvl[5][MR][16];
+  for (int l = 0; l < (1 << levels); ++l) {
+    int lev = 0;
+    for (; (l >> lev) & 1; ++lev) {
+      for (int i = 0; i < MR; ++i)
+        for (int c = 0; c < 16; ++c) lanes[l][i][c] = lvl[lev][i][c] + lanes[l][i][c];
+    }
+    std::memcpy(lvl[lev], lanes[l], sizeof(lanes[l]));
+  }
+  for (int i = 0; i < MR; ++i) {
+    store8(out, row + i, col, _mm256_load_ps(lvl[levels][i]));
+    store8(out, row + i, col + 8, _mm256_load_ps(lvl[levels][i] + 8));
+  }
+}
+
 // The AVX2 tile: MR rows x 16 columns of one column block, LN lanes at a time
 // (qlanes_avx2), then the lanes folded by the tree. SCALED: xo and xe are scaled_nibbles'.
 template <int MR, int LN, QKind KD, bool SCALED>
@@ -1190,19 +1209,7 @@ void qtile_avx2(const QType& t, const QLayout& lay, const float* xo, const float
       });
     }
   }
-  alignas(32) float lvl[5][MR][16];
-  for (int l = 0; l < (1 << lay.levels); ++l) {
-    int lev = 0;
-    for (; (l >> lev) & 1; ++lev) {
-      for (int i = 0; i < MR; ++i)
-        for (int c = 0; c < 16; ++c) lanes[l][i][c] = lvl[lev][i][c] + lanes[l][i][c];
-    }
-    std::memcpy(lvl[lev], lanes[l], sizeof(lanes[l]));
-  }
-  for (int i = 0; i < MR; ++i) {
-    store8(out, row + i, col, _mm256_load_ps(lvl[lay.levels][i]));
-    store8(out, row + i, col + 8, _mm256_load_ps(lvl[lay.levels][i] + 8));
-  }
+  fold_lanes_avx2<MR>(lanes, lay.levels, out, row, col);
 }
 
 // ---- a block's chain as an exact integer sum (AVX2) ----
@@ -1470,19 +1477,7 @@ void qtile_exact_avx2(const QType& t, const QLayout& lay, const float* xo, const
       }
     }
   }
-  alignas(32) float lvl[5][MR][16];
-  for (int l = 0; l < (1 << lay.levels); ++l) {
-    int lev = 0;
-    for (; (l >> lev) & 1; ++lev) {
-      for (int i = 0; i < MR; ++i)
-        for (int c = 0; c < 16; ++c) lanes[l][i][c] = lvl[lev][i][c] + lanes[l][i][c];
-    }
-    std::memcpy(lvl[lev], lanes[l], sizeof(lanes[l]));
-  }
-  for (int i = 0; i < MR; ++i) {
-    store8(out, row + i, col, _mm256_load_ps(lvl[lay.levels][i]));
-    store8(out, row + i, col + 8, _mm256_load_ps(lvl[lay.levels][i] + 8));
-  }
+  fold_lanes_avx2<MR>(lanes, lay.levels, out, row, col);
 }
 #endif
 
