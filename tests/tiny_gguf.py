@@ -266,11 +266,11 @@ def tiny_llama(vocab_size: int, seed: int = 0, tie: bool = True, hidden: int = 6
 
 
 def write_tiny_gguf(path, qtype: QType, seed: int = 0, tie: bool = True, hidden=64, intermediate=128, layers=2,
-                    heads=4, kv_heads=2, head_dim=None) -> dict:
+                    heads=4, kv_heads=2, head_dim=None, edit=None, byte_vocab: bool = False) -> dict:
     """Write a tiny random-weight Llama to `path` as llama.cpp's convert_hf_to_gguf.py
     plus llama-quantize would, and return {"hf": the float32 LlamaForCausalLM it holds,
     "path": Path(path), "types": {gguf tensor name: type name}, "file_type": the
-    general.file_type written, "vocab_size": 49152}.
+    general.file_type written, "vocab_size": 49152 (256 with byte_vocab)}.
 
     qtype: the type of every 2-D weight ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q6_K",
     "BF16", "F16" or "F32"), or a dict {fnmatch pattern on the GGUF tensor name: type}
@@ -281,11 +281,17 @@ def write_tiny_gguf(path, qtype: QType, seed: int = 0, tie: bool = True, hidden=
     (llama-quantize Q4_1 on SmolLM2 gives {"token_embd.weight": "Q8_0", "*": "Q4_1"}).
     1-D tensors (the norms) are always F32. general.file_type is the '*' type's (else
     the commonest). Rows must be a multiple of the type's block (32; 256 for Q6_K).
+    `edit`: called on the model (under no_grad) before it is written, to set weights.
+    `byte_vocab`: byte_tokenizer_kv's 256 tokens instead of the embedded 49152 (a file
+    written in a second; its special ids are that tokenizer's).
     """
     spec = {"*": qtype} if isinstance(qtype, str) else dict(qtype)
-    vocab = embedded_vocab_size()
+    vocab = 256 if byte_vocab else embedded_vocab_size()
     head_dim = head_dim or hidden // heads
     hf = tiny_llama(vocab, seed, tie, hidden, intermediate, layers, heads, kv_heads, head_dim)
+    if edit is not None:
+        with torch.no_grad():
+            edit(hf)
 
     tensors = []
     for name, t in sorted(hf.state_dict().items()):     # safetensors' order, as the converter reads it
@@ -300,7 +306,8 @@ def write_tiny_gguf(path, qtype: QType, seed: int = 0, tie: bool = True, hidden=
         tensors.append((g, w, _type_for(g, spec) if w.ndim == 2 else "F32"))
     types = {g: t for g, _, t in tensors}
 
-    file_type = write_file(path, "llama", "Tiny Random Llama", hf, tensors, spec)
+    file_type = write_file(path, "llama", "Tiny Random Llama", hf, tensors, spec,
+                           tokenizer=byte_tokenizer_kv() if byte_vocab else ())
     return {"hf": hf, "path": Path(path), "types": types, "file_type": file_type, "vocab_size": vocab}
 
 

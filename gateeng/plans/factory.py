@@ -71,7 +71,7 @@ def build(cfg: EngineConfig, model, model_config, dtype, owned: bool = False) ->
     fast = FastPlan(cfg.fast_logit_noise, stored.packed if packed else {}, kernels,
                     stored.dense_head if packed else None)
     fast_matmul = _fast_matmul(stored, cfg)
-    reference = ReferencePlan(model, ops, cfg.block_size) if ops is not None else None
+    reference = ReferencePlan(model, ops, cfg.block_size, fast_kernels) if ops is not None else None
     invariant = reference or InvariantPlan(rows, cfg.attention_split, inv_packed, kernels, cfg.block_size, matmul)
     freed = packing.release_plain_weights(model) if owned and packed and reference is not None else 0
     log(f"fast plan: {fast_matmul}, {'C++ kernels' if kernels is not None else 'torch ops'} "

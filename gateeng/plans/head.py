@@ -26,6 +26,35 @@ def _greedy_bound(model, hidden: torch.Tensor, largest: torch.Tensor) -> torch.T
     return largest * 2.0 ** -7 + accumulation + 1e-3
 
 
+def int8_logit_bound(hidden: torch.Tensor, abs_sum: float) -> torch.Tensor:
+    """[rows] float32 bound on |int8 logit - reference logit| over every id: the int8
+    logit is cpu_ops' int8 kernels' float32 output on a quantized lm_head whose values
+    are w = d * q (packing.int8_head), the reference logit the spec's qdot (kernels/
+    SPEC.md), for bf16 rows x of K values and `abs_sum` at least every row's sum of
+    |w| (packing.lm_head_abs_sum). With X = max |x| over the row:
+
+    - the kernels' inputs (cpu_ops.cpp quantize_rows): per block of 32 values, the
+      scale amax / 127 and the integer nearbyint(x * (127 / amax)), each rounded once,
+      so scale * integer is within X (1/254 + 2^-20) of x, and the exact sum of those
+      times w within X (1/254 + 2^-20) abs_sum of the exact x . w;
+    - their binary32 steps: each block's integer sum exact (or rounded once), times
+      d * scale, added into the column's sum block after block (at most 2 K/32 + 8
+      roundings on any term's way, counting generously);
+    - the reference's: each product exact, a (sub-)block's chain of at most 32 steps,
+      its scale, at most 16 ceil(K/4096) or ceil(K/512) lane additions, the tree's 4
+      levels (at most 64 + K/16);
+    each rounding at most 2^-24 of what it rounds, so both sums lie within
+    1.03 (72 + K/8) 2^-24 X abs_sum of the exact ones; a flushed or denormal result
+    errs by at most 2^-126, and a few thousand of them stay below 2^-100.
+
+    The caller makes sure no block of x has 0 < amax < 2^-100 (its scale would not be
+    that of the bound) and every x is finite."""
+    k = hidden.shape[-1]
+    c = 1 / 254 + 2.0 ** -20 + 1.03 * (72 + k / 8) * 2.0 ** -24
+    bound = hidden.double().abs().amax(dim=-1) * (abs_sum * c) + 2.0 ** -100
+    return (bound * (1 + 2.0 ** -20)).float()   # rounded to binary32 above the float64 value
+
+
 def greedy_logits(model, hidden: torch.Tensor, head=None) -> torch.Tensor:
     """bf16 logits, with the exact float32 value written over every candidate for the
     top-2. A greedy row only needs its top-1 and top-2 (token and margin).
@@ -147,8 +176,9 @@ def mixed_lm_head(model, hidden: torch.Tensor, greedy: list, full, head=None) ->
 
 def choose(plan, model, hidden: torch.Tensor, specs: list, sample) -> tuple[list, list]:
     """(tokens, margins) for the sample rows `hidden`, one sampler.RowSpec each.
-    Greedy rows of a bf16 model take greedy_top2 where the plan allows it
-    (`plan.sparse_greedy`; a plan without it takes the dense path); every other
+    Greedy rows of a bf16 model take the plan's own greedy_choice, or else
+    greedy_top2, where the plan allows it (`plan.sparse_greedy`; a plan without it
+    takes the dense path); every other
     row goes through the plan's dense choice_logits and `sample`. Both give the
     tokens and margins `sample` would take from choice_logits."""
     greedy = [i for i, s in enumerate(specs) if s.params.greedy]
@@ -156,8 +186,10 @@ def choose(plan, model, hidden: torch.Tensor, specs: list, sample) -> tuple[list
         return sample(plan.choice_logits(model, hidden, [s.params.greedy for s in specs]), specs)
     n = len(specs)
     tokens, margins = [0] * n, [0.0] * n
-    tok, mar = greedy_top2(model, hidden if len(greedy) == n else hidden[greedy], plan.candidate_head(model),
-                           getattr(plan, "kernels", None))
+    rows = hidden if len(greedy) == n else hidden[greedy]
+    own = getattr(plan, "greedy_choice", None)   # the reference's: candidates from the int8 logits
+    tok, mar = (own(model, rows) if own is not None else
+                greedy_top2(model, rows, plan.candidate_head(model), getattr(plan, "kernels", None)))
     for j, i in enumerate(greedy):
         tokens[i], margins[i] = tok[j], mar[j]
     sampled = [i for i in range(n) if not specs[i].params.greedy]

@@ -38,6 +38,9 @@ from gateeng.heap import trim_heap
 from gateeng.logs import log
 from gateeng.plans import cpu_linear, kernel_names
 
+# The GGML types whose values are d * q, without a minimum: Q4_0, Q8_0 and Q6_K.
+NO_MINIMUM = frozenset({2, 8, 14})
+
 
 @dataclass(frozen=True)
 class QuantBlocks:
@@ -152,6 +155,11 @@ class PackedWeights:
         # rows and the other one above (None: the row-invariant kernel at every row count).
         self.fast_rowwise_max_rows = None
         self.dense_head = None   # hidden -> float32 logits on the packed lm_head (pack_fast)
+        # dense_head where it is cpu_ops' int8 kernel on a quantized lm_head of one part
+        # whose values are d * q (no minimum): the reference's greedy candidate search
+        # bounds its error (plans.head.int8_logit_bound; pack_fast).
+        self.int8_head = None
+        self.lm_head_abs_sum = None   # int8_head's weight bound, made on first use (lm_head_abs_sum)
         self.plain_needed = True   # whether a plan multiplies the plain weights (pack_fast)
         self.freed_bytes = 0       # plain weights freed once packed (pack_shared, release_plain_weights)
         # pack_shared's check of each weight's row-invariant matmul (id -> the matmul, or
@@ -204,6 +212,21 @@ def lm_head_f32(model) -> torch.Tensor:
     if s.lm_head_f32 is None:
         s.lm_head_f32 = model.lm_head.detach().float()
     return s.lm_head_f32
+
+
+def lm_head_abs_sum(model) -> float:
+    """An upper bound on every row's sum of |w| of a quantized lm_head (int8_head's):
+    each value's bf16 rounding (qrows) is within 2^-9 of it, so the sum of the rounded
+    magnitudes, in float64, times 1 + 2^-8 is at least the true sum (the float64 sum's
+    own rounding is far below that slack)."""
+    s = of(model)
+    if s.lm_head_abs_sum is None:
+        p = s.shared[id(model.lm_head)]
+        best = 0.0
+        for ids in torch.arange(p.n).split(4096):
+            best = max(best, float(s.quant_ops.qrows(p.data, ids, p.per).double().abs().sum(-1).max()))
+        s.lm_head_abs_sum = best * (1 + 2.0 ** -8)
+    return s.lm_head_abs_sum
 
 
 def lm_head_max_norm(model) -> float:
@@ -396,6 +419,10 @@ def _pack_quantized(model, s: PackedWeights, kernels, ref) -> None:
     s.packed = {id(w): fast(w) for w in weights}
     s.lm_head_bf16 = fast(model.lm_head)
     s.dense_head = fast(model.lm_head, True)
+    head = cpu_linear.parts(s.shared[id(model.lm_head)])
+    if (len(head) == 1 and head[0].data.dtype == torch.uint8 and kernel(head[0].data) in (int8, kint8)
+            and ref.qtype(head[0].data) in NO_MINIMUM):
+        s.int8_head = s.dense_head
     s.invariant_packed = {id(w): cpu_linear.rowwise(kernel_names.REF_LINEAR, s.shared[id(w)], kernels, ref)
                           for w in weights}
     s.invariant_matmul = kernel_names.REF_LINEAR

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from gateeng.config import BFLOAT16, BLOCK_SIZE, SOFTMAX_TOPK
-from gateeng.plans import cpu_linear, packing
+from gateeng.plans import cpu_linear, head, packing
 from gateeng.plans.generic import InvariantAttnMeta, InvariantPlan
 from gateeng.plans.kernel_names import REFERENCE
 
@@ -95,11 +95,16 @@ class ReferencePlan(ReferenceBase):
     packed copy of its weights (plans.packing.pack_shared: every build's layout is the
     same), packed here where the model has none."""
 
-    def __init__(self, model, ops, block_size: int = BLOCK_SIZE):
+    def __init__(self, model, ops, block_size: int = BLOCK_SIZE, kernels=None):
         super().__init__(ops, block_size)
         self._packed = {id(w): packing.of(model).shared.get(id(w)) or cpu_linear.shared_pack(w, ops)
                         for w in model.projections() + [model.lm_head] + model.routers()}
         self._lm_head = id(model.lm_head)
+        # Greedy rows choose from a few exact logits (greedy_choice) where the fast plan's
+        # int8 logits bound them and plans.cpu_ops' candidate search is at hand (`kernels`).
+        self._int8_head = packing.of(model).int8_head if kernels is not None and model.tp is None else None
+        self._kernels = kernels
+        self.sparse_greedy = self._int8_head is not None
         self._version = self.reference_version(model)
         # Each routing layer in one C++ call (moe_layer), keyed by id of expert 0's gate_up;
         # a tensor-parallel shard's experts sum over the ranks (model.shard): not here.
@@ -160,3 +165,44 @@ class ReferencePlan(ReferenceBase):
         hidden = hidden.contiguous()
         return cpu_linear.side_by_side(self._packed[self._lm_head],
                                        lambda q: self.ops.linear(hidden, q.data, q.n, True, q.per))
+
+    @torch.inference_mode()
+    def greedy_choice(self, model, hidden: torch.Tensor) -> tuple[list, list]:
+        """Greedy rows' tokens and margins, those the reference sampler takes from
+        full_logits (the lowest id of the largest logit, and its lead over the rest),
+        from the exact logits of a few ids. The fast plan's int8 logits lie within
+        head.int8_logit_bound of the reference's for every id, so every id whose int8
+        logit, rounded to bf16, is within twice that bound (and the bf16 rounding) of
+        the row's second-largest is a candidate (cpu_ops greedy_candidates): both exact
+        top-2 ids are among them, and every other id lies below both. The candidates'
+        exact logits, in id order, go through the sampler's argmax_margin: the dense
+        result, bit for bit. A row the bound does not cover (a non-finite value, a block
+        of tiny inputs) or with too many candidates takes the dense logits."""
+        hidden = hidden.contiguous()
+        rows = hidden.shape[0]
+        amax = hidden.float().abs().view(rows, -1, 32).amax(-1)   # the int8 kernels' input blocks
+        if not bool(torch.isfinite(amax).all()) or bool(((amax > 0) & (amax < 2.0 ** -100)).any()):
+            return self._dense_choice(model, hidden)
+        slack = 2 * head.int8_logit_bound(hidden, packing.lm_head_abs_sum(model))
+        r, ids, ok = self._kernels.greedy_candidates(self._int8_head(hidden).to(torch.bfloat16), slack)
+        if not bool(ok):
+            return self._dense_choice(model, hidden)
+        (p,) = cpu_linear.parts(self._packed[self._lm_head])
+        tokens, margins = [], []
+        for i, found in enumerate(ids.split(torch.bincount(r, minlength=rows).tolist())):
+            if found.numel() < 2 or found.numel() > p.n // 8:
+                tok, mar = self._dense_choice(model, hidden[i:i + 1])
+            else:
+                blocks = torch.unique(found // 16)   # the packed column blocks holding them, in order
+                logits = self.ops.linear(hidden[i:i + 1], p.data.index_select(0, blocks), 16 * blocks.numel(),
+                                         True, p.per)[0]
+                exact = logits.index_select(0, torch.searchsorted(blocks, found // 16) * 16 + found % 16)
+                best, lead = self.ops.argmax_margin(exact[None].contiguous())
+                tok, mar = [int(found[int(best[0])])], [float(lead[0])]
+            tokens += tok
+            margins += mar
+        return tokens, margins
+
+    def _dense_choice(self, model, hidden: torch.Tensor) -> tuple[list, list]:
+        tok, mar = self.ops.argmax_margin(self.full_logits(model, hidden))
+        return tok.tolist(), mar.tolist()
