@@ -1308,30 +1308,39 @@ inline void nwords_avx2(const QType& t, const uint8_t* rec, int pp, int h, __m25
 }
 
 // The integer sums n * m of one (sub-)block, pairs 2pp0 .. 2pp0 + 2 NPP - 1 of a
-// record, for the 8 columns of half h and MR rows, each row's m from its ExactBlocks
-// pairs (lo; with TWO also hi, added as hi * 2^14). Integer adds: exact in any order.
+// record, for its 16 columns as two 8-lane halves (acc[i][h]) and MR rows, each row's
+// m from its ExactBlocks pairs (lo; with TWO also hi, added as hi * 2^14); each row's
+// m broadcast once for both halves. Integer adds: exact in any order.
 template <int MR, bool TWO, QKind KD, int NPP>
-inline void exact_sums_avx2(const QType& t, const uint8_t* rec, int pp0, int h, const int32_t* const* lo,
-                            const int32_t* const* hi, __m256i* acc) {
-  __m256i hacc[MR];
+inline void exact_sums_avx2(const QType& t, const uint8_t* rec, int pp0, const int32_t* const* lo,
+                            const int32_t* const* hi, __m256i (*acc)[2]) {
+  __m256i hacc[MR][2];
 #pragma GCC unroll 4
-  for (int i = 0; i < MR; ++i) acc[i] = hacc[i] = _mm256_setzero_si256();
+  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = hacc[i][0] = hacc[i][1] = _mm256_setzero_si256();
 #pragma GCC unroll 8
   for (int pp = 0; pp < NPP; ++pp) {
-    __m256i n0, n1;
-    nwords_avx2<KD>(t, rec, pp0 + pp, h, n0, n1);
+    __m256i n0[2], n1[2];
+    nwords_avx2<KD>(t, rec, pp0 + pp, 0, n0[0], n1[0]);
+    nwords_avx2<KD>(t, rec, pp0 + pp, 1, n0[1], n1[1]);
 #pragma GCC unroll 4
     for (int i = 0; i < MR; ++i) {
-      acc[i] = _mm256_add_epi32(acc[i], _mm256_add_epi32(_mm256_madd_epi16(n0, _mm256_set1_epi32(lo[i][2 * pp])),
-                                                         _mm256_madd_epi16(n1, _mm256_set1_epi32(lo[i][2 * pp + 1]))));
-      if constexpr (TWO)
-        hacc[i] = _mm256_add_epi32(hacc[i], _mm256_add_epi32(_mm256_madd_epi16(n0, _mm256_set1_epi32(hi[i][2 * pp])),
-                                                             _mm256_madd_epi16(n1, _mm256_set1_epi32(hi[i][2 * pp + 1]))));
+      const __m256i e = _mm256_set1_epi32(lo[i][2 * pp]), o = _mm256_set1_epi32(lo[i][2 * pp + 1]);
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h)
+        acc[i][h] = _mm256_add_epi32(acc[i][h], _mm256_add_epi32(_mm256_madd_epi16(n0[h], e), _mm256_madd_epi16(n1[h], o)));
+      if constexpr (TWO) {
+        const __m256i he = _mm256_set1_epi32(hi[i][2 * pp]), ho = _mm256_set1_epi32(hi[i][2 * pp + 1]);
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h)
+          hacc[i][h] = _mm256_add_epi32(hacc[i][h],
+                                        _mm256_add_epi32(_mm256_madd_epi16(n0[h], he), _mm256_madd_epi16(n1[h], ho)));
+      }
     }
   }
   if constexpr (TWO) {
 #pragma GCC unroll 4
-    for (int i = 0; i < MR; ++i) acc[i] = _mm256_add_epi32(_mm256_slli_epi32(hacc[i], 14), acc[i]);
+    for (int i = 0; i < MR; ++i)
+      for (int h = 0; h < 2; ++h) acc[i][h] = _mm256_add_epi32(_mm256_slli_epi32(hacc[i][h], 14), acc[i][h]);
   }
 }
 
@@ -1382,8 +1391,9 @@ inline void run_chains_avx2(const QType& t, const ChainJob* job, int n) {
 // whose x is exact there (ExactBlocks) by integer sums over the record's integers, each
 // other row's sums its FMA chain's (chained[sub-block][row], run before); then c = D * s
 // (Q4_1: plus m * t; Q4_K: less M * t) added to the lane, sub-block by sub-block:
-// qlanes_avx2's steps. g: the record's block of K; tx: the tile's rows, whole.
-template <int MR, QKind KD>
+// qlanes_avx2's steps. MINS: t.mins (Q4_1, Q4_K). g: the record's block of K; tx: the
+// tile's rows, whole.
+template <int MR, QKind KD, bool MINS>
 inline void qrecord_exact_avx2(const QType& t, const uint8_t* rec, const ExactBlocks& ex, int64_t row, int64_t g,
                                const float* tx, const float* const (*chained)[MR], float* const* lane) {
   static_assert(KD == QKind::Q4 || KD == QKind::Q4K || KD == QKind::Q6K, "the types served by exact blocks");
@@ -1408,27 +1418,31 @@ inline void qrecord_exact_avx2(const QType& t, const uint8_t* rec, const ExactBl
       lo[i] = ex.lo.data() + (row + i) * pairs + p0;
       hi[i] = ex.hi.data() + (row + i) * pairs + p0;
     }
-    for (int h = 0; h < 2; ++h) {
-      __m256i acc[MR];
-      if (kinds & 4) {
-        exact_sums_avx2<MR, true, KD, SP / 2>(t, rec, sb * SP / 2, h, lo, hi, acc);
-      } else if (kinds & 2) {
-        exact_sums_avx2<MR, false, KD, SP / 2>(t, rec, sb * SP / 2, h, lo, hi, acc);
-      }
-      const __m256 d = qscale_avx2<KD>(t, rec, sb, h);
-      const __m256 mn = t.mins ? qmin_avx2<KD>(t, rec, sb, h) : _mm256_setzero_ps();
-      for (int i = 0; i < MR; ++i) {
-        const int64_t at = (row + i) * ex.nb + gx;
-        // The exact sum (q * m summed as n * m less bias * sum m, times the unit), or the chain's.
-        const __m256 s = ex.kind[at] == 0
-                             ? _mm256_load_ps(chained[sb][i] + h * 8)
-                             : _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(
-                                                 acc[i], _mm256_set1_epi32(t.bias * ex.msum[at]))),
-                                             _mm256_set1_ps(ex.unit[at]));
-        __m256 v = _mm256_mul_ps(d, s);
-        if (t.mins) {
-          const __m256 mt = _mm256_mul_ps(mn, _mm256_set1_ps(tx[i * kq + tq]));
-          v = t.kq() ? _mm256_sub_ps(v, mt) : _mm256_add_ps(v, mt);
+    __m256i acc[MR][2];
+    if (kinds & 4) {
+      exact_sums_avx2<MR, true, KD, SP / 2>(t, rec, sb * SP / 2, lo, hi, acc);
+    } else if (kinds & 2) {
+      exact_sums_avx2<MR, false, KD, SP / 2>(t, rec, sb * SP / 2, lo, hi, acc);
+    }
+    const __m256 d[2] = {qscale_avx2<KD>(t, rec, sb, 0), qscale_avx2<KD>(t, rec, sb, 1)};
+    __m256 mn[2];
+    if constexpr (MINS) mn[0] = qmin_avx2<KD>(t, rec, sb, 0), mn[1] = qmin_avx2<KD>(t, rec, sb, 1);
+    for (int i = 0; i < MR; ++i) {
+      const int64_t at = (row + i) * ex.nb + gx;
+      const bool exact = ex.kind[at] != 0;
+      // The exact sum (q * m summed as n * m less bias * sum m, times the unit), or the chain's.
+      const __m256i bias = _mm256_set1_epi32(t.bias * ex.msum[at]);
+      const __m256 unit = _mm256_set1_ps(ex.unit[at]);
+      __m256 xt;
+      if constexpr (MINS) xt = _mm256_set1_ps(tx[i * kq + tq]);
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        const __m256 s = exact ? _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(acc[i][h], bias)), unit)
+                               : _mm256_load_ps(chained[sb][i] + h * 8);
+        __m256 v = _mm256_mul_ps(d[h], s);
+        if constexpr (MINS) {
+          const __m256 mt = _mm256_mul_ps(mn[h], xt);
+          v = KD == QKind::Q4K ? _mm256_sub_ps(v, mt) : _mm256_add_ps(v, mt);
         }
         float* l = lane[i] + h * 8;
         _mm256_store_ps(l, _mm256_add_ps(_mm256_load_ps(l), v));
@@ -1472,8 +1486,13 @@ void qtile_exact_avx2(const QType& t, const QLayout& lay, const float* xo, const
       for (int64_t j = j0; j < j0 + group; ++j) {
         float* lane[MR];
         for (int i = 0; i < MR; ++i) lane[i] = lanes[j][i];
-        qrecord_exact_avx2<MR, KD>(t, w + (lay.base[s] + j) * t.rec, ex, row, j * per + s, tx,
-                                   chained + (j - j0) * SUBS, lane);
+        if (t.mins) {
+          qrecord_exact_avx2<MR, KD, true>(t, w + (lay.base[s] + j) * t.rec, ex, row, j * per + s, tx,
+                                           chained + (j - j0) * SUBS, lane);
+        } else {
+          qrecord_exact_avx2<MR, KD, false>(t, w + (lay.base[s] + j) * t.rec, ex, row, j * per + s, tx,
+                                            chained + (j - j0) * SUBS, lane);
+        }
       }
     }
   }

@@ -105,6 +105,8 @@ class ReferencePlan(ReferenceBase):
         self._int8_head = packing.of(model).int8_head if kernels is not None and model.tp is None else None
         self._kernels = kernels
         self.sparse_greedy = self._int8_head is not None
+        if self.sparse_greedy:   # its weight bound, made at start-up rather than on a request's step
+            packing.lm_head_abs_sum(model)
         self._version = self.reference_version(model)
         # Each routing layer in one C++ call (moe_layer), keyed by id of expert 0's gate_up;
         # a tensor-parallel shard's experts sum over the ranks (model.shard): not here.
