@@ -19,6 +19,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "expert_groups.h"
 #include "packed_checks.h"
 #include <omp.h>
 #include <pybind11/functional.h>
@@ -1392,36 +1393,23 @@ torch::Tensor experts_combined(const torch::Tensor& x, const int64_t* ids, const
                                int64_t gate_up_n, int64_t down_n, bool vnni) {
   const int64_t experts = static_cast<int64_t>(gate_up.size());
   const int64_t m = x.size(0), h = x.size(1), pairs = m * k;
-  std::vector<int64_t> start(experts + 1, 0), order(pairs);
-  for (int64_t p = 0; p < pairs; ++p) {
-    TORCH_CHECK(ids[p] >= 0 && ids[p] < experts, "expert id out of range");
-    ++start[ids[p] + 1];
-  }
-  for (int64_t e = 0; e < experts; ++e) start[e + 1] += start[e];
-  {
-    std::vector<int64_t> at(start.begin(), start.end() - 1);
-    for (int64_t p = 0; p < pairs; ++p) order[at[ids[p]]++] = p;
-  }
+  const gateeng::ExpertGroups groups(ids, m, k, experts);
   auto linear = [&](const torch::Tensor& in, const torch::Tensor& packed, int64_t n) {
     return qlinear_int8_on(in, packed, n, false, 0, vnni);
   };
   const u16* xs = reinterpret_cast<const u16*>(x.data_ptr<at::BFloat16>());
   std::vector<u16> y(pairs * h);   // each pair's expert output, bf16 bits
-  std::vector<int64_t> active;
-  for (int64_t e = 0; e < experts; ++e)
-    if (start[e + 1] > start[e]) active.push_back(e);
+  const std::vector<int64_t>& active = groups.active;
   auto run = [&](int64_t begin, int64_t end) {
     for (int64_t a = begin; a < end; ++a) {
-      const int64_t e = active[a], n = start[e + 1] - start[e];
+      const int64_t e = active[a], n = groups.rows(e);
       auto rows = torch::empty({n, h}, x.options());
-      u16* rp = reinterpret_cast<u16*>(rows.data_ptr<at::BFloat16>());
-      for (int64_t i = 0; i < n; ++i) std::memcpy(rp + i * h, xs + order[start[e] + i] / k * h, h * sizeof(u16));
+      groups.gather(e, xs, h, reinterpret_cast<u16*>(rows.data_ptr<at::BFloat16>()));
       auto gu = linear(rows, gate_up[e], gate_up_n);
       auto act = torch::empty({n, gate_up_n / 2}, x.options());
       silu_mul_rows<at::BFloat16>(gu.data_ptr<at::BFloat16>(), act.data_ptr<at::BFloat16>(), n, gate_up_n / 2);
       auto out = linear(act, down[e], down_n);
-      const u16* op = reinterpret_cast<const u16*>(out.data_ptr<at::BFloat16>());
-      for (int64_t i = 0; i < n; ++i) std::memcpy(y.data() + order[start[e] + i] * h, op + i * h, h * sizeof(u16));
+      groups.scatter(e, reinterpret_cast<const u16*>(out.data_ptr<at::BFloat16>()), h, y.data());
     }
   };
   // With at least two active experts per thread, the experts split across the threads,

@@ -22,6 +22,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "expert_groups.h"
 #include "packed_checks.h"
 
 #include <algorithm>
@@ -486,6 +487,13 @@ constexpr int64_t REC_Q8_0 = 32 + 512, REC_Q4_0 = 32 + 256, REC_Q4_1 = 64 + 256;
 constexpr int64_t REC_Q4_K = 64 + 2 * 128 + 2048, REC_Q5_K = REC_Q4_K + 512, REC_Q6_K = 32 + 256 + 2048 + 1024;
 
 enum class QKind { Q8, Q4, Q4K, Q5K, Q6K };
+
+// A kind's (sub-)blocks per record and pairs per (sub-)block, at compile time (QType's
+// subs() and sub / 2 at run time).
+template <QKind KD>
+constexpr int subs_of() { return KD == QKind::Q8 || KD == QKind::Q4 ? 1 : (KD == QKind::Q6K ? 16 : 8); }
+template <QKind KD>
+constexpr int sub_pairs_of() { return KD == QKind::Q6K ? 8 : 16; }
 
 struct QType {
   int64_t ggml, raw, rec;   // GGML id, bytes per stored block, bytes per record
@@ -1110,8 +1118,7 @@ inline bool scaled_nibbles(const u16* x, int64_t n) {
 template <int MR, int LN, QKind KD, bool SCALED>
 inline void qlanes_avx2(const QType& t, const uint8_t* recs, const float* const* xo, const float* const* xe,
                         int64_t pairs, const float* const* tx, int64_t kq, float (*lanes)[MR][16]) {
-  constexpr int SP = KD == QKind::Q6K ? 8 : 16;   // pairs per sub-block
-  constexpr int SUBS = KD == QKind::Q8 || KD == QKind::Q4 ? 1 : (KD == QKind::Q6K ? 16 : 8);
+  constexpr int SP = sub_pairs_of<KD>(), SUBS = subs_of<KD>();
   for (int sb = 0; sb < SUBS; ++sb) {
     __m256 acc[LN][MR][2];
 #pragma GCC unroll 8
@@ -1239,11 +1246,12 @@ struct ExactBlocks {
   std::vector<float> unit;      // [rows][nb]
   std::vector<int32_t> msum;    // [rows][nb]
   std::vector<int32_t> lo, hi;  // [rows][pairs]
-  ExactBlocks(const u16* x, int64_t m, int64_t k, int64_t size, int64_t qmax)
+  // Rows `from` .. m - 1 classified; the others' blocks all take the chain (kind 0).
+  ExactBlocks(const u16* x, int64_t m, int64_t k, int64_t size, int64_t qmax, int64_t from = 0)
       : size(size), nb(k / size), pairs(k / 2), qmax(qmax), kind(m * nb), unit(m * nb), msum(m * nb),
         lo(m * pairs), hi(m * pairs) {
     TORCH_CHECK(size == 16 || size == 32, "exact blocks of 16 or 32 values");
-    for (int64_t i = 0; i < m; ++i)
+    for (int64_t i = from; i < m; ++i)
       for (int64_t g = 0; g < nb; ++g) classify(x + i * k + g * size, i * nb + g, i * pairs + g * (size / 2));
   }
   void classify(const u16* v, int64_t at, int64_t pat) {
@@ -1397,8 +1405,7 @@ template <int MR, QKind KD, bool MINS>
 inline void qrecord_exact_avx2(const QType& t, const uint8_t* rec, const ExactBlocks& ex, int64_t row, int64_t g,
                                const float* tx, const float* const (*chained)[MR], float* const* lane) {
   static_assert(KD == QKind::Q4 || KD == QKind::Q4K || KD == QKind::Q6K, "the types served by exact blocks");
-  constexpr int SUBS = KD == QKind::Q4 ? 1 : (KD == QKind::Q4K ? 8 : 16);
-  constexpr int SP = KD == QKind::Q6K ? 8 : 16;   // pairs per sub-block
+  constexpr int SUBS = subs_of<KD>(), SP = sub_pairs_of<KD>();
   const int64_t pairs = ex.pairs, kq = pairs / (QK / 2);
   // The record two ahead (at least 4 KiB), a slice per sub-block: a column block's
   // records, and the thread's column blocks, lie one after another, and one burst for a
@@ -1461,8 +1468,7 @@ void qtile_exact_avx2(const QType& t, const QLayout& lay, const float* xo, const
   for (int l = 0; l < 16; ++l)
     for (int i = 0; i < MR; ++i)
       for (int c = 0; c < 16; ++c) lanes[l][i][c] = 0.f;
-  constexpr int SUBS = KD == QKind::Q4 ? 1 : (KD == QKind::Q4K ? 8 : 16);
-  constexpr int SP = KD == QKind::Q6K ? 8 : 16;   // pairs per sub-block
+  constexpr int SUBS = subs_of<KD>(), SP = sub_pairs_of<KD>();
   // The chains of a group of records (a step's, one per lane, for a one-block record;
   // else one record's sub-blocks) run first, side by side, their sums kept for the
   // records' own order of steps. At most 16 (sub-)blocks a group.
@@ -1548,7 +1554,8 @@ torch::Tensor qlinear_lanes(torch::Tensor x, torch::Tensor packed, int64_t n, bo
   // less, except Q6_K's, whose decoding costs more. Q8_0 and Q5_K take the chains.
   const bool q4 = t.kind == QKind::Q4 || t.kind == QKind::Q4K;
   const bool exact = t.kind == QKind::Q6K || (q4 && m % 4 == 1);
-  const ExactBlocks ex(xp, exact ? m : 0, k, t.sub, exact_qmax(t));
+  // A 4-bit type's one-row tile is the last row (for_each_tile<4>): only it reads them.
+  const ExactBlocks ex(xp, exact ? m : 0, k, t.sub, exact_qmax(t), q4 ? m - 1 : 0);
   const bool scaled = q4 && m > 1 && scaled_nibbles(xp, m * k);
   std::vector<float> xos, xes;
   if (scaled) {   // x / s for the place s of the integer it multiplies (scaled_nibbles)
@@ -2360,35 +2367,24 @@ std::vector<torch::Tensor> moe_layer(torch::Tensor x, const MoeLayer& layer) {
   x = x.contiguous();
   const int64_t m = x.size(0), h = x.size(1), k = layer.k, experts = layer.router.rows();
   std::vector<torch::Tensor> routed = moe_route(layer.router.apply(x, true), k, layer.softmax_first, layer.renorm);
-  const int64_t* ids = routed[0].data_ptr<int64_t>();
-  // The (row, slot) pairs grouped by expert, each expert's in row order (a counting sort).
-  std::vector<int64_t> start(experts + 1, 0), order(m * k);
-  for (int64_t p = 0; p < m * k; ++p) ++start[ids[p] + 1];
-  for (int64_t e = 0; e < experts; ++e) start[e + 1] += start[e];
-  {
-    std::vector<int64_t> at(start.begin(), start.end() - 1);
-    for (int64_t p = 0; p < m * k; ++p) order[at[ids[p]]++] = p;
-  }
-  std::vector<int64_t> active;
-  for (int64_t e = 0; e < experts; ++e)
-    if (start[e + 1] > start[e]) active.push_back(e);
-  // The experts with the most rows first: the threads that take them one by one then
-  // finish together. (The order changes no bits: each expert's outputs are its own.)
+  // The (row, slot) pairs grouped by expert, each expert's in row order; the experts with
+  // the most rows first: the threads that take them one by one then finish together.
+  // (The order changes no bits: each expert's outputs are its own.)
+  const gateeng::ExpertGroups groups(routed[0].data_ptr<int64_t>(), m, k, experts);
+  std::vector<int64_t> active = groups.active;
   std::stable_sort(active.begin(), active.end(),
-                   [&](int64_t a, int64_t b) { return start[a + 1] - start[a] > start[b + 1] - start[b]; });
+                   [&](int64_t a, int64_t b) { return groups.rows(a) > groups.rows(b); });
   auto y = torch::empty({m, k, h}, x.options());   // each (row, slot)'s expert output
   const u16* xp = cbits(x);
   u16* yp = bits(y);
   auto run = [&](int64_t begin, int64_t end) {
     for (int64_t a = begin; a < end; ++a) {
-      const int64_t e = active[a], n = start[e + 1] - start[e];
-      auto rows = torch::empty({n, h}, x.options());
-      u16* rp = bits(rows);
-      for (int64_t i = 0; i < n; ++i) std::memcpy(rp + i * h, xp + order[start[e] + i] / k * h, h * sizeof(u16));
+      const int64_t e = active[a];
+      auto rows = torch::empty({groups.rows(e), h}, x.options());
+      groups.gather(e, xp, h, bits(rows));
       const auto out = layer.down[e].apply(silu_mul(layer.gate_up[e].apply(rows, false)), false);
       TORCH_CHECK(out.size(1) == h, "an expert's down must give hidden-size rows");
-      const u16* op = cbits(out);
-      for (int64_t i = 0; i < n; ++i) std::memcpy(yp + order[start[e] + i] * h, op + i * h, h * sizeof(u16));
+      groups.scatter(e, cbits(out), h, yp);
     }
   };
   const int64_t count = static_cast<int64_t>(active.size()), threads = at::get_num_threads();
