@@ -10,9 +10,10 @@ rows, unpadded, at any count.
 
 The weights are the model's one packed copy, in the reference matmul's layout,
 which the fast plan multiplies too (plans.cpu_linear). Logits are the reference matmul's binary32
-sums over the bf16 lm_head, dense: a greedy token is their argmax (lowest id among
-ties), a sampled one is chosen by the reference sampler (plans.sampler with these
-ops).
+sums over the lm_head: a greedy token is their argmax (lowest id among ties), taken
+from the few ids that can hold it where the fast plan's int8 logits bound the rest
+(greedy_choice), else from the dense logits; a sampled one is chosen by the
+reference sampler (plans.sampler with these ops) from the dense logits.
 """
 from __future__ import annotations
 
