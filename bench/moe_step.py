@@ -17,7 +17,9 @@ runner's whole forward and token choice for those rows, repeated in place):
 - `invariant, per op`: each routing layer as router_logits, route, then per active
   expert linear, silu_mul, linear, then combine, called from Python;
 - `invariant, one call`: each routing layer in one C++ call (ref_ops' moe_layer, what
-  the reference plan runs).
+  the reference plan runs);
+- `invariant, dense logits`: the same, its greedy rows choosing from every logit
+  rather than from the few the int8 logits leave (ReferencePlan.greedy_choice).
 
 Prints ms per step (best and median of the rounds) and the tokens/s ratios.
 Usage: python bench/moe_step.py MODEL.gguf [--streams 1] [--rounds 8] [--steps 15] [--plan fast|invariant]
@@ -49,7 +51,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--plan", choices=("fast", "invariant"), default="fast",
-                    help="the fast plan's step three ways, or the invariant plan's pass two ways beside it")
+                    help="the fast plan's step three ways, or the invariant plan's pass three ways beside it")
     args = ap.parse_args()
     loaded = load(args.model, "bfloat16")
     engine = EngineCore(EngineConfig(dtype="bfloat16"), loaded=loaded)
@@ -99,19 +101,24 @@ def invariant_passes(engine, args) -> None:
     def step(kind):
         return StepPlan([ScheduledSeq.plan(r, len(r.tokens) - 1, len(r.tokens), kind) for r in running])
     per_op = lambda *a: None   # noqa: E731  (LlamaModel._moe then runs the layer op by op)
-    modes = {"fast plan": (step(PlanKind.FAST), None), "invariant, per op": (step(PlanKind.INVARIANT), per_op),
-             "invariant, one call": (step(PlanKind.INVARIANT), None)}
+    sparse = plan.sparse_greedy
+    modes = {"fast plan": (step(PlanKind.FAST), None, sparse),
+             "invariant, per op": (step(PlanKind.INVARIANT), per_op, sparse),
+             "invariant, one call": (step(PlanKind.INVARIANT), None, sparse),
+             "invariant, dense logits": (step(PlanKind.INVARIANT), None, False)}
     ms = {name: [] for name in modes}
     for r in range(args.rounds + 1):   # the first round warms up
-        for name, (s, moe_layer) in modes.items():
+        for name, (s, moe_layer, greedy_choice) in modes.items():
             if moe_layer is not None:
                 plan.moe_layer = moe_layer
+            plan.sparse_greedy = greedy_choice
             t0 = time.perf_counter()
             for _ in range(args.steps):
                 engine.runner.run(s)
             if r:
                 ms[name].append((time.perf_counter() - t0) / args.steps * 1000)
             vars(plan).pop("moe_layer", None)
+    plan.sparse_greedy = sparse
     table(args, ms, "fast plan")
     print(f"\ninvariant plan: {plan.describe()}")
 
