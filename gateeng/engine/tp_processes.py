@@ -211,6 +211,10 @@ def handshake(rank: int, size: int, secret: str) -> None:
         got = torch.empty(32, dtype=torch.uint8)
         dist.recv(got, peer)
         if not hmac.compare_digest(bytes(got.tolist()), _proof(secret, peer, rank)):
+            # This rank's own proofs delivered first: a peer then refuses on what it
+            # received, not on a connection this rank dropped by leaving.
+            for work in sends:
+                work.wait()
             raise ForgedValue(f"tensor-parallel rank {peer} did not prove this engine's secret to rank {rank}: "
                               "a process other than the engine's own rank is in the group")
     for work in sends:
