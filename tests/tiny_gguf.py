@@ -73,7 +73,8 @@ def permute(w: np.ndarray, n_head: int, n_head_kv: int | None) -> np.ndarray:
 @functools.lru_cache(maxsize=1)
 def _embedded_tokenizer_kv() -> tuple:
     """Every tokenizer.* key of the embedded SmolLM2 GGUF as (key, value, type, sub_type),
-    strings kept as their raw bytes. Read once per process (GGUFReader takes ~2 s)."""
+    strings kept as their raw bytes. Read once per process (GGUFReader takes seconds: about
+    10 s on a 2-core AVX2 EPYC)."""
     from gguf import GGUFReader, GGUFValueType
 
     from gateeng.model.loader import default_model_path
