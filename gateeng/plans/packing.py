@@ -38,8 +38,8 @@ from gateeng.heap import trim_heap
 from gateeng.logs import log
 from gateeng.plans import cpu_linear, kernel_names
 
-# The GGML types whose values are d * q, without a minimum: Q4_0, Q8_0 and Q6_K.
-NO_MINIMUM = frozenset({2, 8, 14})
+# The GGML types whose values are d * q, without a minimum.
+NO_MINIMUM = ("Q4_0", "Q8_0", "Q6_K")
 
 
 @dataclass(frozen=True)
@@ -391,6 +391,8 @@ def _pack_quantized(model, s: PackedWeights, kernels, ref) -> None:
     cpu_ops' int8 kernels where the CPU has them (Q8_0, Q4_0, Q4_1 and the K-quants:
     AVX-512 VNNI, else AVX2), each its own arithmetic, else with the reference's
     matmul, the one kernel that takes every layout (bf16 weights beside them too)."""
+    from gguf import GGMLQuantizationType   # (a GGUF's weights: the package is loaded already)
+
     weights = model.projections()
     ref = ref or s.quant_ops   # the build that packed them reads them in any case
     avx2 = getattr(kernels, "qavx2", False)
@@ -421,7 +423,7 @@ def _pack_quantized(model, s: PackedWeights, kernels, ref) -> None:
     s.dense_head = fast(model.lm_head, True)
     head = cpu_linear.parts(s.shared[id(model.lm_head)])
     if (len(head) == 1 and head[0].data.dtype == torch.uint8 and kernel(head[0].data) in (int8, kint8)
-            and ref.qtype(head[0].data) in NO_MINIMUM):
+            and GGMLQuantizationType(ref.qtype(head[0].data)).name in NO_MINIMUM):
         s.int8_head = s.dense_head
     s.invariant_packed = {id(w): cpu_linear.rowwise(kernel_names.REF_LINEAR, s.shared[id(w)], kernels, ref)
                           for w in weights}
