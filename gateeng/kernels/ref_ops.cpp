@@ -1168,21 +1168,25 @@ inline void qlanes_avx2(const QType& t, const uint8_t* recs, const float* const*
 }
 
 // The AVX2 tiles' lane sums (MR rows x 16 columns each) folded by the tree's lowest
-// `levels` levels, and stored.
+// `levels` levels, and stored. On vectors: a fold through float arrays copied by
+// memcpy made each 32-byte load wait on two 16-byte stores (store forwarding fails),
+// a tenth of a one-row quantized matmul's time.
 template <int MR>
 inline void fold_lanes_avx2(float (*lanes)[MR][16], int levels, const Out& out, int64_t row, int64_t col) {
-  alignas(32) float lvl[5][MR][16];
+  __m256 lvl[5][MR][2];
   for (int l = 0; l < (1 << levels); ++l) {
+    __m256 v[MR][2];
+    for (int i = 0; i < MR; ++i) v[i][0] = _mm256_load_ps(lanes[l][i]), v[i][1] = _mm256_load_ps(lanes[l][i] + 8);
     int lev = 0;
     for (; (l >> lev) & 1; ++lev) {
       for (int i = 0; i < MR; ++i)
-        for (int c = 0; c < 16; ++c) lanes[l][i][c] = lvl[lev][i][c] + lanes[l][i][c];
+        v[i][0] = _mm256_add_ps(lvl[lev][i][0], v[i][0]), v[i][1] = _mm256_add_ps(lvl[lev][i][1], v[i][1]);
     }
-    std::memcpy(lvl[lev], lanes[l], sizeof(lanes[l]));
+    for (int i = 0; i < MR; ++i) lvl[lev][i][0] = v[i][0], lvl[lev][i][1] = v[i][1];
   }
   for (int i = 0; i < MR; ++i) {
-    store8(out, row + i, col, _mm256_load_ps(lvl[levels][i]));
-    store8(out, row + i, col + 8, _mm256_load_ps(lvl[levels][i] + 8));
+    store8(out, row + i, col, lvl[levels][i][0]);
+    store8(out, row + i, col + 8, lvl[levels][i][1]);
   }
 }
 
