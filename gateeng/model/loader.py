@@ -179,6 +179,8 @@ def _convert_child(gguf: str, out: str, header_only: bool) -> None:
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+    from gateeng.model.gguf_weights import read_each_file_once
+    read_each_file_once()
     try:
         (convert_gguf_header if header_only else convert_gguf)(Path(gguf), Path(out))
     except OSError as exc:
