@@ -1170,7 +1170,7 @@ inline void qlanes_avx2(const QType& t, const uint8_t* recs, const float* const*
 // The AVX2 tiles' lane sums (MR rows x 16 columns each) folded by the tree's lowest
 // `levels` levels, and stored. On vectors: a fold through float arrays copied by
 // memcpy made each 32-byte load wait on two 16-byte stores (store forwarding fails),
-// a tenth of a one-row quantized matmul's time.
+// about a tenth of a one-row quantized matmul's samples.
 template <int MR>
 inline void fold_lanes_avx2(float (*lanes)[MR][16], int levels, const Out& out, int64_t row, int64_t col) {
   __m256 lvl[5][MR][2];
