@@ -177,8 +177,10 @@ def test_a_model_whose_router_ties_two_experts_routes_by_the_written_rule():
     try:
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(type(plan), "route", recording)
-            # The per-op path, which calls route; the one call gives its bits, ties included
-            # (test_the_references_one_call_routing_layer_is_the_per_op_path).
+            # The per-op path, which calls route; the one calls give its bits, ties included
+            # (test_the_references_one_call_routing_layer_is_the_per_op_path,
+            # test_reference_one_call.py).
+            mp.setattr(type(plan), "decode_layers", lambda *a: None)
             mp.setattr(type(plan), "moe_layer", lambda *a: None)
             engine.generate(SEQS[0], SamplingParams(max_tokens=4, ignore_eos=True))
     finally:

@@ -2403,6 +2403,75 @@ std::vector<torch::Tensor> moe_layer(torch::Tensor x, const MoeLayer& layer) {
   return {moe_combine(y, routed[1]), routed[2]};
 }
 
+// One decoder layer as decode_layers runs it: the reference's matrices (Matrix), norms
+// and, for a routing layer, its MoeLayer (else its plain MLP's gate_up and down).
+struct DecoderLayer {
+  Matrix qkv, o;
+  c10::optional<torch::Tensor> qkv_bias, q_norm, k_norm, o_bias;
+  torch::Tensor post_norm, next_norm;
+  c10::optional<Matrix> gate_up, down;
+  c10::optional<MoeLayer> moe;
+  DecoderLayer(Matrix qkv, c10::optional<torch::Tensor> qkv_bias, c10::optional<torch::Tensor> q_norm,
+               c10::optional<torch::Tensor> k_norm, Matrix o, c10::optional<torch::Tensor> o_bias,
+               torch::Tensor post_norm, c10::optional<Matrix> gate_up, c10::optional<Matrix> down,
+               c10::optional<MoeLayer> moe, torch::Tensor next_norm)
+      : qkv(std::move(qkv)), o(std::move(o)), qkv_bias(std::move(qkv_bias)), q_norm(std::move(q_norm)),
+        k_norm(std::move(k_norm)), o_bias(std::move(o_bias)), post_norm(std::move(post_norm)),
+        next_norm(std::move(next_norm)), gate_up(std::move(gate_up)), down(std::move(down)), moe(std::move(moe)) {
+    TORCH_CHECK(this->q_norm.has_value() == this->k_norm.has_value(), "a q norm and a k norm, or neither");
+    TORCH_CHECK(this->moe.has_value() != (this->gate_up.has_value() && this->down.has_value()) &&
+                    this->gate_up.has_value() == this->down.has_value(),
+                "a routing layer (moe), or a plain MLP's gate_up and down");
+  }
+};
+
+// Every decoder layer of a reference pass in one call (LlamaModel.forward's loop): the
+// same functions in the same order as the per-op path calls them from Python, so the
+// same bits, without a Python call per op (about ten a layer); `::` keeps torch's own
+// functions of these names out (argument-dependent lookup). Each row attends its own
+// keys (tables, lens), as the reference's attention does for prefill rows too. h: the
+// residual stream; x: the first layer's normed input; k_cache, v_cache: [layers, blocks,
+// block_size, Hkv, D]. Returns (the final normed hidden states, each row's smallest
+// router margin over the routing layers: +inf where there are none).
+std::vector<torch::Tensor> decode_layers(torch::Tensor h, torch::Tensor x, const std::vector<DecoderLayer>& layers,
+                                         torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
+                                         torch::Tensor v_cache, torch::Tensor slots, torch::Tensor tables,
+                                         torch::Tensor lens, int64_t hq, double eps, double scale) {
+  TORCH_CHECK(k_cache.dim() == 5 && v_cache.sizes() == k_cache.sizes() &&
+                  k_cache.size(0) == static_cast<int64_t>(layers.size()),
+              "the KV cache must be [layers, blocks, block_size, Hkv, D], a layer each");
+  const int64_t rows = x.size(0), hkv = k_cache.size(3), d = k_cache.size(4);
+  auto margins = torch::full({rows}, std::numeric_limits<float>::infinity(), torch::kFloat);
+  for (size_t l = 0; l < layers.size(); ++l) {
+    const DecoderLayer& L = layers[l];
+    const auto kc = k_cache[l], vc = v_cache[l];
+    auto qkv = L.qkv.apply(x, false);
+    if (L.qkv_bias) qkv = ::add(qkv, *L.qkv_bias);
+    if (L.q_norm) {   // each span of a norm's width (a head, or OLMoE's whole projection), as rows
+      const int64_t qn = L.q_norm->size(0), kn = L.k_norm->size(0);
+      const auto q = qkv.narrow(1, 0, hq * d), k = qkv.narrow(1, hq * d, hkv * d), v = qkv.narrow(1, (hq + hkv) * d, hkv * d);
+      qkv = torch::cat({::rms_norm(q.reshape({-1, qn}), *L.q_norm, eps).view(q.sizes()),
+                        ::rms_norm(k.reshape({-1, kn}), *L.k_norm, eps).view(k.sizes()), v}, -1);
+    }
+    const auto q = ::rope_store(qkv, cos, sin, kc, vc, slots, hq);
+    auto o = L.o.apply(::decode_attention(q, kc, vc, tables, lens, scale, false).reshape({rows, hq * d}), false);
+    if (L.o_bias) o = ::add(o, *L.o_bias);
+    auto hx = ::add_rms_norm(h, o, L.post_norm, eps);
+    torch::Tensor mlp;
+    if (L.moe) {
+      auto out = ::moe_layer(hx[1], *L.moe);
+      margins = torch::minimum(margins, out[1]);
+      mlp = out[0];
+    } else {
+      mlp = L.down->apply(::silu_mul(L.gate_up->apply(hx[1], false)), false);
+    }
+    hx = ::add_rms_norm(hx[0], mlp, L.next_norm, eps);
+    h = hx[0];
+    x = hx[1];
+  }
+  return {x, margins};
+}
+
 // The spec's functions one at a time, for the tests against the oracle.
 torch::Tensor map_f32(torch::Tensor x, int64_t which) {
   check_f32(x, "x");
@@ -2478,6 +2547,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<MoeLayer>(m, "MoeLayer", "a routing layer's router, experts and rule, for moe_layer")
       .def(py::init<Matrix, std::vector<Matrix>, std::vector<Matrix>, int64_t, bool, bool>(), py::arg("router"),
            py::arg("gate_up"), py::arg("down"), py::arg("k"), py::arg("softmax_first"), py::arg("renorm"));
+  py::class_<DecoderLayer>(m, "DecoderLayer", "one decoder layer's matrices, biases, norms and MLP, for decode_layers")
+      .def(py::init<Matrix, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>, c10::optional<torch::Tensor>,
+                    Matrix, c10::optional<torch::Tensor>, torch::Tensor, c10::optional<Matrix>, c10::optional<Matrix>,
+                    c10::optional<MoeLayer>, torch::Tensor>(),
+           py::arg("qkv"), py::arg("qkv_bias"), py::arg("q_norm"), py::arg("k_norm"), py::arg("o"), py::arg("o_bias"),
+           py::arg("post_norm"), py::arg("gate_up"), py::arg("down"), py::arg("moe"), py::arg("next_norm"));
+  m.def("decode_layers", &decode_layers, "(final normed hidden, router margins): every decoder layer in one call",
+        py::call_guard<py::gil_scoped_release>(), py::arg("h"), py::arg("x"), py::arg("layers"), py::arg("cos"),
+        py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), py::arg("tables"), py::arg("lens"),
+        py::arg("hq"), py::arg("eps"), py::arg("scale"));
   m.def("moe_layer", &moe_layer, "(output, router margins): a routing layer routed and run, the reference's way",
         py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("layer"));
   m.def("map_f32", &map_f32, "the spec's exp (0) or log (1), elementwise");

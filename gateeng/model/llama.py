@@ -11,6 +11,8 @@ module holds expert j's `gate_up` [2 expert_inter, hidden] (gate, up stacked) an
 plans pack and multiply like any other. `_moe` says what the layer computes; the
 plan says how (router_logits, route, combine; kernels/SPEC.md, "Mixture of experts"),
 or computes the same layer in one call (moe_layer: the CPU plans' C++ routing layers).
+A plan may also run every layer of a forward in one call (decode_layers: the fast
+plan's decode steps and every pass of the CPU reference), the same ops in the same order.
 """
 from __future__ import annotations
 
